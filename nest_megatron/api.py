@@ -1,0 +1,56 @@
+"""Python entry points: the CLI's overrides in, a Plan out, no subprocess.
+
+    from nest_megatron import api
+    plan = api.plan(["model=llama3_70b", "cluster.num_devices=1024"])
+    plan.predicted["step_time_s"], plan.megatron_args
+"""
+
+from __future__ import annotations
+
+from nest_megatron.config.load import load
+from nest_megatron.cost.evaluate import estimate
+from nest_megatron.errors import InfeasibleError, NestError
+from nest_megatron.hardware.accelerator import GIB
+from nest_megatron.plan import Plan, build_plan
+from nest_megatron.solver.enumerate import SOLVERS
+from nest_megatron.solver.space import evaluate_config
+
+
+def plan(overrides: list[str]) -> Plan:
+    """The fastest configuration that fits, as `nest-megatron plan` finds it."""
+    loaded = load(overrides)
+    cfg, problem = loaded.config, loaded.problem
+    result = SOLVERS[cfg.solver.name](problem, cfg.solver, cfg.plan, micro_batch_size=cfg.train.micro_batch_size)
+    if result.best is None:
+        raise InfeasibleError(
+            f"no configuration of {cfg.model.name} fits on {problem.num_devices} x {problem.accelerator.name} "
+            f"({problem.accelerator.memory_bytes / GIB:.1f} GiB) among {result.configs_evaluated} searched; "
+            "add devices, shorten model.seq_length or relax the plan.* pins"
+        )
+    search = {"solver": cfg.solver.name, "time_s": result.time_s, "configs_evaluated": result.configs_evaluated}
+    return build_plan(problem, result.best, model_name=cfg.model.name, cluster_name=cfg.cluster.name,
+                      search=search, runners_up=result.runners_up)
+
+
+def evaluate(overrides: list[str]) -> Plan:
+    """Score the configuration given by plan.* overrides; raise if it is invalid or does not fit."""
+    loaded = load(overrides)
+    cfg, problem = loaded.config, loaded.problem
+    parallel = evaluate_config(problem, cfg.plan, default_mbs=cfg.train.micro_batch_size)
+    est = estimate(problem, parallel)
+    if not est.fits:
+        worst = max(range(len(est.memory)), key=lambda i: est.memory[i].total)
+        raise InfeasibleError(
+            f"does not fit: stage {worst} needs {est.memory[worst].total / GIB:.1f} GiB of "
+            f"{est.capacity / GIB:.1f} GiB on {problem.accelerator.name}; try plan.recompute=full, a higher "
+            "plan.zero, or more plan.pp / plan.tp"
+        )
+    return build_plan(problem, est, model_name=cfg.model.name, cluster_name=cfg.cluster.name)
+
+
+def output_path(overrides: list[str]) -> str | None:
+    """The `out=` override, if any (the Plan JSON is written there)."""
+    try:
+        return load(overrides).config.out
+    except NestError:
+        return None

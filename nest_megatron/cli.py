@@ -1,0 +1,56 @@
+"""`nest-megatron plan|evaluate [overrides]`: one line on bad input, exit status 2, nothing written."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from nest_megatron import api
+from nest_megatron.errors import NestError
+from nest_megatron.report.table import render
+
+USAGE = """nest-megatron plan     [overrides] [out=PLAN.json]
+nest-megatron evaluate [overrides] plan.tp=.. plan.pp=.. plan.dp=.. plan.cp=.. plan.ep=.. plan.mbs=..
+                       plan.zero=0|1|2|3 plan.recompute=none|selective|full plan.vpp=.. [out=PLAN.json]
+
+overrides are Hydra's: model=llama3_70b cluster=h100_spine_leaf cluster.num_devices=1024
+train.global_batch_size=4096 model.num_layers=48 ..."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nest-megatron", usage=USAGE)
+    parser.add_argument("command", choices=["plan", "evaluate"])
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--json", action="store_true", help="print the Plan JSON instead of tables")
+    parser.add_argument("--quiet", action="store_true", help="print nothing; write out= only")
+    args = parser.parse_args(argv)
+    console = Console(no_color=not sys.stdout.isatty() or "NO_COLOR" in os.environ)
+    err = Console(stderr=True, no_color=not sys.stderr.isatty())
+    try:
+        plan = api.plan(args.overrides) if args.command == "plan" else api.evaluate(args.overrides)
+        out = api.output_path(args.overrides)
+    except NestError as e:
+        err.print(f"nest-megatron {args.command}: error: {e}", highlight=False, soft_wrap=True)
+        return 2
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(plan.to_json())
+        tmp.replace(path)  # never a half-written plan
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    elif not args.quiet:
+        render(plan, console)
+        if out:
+            console.print(f"plan written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Compose the Hydra config from overrides, check it, and turn it into SI-unit objects.
+
+Every way a user can get the input wrong ends here as one NestError line that names the key, the
+value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from nest_megatron.config.schema import (
+    AcceleratorConfig,
+    ClusterConfig,
+    ModelConfig,
+    PlanChoice,
+    RootConfig,
+    SolverConfig,
+    TrainConfig,
+)
+from nest_megatron.cost.problem import Problem
+from nest_megatron.errors import NestError
+from nest_megatron.hardware.accelerator import accelerator_from_config
+from nest_megatron.hardware.topology import BUILDERS
+from nest_megatron.model.spec import ModelSpec
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "hydra_configs"
+GROUPS = ("model", "accelerator", "cluster", "train", "solver")
+SECTIONS = {
+    "model": ModelConfig,
+    "accelerator": AcceleratorConfig,
+    "cluster": ClusterConfig,
+    "train": TrainConfig,
+    "solver": SolverConfig,
+    "plan": PlanChoice,
+}
+
+
+@dataclass(frozen=True)
+class Loaded:
+    problem: Problem
+    config: RootConfig
+
+
+ConfigStore.instance().store(name="base_config", node=RootConfig)
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def load(overrides: list[str]) -> Loaded:
+    cfg = _compose(overrides)
+    root = RootConfig(**{name: _typed(name, schema, cfg.get(name)) for name, schema in SECTIONS.items()}, out=cfg.get("out"))
+    _check(root)
+    return Loaded(problem=_problem(root), config=root)
+
+
+def _compose(overrides: list[str]):
+    for item in overrides:
+        if "=" not in item:
+            raise NestError(f"'{item}': overrides are key=value (e.g. model=llama3_70b, cluster.num_devices=1024)")
+        key = item.split("=", 1)[0].lstrip("+~")
+        if key in GROUPS and item.split("=", 1)[1] not in options(key):
+            value = item.split("=", 1)[1]
+            raise NestError(f"{key}={value}: unknown {key}; choose one of: {', '.join(options(key))}")
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            cfg = compose(config_name="config", overrides=list(overrides))
+    except (ConfigCompositionException, MissingConfigException, HydraException, OmegaConfBaseException) as err:
+        raise NestError(_composition_message(err, overrides)) from None
+    return cfg
+
+
+def _composition_message(err: Exception, overrides: list[str]) -> str:
+    text = " ".join(str(err).split())
+    cause = " ".join(str(err.__cause__ or "").split())
+    wrong_type = re.search(r"Error merging override ([\w.]+)=(\S*)", text)
+    if wrong_type and cause:
+        expected = re.search(r"(?:converted to|a valid) (\w+)", cause)
+        kind = expected.group(1) if expected else cause.split(" full_key")[0]
+        return f"{wrong_type.group(1)}={wrong_type.group(2)}: expected {kind}"
+    missing = re.search(r"override '([\w.]+)'", text) or re.search(r"Key '(\w+)' is not in struct", text)
+    if missing:
+        dotted = missing.group(1)
+        return _unknown_key_message(dotted)
+    return f"bad override ({' '.join(overrides)}): {text}"
+
+
+def _unknown_key_message(dotted: str) -> str:
+    section, _, key = dotted.partition(".")
+    if section in SECTIONS and key:
+        allowed = [f.name for f in fields(SECTIONS[section])]
+        close = difflib.get_close_matches(key.split(".")[0], allowed, n=1)
+        hint = f"did you mean {section}.{close[0]}? " if close else ""
+        return f"{dotted}: no such key; {hint}keys of {section}: {', '.join(allowed)}"
+    allowed = list(SECTIONS) + ["out"]
+    return f"{dotted}: no such key; top-level keys: {', '.join(allowed)}"
+
+
+def _typed(name: str, schema, node):
+    """Merge one section onto its dataclass so that unknown keys and wrong types fail here."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), node if node is not None else {})
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or getattr(err, "key", None) or "?"
+        text = str(err).splitlines()[0]
+        if "not in struct" in text or "Key '" in text and "not" in text:
+            raise NestError(_unknown_key_message(f"{name}.{key}")) from None
+        raise NestError(f"{name}.{key}: {text}") from None
+
+
+def _positive(section: str, obj, *names: str) -> None:
+    for n in names:
+        value = getattr(obj, n)
+        if value is not None and value <= 0:
+            raise NestError(f"{section}.{n}={value}: must be positive")
+
+
+def _check(root: RootConfig) -> None:
+    m, a, c, t = root.model, root.accelerator, root.cluster, root.train
+    _positive("model", m, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
+              "vocab_size", "num_query_groups", "kv_channels", "num_experts", "moe_router_topk")
+    if m.family not in ("gpt", "bert"):
+        raise NestError(f"model.family={m.family}: allowed are gpt, bert")
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+        raise NestError(
+            f"model.num_attention_heads={m.num_attention_heads}: must divide model.hidden_size={m.hidden_size} "
+            "(or set model.kv_channels)"
+        )
+    groups = m.num_query_groups or m.num_attention_heads
+    if m.num_attention_heads % groups:
+        raise NestError(f"model.num_query_groups={groups}: must divide model.num_attention_heads={m.num_attention_heads}")
+    if m.num_experts and m.moe_router_topk > m.num_experts:
+        raise NestError(f"model.moe_router_topk={m.moe_router_topk}: at most model.num_experts={m.num_experts}")
+    for key, allowed in (("attention_backend", ("flash", "unfused")), ("normalization", ("LayerNorm", "RMSNorm")),
+                         ("position_embedding_type", ("learned_absolute", "rope"))):
+        if getattr(m, key) not in allowed:
+            raise NestError(f"model.{key}={getattr(m, key)}: allowed are {', '.join(allowed)}")
+    for key in ("hidden_dropout", "attention_dropout"):
+        if not 0 <= getattr(m, key) < 1:
+            raise NestError(f"model.{key}={getattr(m, key)}: must be in [0, 1)")
+    _positive("accelerator", a, "peak_bf16_tflops", "memory_gib", "hbm_bandwidth_gb_per_s")
+    for key in ("gemm_efficiency", "attention_efficiency", "memory_bound_efficiency"):
+        if not 0 < getattr(a, key) <= 1:
+            raise NestError(f"accelerator.{key}={getattr(a, key)}: must be in (0, 1]")
+    if c.topology not in BUILDERS:
+        raise NestError(f"cluster.topology={c.topology}: allowed are {', '.join(BUILDERS)}")
+    if c.topology == "torus":
+        if c.torus is None or not c.torus.dims or any(d <= 0 for d in c.torus.dims):
+            raise NestError("cluster.torus.dims: a torus needs a list of positive dimensions, e.g. [4, 4, 4]")
+        _positive("cluster.torus", c.torus, "link_bandwidth_gb_per_s")
+        if c.torus.hop_latency_s < 0:
+            raise NestError(f"cluster.torus.hop_latency_s={c.torus.hop_latency_s}: must be >= 0")
+    elif not c.levels:
+        raise NestError("cluster.levels: a hierarchical cluster needs at least one level")
+    for i, lv in enumerate(c.levels):
+        _positive(f"cluster.levels[{i}]", lv, "fan_out", "bandwidth_gb_per_s")
+        if lv.latency_s < 0:
+            raise NestError(f"cluster.levels[{i}].latency_s={lv.latency_s}: must be >= 0")
+        if lv.oversubscription < 1:
+            raise NestError(f"cluster.levels[{i}].oversubscription={lv.oversubscription}: must be >= 1")
+    _positive("cluster", c, "num_devices", "device_memory_gib")
+    _positive("train", t, "global_batch_size", "micro_batch_size")
+    s = root.solver
+    if s.name not in ("enumerate",):
+        raise NestError(f"solver.name={s.name}: allowed are enumerate")
+    if not s.micro_batch_sizes or any(x <= 0 for x in s.micro_batch_sizes):
+        raise NestError(f"solver.micro_batch_sizes={s.micro_batch_sizes}: a list of positive integers")
+
+
+def _problem(root: RootConfig) -> Problem:
+    topology = BUILDERS[root.cluster.topology](root.cluster)
+    if root.cluster.num_devices is not None:
+        topology = topology.rescaled(root.cluster.num_devices)
+    return Problem(
+        model=ModelSpec(root.model),
+        accelerator=accelerator_from_config(root.accelerator, memory_gib=root.cluster.device_memory_gib),
+        topology=topology,
+        global_batch_size=root.train.global_batch_size,
+        overlap_grad_reduce=root.train.overlap_grad_reduce,
+        overlap_param_gather=root.train.overlap_param_gather,
+    )

@@ -1,0 +1,156 @@
+"""Typed schemas of every config group.
+
+The YAML files under ``hydra_configs/<group>/`` hold values only; each is merged onto the dataclass
+of its group here, so a misspelt key or a value of the wrong type fails at load. Model keys are
+Megatron-LM's argument names in snake_case (``--num-query-groups`` -> ``num_query_groups``).
+Units are named in every key that carries one; the code converts to SI (bytes, seconds, FLOP/s,
+bytes/s) once, in ``config/load.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    """A transformer's shape, as Megatron-LM's arguments name it."""
+
+    name: str = MISSING
+    family: str = "gpt"  # gpt (causal decoder) | bert (bidirectional encoder)
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    ffn_hidden_size: int = MISSING
+    num_attention_heads: int = MISSING
+    num_query_groups: Optional[int] = None  # None: multi-head attention (= num_attention_heads)
+    kv_channels: Optional[int] = None  # None: hidden_size // num_attention_heads
+    seq_length: int = MISSING
+    vocab_size: int = MISSING
+    make_vocab_size_divisible_by: int = 128
+    swiglu: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope
+    normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
+    add_bias_linear: bool = True
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    # flash: fused attention kernel (TE / flash-attn; no s^2 tensor kept); unfused: megatron-core's
+    # local DotProductAttention (the softmax and the attention-over-values input are kept).
+    attention_backend: str = "flash"
+    attention_softmax_in_fp32: bool = False  # unfused softmax computed (and kept) in fp32
+    bias_swiglu_fusion: bool = True  # fused SwiGLU keeps only its input (Megatron's default)
+    num_experts: Optional[int] = None  # None: dense MLP in every layer
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
+    moe_shared_expert_intermediate_size: Optional[int] = None
+
+
+@dataclass
+class AcceleratorConfig:
+    """One device: what it computes and holds. Each YAML cites the source of every number."""
+
+    name: str = MISSING
+    peak_bf16_tflops: float = MISSING  # dense bf16 tensor-core peak, 1e12 FLOP/s
+    memory_gib: float = MISSING  # HBM capacity usable by the framework, GiB
+    hbm_bandwidth_gb_per_s: float = MISSING  # 1e9 B/s
+    # Fraction of peak a large GEMM reaches; of HBM bandwidth a memory-bound kernel reaches; of
+    # peak a fused attention kernel reaches. A profile table replaces these (issue: profiling).
+    gemm_efficiency: float = 0.75
+    attention_efficiency: float = 0.55
+    memory_bound_efficiency: float = 0.8
+    # CUDA context, NCCL buffers, cuBLAS workspace and allocator fragmentation, GiB.
+    reserved_memory_gib: float = 3.0
+
+
+@dataclass
+class LevelConfig:
+    """One network level: devices grouped by locality; level 0 is inside a node."""
+
+    name: str = MISSING
+    fan_out: int = MISSING  # units of the level below in one unit of this level
+    bandwidth_gb_per_s: float = MISSING  # per device, per direction, 1e9 B/s
+    latency_s: float = MISSING
+    oversubscription: float = 1.0  # downlink : uplink capacity of this level's switches
+
+
+@dataclass
+class TorusConfig:
+    """A k-dimensional torus (TPU pods), described by its dimensions and link speed."""
+
+    dims: list[int] = field(default_factory=list)
+    link_bandwidth_gb_per_s: float = MISSING  # one link, one direction, 1e9 B/s
+    hop_latency_s: float = MISSING
+
+
+@dataclass
+class ClusterConfig:
+    """The machines: an accelerator and a hierarchy of network levels."""
+
+    name: str = MISSING
+    topology: str = "hierarchical"  # hierarchical | torus (levels built from `torus`)
+    levels: list[LevelConfig] = field(default_factory=list)
+    torus: Optional[TorusConfig] = None
+    # Rescale the top level so that the cluster has this many devices (None: as described).
+    num_devices: Optional[int] = None
+    # Device memory as a study models it, overriding the accelerator's (None: the accelerator's).
+    device_memory_gib: Optional[float] = None
+
+
+@dataclass
+class TrainConfig:
+    """The run: batch, precision and the overlap options Megatron users turn on."""
+
+    global_batch_size: int = 1024  # sequences per iteration
+    micro_batch_size: Optional[int] = None  # None: the planner chooses
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+
+
+@dataclass
+class SolverConfig:
+    """What the planner searches."""
+
+    name: str = "enumerate"
+    micro_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
+    recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
+    rank_orders: list[str] = field(default_factory=lambda: ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"])
+    max_virtual_stages: int = 4
+    max_context_parallel: int = 8
+    top_k: int = 10  # how many runners-up the Plan keeps
+
+
+@dataclass
+class PlanChoice:
+    """A configuration fixed by hand: scored by `evaluate`, a constraint for `plan`.
+
+    Every field left None is free for `plan`; `evaluate` fills it with Megatron's default.
+    """
+
+    tp: Optional[int] = None
+    pp: Optional[int] = None
+    dp: Optional[int] = None
+    cp: Optional[int] = None
+    ep: Optional[int] = None
+    etp: Optional[int] = None
+    vpp: Optional[int] = None
+    sp: Optional[bool] = None
+    mbs: Optional[int] = None
+    zero: Optional[int] = None
+    recompute: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    order: Optional[str] = None
+
+
+@dataclass
+class RootConfig:
+    model: ModelConfig = MISSING
+    accelerator: AcceleratorConfig = MISSING
+    cluster: ClusterConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    solver: SolverConfig = field(default_factory=SolverConfig)
+    plan: PlanChoice = field(default_factory=PlanChoice)
+    out: Optional[str] = None  # where the Plan JSON is written

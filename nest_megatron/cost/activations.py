@@ -1,0 +1,109 @@
+"""Activation bytes one transformer layer keeps for its backward pass, on one device.
+
+Term by term after Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models" (arXiv 2205.05198, Sec. 4.1), generalised beyond their GPT (4h GeLU MLP, multi-head
+attention, dropout, unfused fp16 softmax) to SwiGLU, grouped-query attention, no dropout, fused
+(flash) attention, context and sequence parallel and MoE, and checked against what a real
+megatron-core layer saves (tests/test_activations_vs_megatron.py). Notation: T tokens on this CP
+rank (b s / cp), t the TP width, T_sp = T/t with sequence parallel (tensors on the full hidden
+size are sequence-sharded) and T without it; q and kv are the query and key/value widths.
+
+  norm1_input, norm2_input   2 h T_sp          each norm keeps its input
+  qkv_input, fc1_input       2 h T_sp          the linears keep their (pre-all-gather) input
+  qkv (flash)                2 T (q + 2kv)/t   Q, K, V as the fused kernel keeps them
+  qkv (unfused)              Q and K after RoPE, 2 T (q + kv)/t, plus the whole QKV output
+                             2 T (q + 2kv)/t that the V view keeps alive; with GQA, K and V are
+                             first repeated to every head: 3 x 2 T q/t instead
+  softmax_lse (flash)        4 (a/t) T         the fp32 log-sum-exp
+  softmax (unfused)          2 or 4 (a/t) T s  probabilities, bf16 or fp32 (softmax_in_fp32)
+  attention_dropout          3 (a/t) T s       1-byte mask + dropped probabilities (p > 0);
+                             without dropout, 2 (a/t) T s: the bf16 copy attention-over-values keeps
+  proj_input                 2 T q/t           the context
+  fc1_output                 2 T f'/t          kept by the activation (f' = 2f with SwiGLU); an
+                             unfused SwiGLU also keeps silu(gate) and a copy of up: + 4 T f/t
+  fc2_input                  2 T f/t
+  hidden_dropout_masks       2 x 1 h T_sp      after attention and after the MLP (p > 0)
+
+Korthikanti's 34 s b h + 5 a s^2 b is the sum of these terms for their GPT with one difference:
+they count V alone (2 s b h) where megatron-core's unfused path keeps the whole QKV output
+(6 s b h), +4 s b h. Selective recompute ("core_attn") drops the softmax and dropout terms and
+keeps Q, K, V un-repeated as the checkpoint's inputs; full recompute keeps the layer input only.
+"""
+
+from __future__ import annotations
+
+from nest_megatron.model.spec import ModelSpec
+
+BF16, FP32, MASK = 2, 4, 1
+
+# Terms that selective recompute (core attention) does not keep.
+CORE_ATTENTION_TERMS = ("softmax", "attention_dropout", "softmax_lse")
+
+
+def _qkv_bytes(model: ModelSpec, *, tokens: float, tp: int, selective: bool) -> float:
+    q, kv = model.q_size / tp, model.kv_size / tp
+    if model.cfg.attention_backend == "flash":
+        return BF16 * tokens * (q + 2 * kv)
+    if model.query_groups != model.heads and not selective:
+        return BF16 * tokens * 3 * q  # Q, and K and V repeated to every head
+    return BF16 * tokens * ((q + kv) + (q + 2 * kv))  # Q, K after RoPE; the QKV output under V
+
+
+def layer_activation_terms(
+    model: ModelSpec, *, mbs: int, tp: int, sp: bool, cp: int, moe: bool, etp: int = 1, selective: bool = False
+) -> dict[str, float]:
+    m = model.cfg
+    h, s = model.h, m.seq_length
+    tokens = mbs * s // cp
+    tokens_sp = tokens / tp if sp else tokens
+    heads = model.heads / tp
+    terms = {
+        "norm1_input": BF16 * h * tokens_sp,
+        "qkv_input": BF16 * h * tokens_sp,
+        "qkv": _qkv_bytes(model, tokens=tokens, tp=tp, selective=selective),
+        "proj_input": BF16 * tokens * model.q_size / tp,
+        "norm2_input": BF16 * h * tokens_sp,
+        "fc1_input": BF16 * h * tokens_sp,
+    }
+    if m.attention_backend == "flash":
+        terms["softmax_lse"] = FP32 * heads * tokens
+    else:
+        terms["softmax"] = (FP32 if m.attention_softmax_in_fp32 else BF16) * heads * tokens * s
+        dropped = MASK + BF16 if m.attention_dropout > 0 else BF16
+        terms["attention_dropout"] = dropped * heads * tokens * s
+    if m.hidden_dropout > 0:
+        terms["hidden_dropout_masks"] = 2 * MASK * h * tokens_sp
+    if moe:
+        # Each routed copy of a token goes through its expert's FC1, activation and FC2.
+        rows, f, width = tokens * m.moe_router_topk, model.moe_ffn, etp
+        terms["expert_input"] = BF16 * h * rows
+    else:
+        rows, f, width = tokens, m.ffn_hidden_size, tp
+    terms["fc1_output"] = BF16 * rows * f * model.fc1_factor / width
+    if m.swiglu and not m.bias_swiglu_fusion:
+        terms["swiglu_unfused"] = 2 * BF16 * rows * f / width
+    terms["fc2_input"] = BF16 * rows * f / width
+    if selective:
+        for name in CORE_ATTENTION_TERMS:
+            terms.pop(name, None)
+    return terms
+
+
+def layer_activation_bytes(
+    model: ModelSpec, *, mbs: int, tp: int, sp: bool, cp: int, moe: bool, etp: int = 1
+) -> dict[str, float]:
+    """Bytes kept per layer and micro-batch under each recompute setting.
+
+    none / selective: what the layer keeps; full: the checkpointed layer input only.
+    """
+    args = dict(mbs=mbs, tp=tp, sp=sp, cp=cp, moe=moe, etp=etp)
+    none = layer_activation_terms(model, **args)
+    selective = layer_activation_terms(model, **args, selective=True)
+    return {"none": sum(none.values()), "selective": sum(selective.values()), "full": none["norm1_input"]}
+
+
+def logits_bytes(model: ModelSpec, *, mbs: int, tp: int, cp: int) -> float:
+    """The last stage's output: bf16 logits and the fp32 softmax the vocab-parallel cross
+    entropy keeps (megatron-core tensor_parallel/cross_entropy.py), for one micro-batch."""
+    tokens = mbs * model.cfg.seq_length // cp
+    return (BF16 + FP32) * tokens * model.padded_vocab(tp) / tp

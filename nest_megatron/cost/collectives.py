@@ -1,0 +1,81 @@
+"""Collective communication times: alpha-beta per level, hierarchical across levels.
+
+A group that spans several levels runs the hierarchical algorithm NCCL and Megatron's 2D
+collectives use: reduce-scatter inside the lowest level first, then among the level-1 peers on
+the 1/n0 shard each device now holds, and so on up; all-gather mirrors it; all-reduce is the
+two. Phase l among n_l peers on S_l bytes costs (n_l - 1) alpha_l + (n_l - 1)/n_l S_l / B_l, where
+B_l is the device's bandwidth at that level (its own NIC share: every device of a unit sends its
+shard at once, as in a rail-optimised or fat-tree fabric).
+
+Oversubscription and sharing: a level-l switch with oversubscription o carries 1/o of what its
+devices can inject. When a fraction u of the devices under it send across level l at the same
+time (u = 1 when every device is busy in a group of that kind, less when devices sit idle), each
+gets B_l * min(1, 1 / (o * u)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nest_megatron.hardware.topology import Topology
+from nest_megatron.parallel.ranks import GroupShape
+
+
+@dataclass(frozen=True)
+class Network:
+    """Effective per-level bandwidths and latencies for one plan."""
+
+    bandwidth: tuple[float, ...]  # B/s per device per direction, after sharing
+    latency: tuple[float, ...]  # s
+
+    @classmethod
+    def for_topology(cls, topology: Topology, *, busy_fraction: float = 1.0) -> Network:
+        bandwidth = []
+        for level in topology.levels:
+            share = min(1.0, 1.0 / (level.oversubscription * busy_fraction)) if level.oversubscription > 1 else 1.0
+            bandwidth.append(level.bandwidth * share)
+        return cls(tuple(bandwidth), tuple(lv.latency for lv in topology.levels))
+
+
+def reduce_scatter_time(shape: GroupShape, nbytes: float, net: Network) -> float:
+    """Reduce-scatter of `nbytes` per device (input size) over a group; all-gather is its mirror."""
+    total, shard = 0.0, float(nbytes)
+    for level, n in enumerate(shape.fan_in):
+        if n > 1.0 + 1e-9:
+            total += (n - 1) * net.latency[level] + (n - 1) / n * shard / net.bandwidth[level]
+            shard /= n
+    return total
+
+
+all_gather_time = reduce_scatter_time  # output size `nbytes`: the same phases in reverse order
+
+
+def all_reduce_time(shape: GroupShape, nbytes: float, net: Network) -> float:
+    return 2.0 * reduce_scatter_time(shape, nbytes, net)
+
+
+def all_to_all_time(shape: GroupShape, nbytes: float, net: Network) -> float:
+    """All-to-all where each device holds `nbytes`, 1/n of it for each member (itself included).
+
+    The share for peers first met at level l (inside its level-l unit, outside its level-(l-1)
+    unit) crosses level l; the levels' links work in parallel, so the slowest level sets the time,
+    plus one latency per level crossed.
+    """
+    n = shape.size
+    if n <= 1:
+        return 0.0
+    slowest, latency, inside = 0.0, 0.0, 1.0
+    for level, fan in enumerate(shape.fan_in):
+        if fan > 1.0 + 1e-9:
+            peers = inside * fan - inside
+            slowest = max(slowest, nbytes * peers / n / net.bandwidth[level])
+            latency += net.latency[level]
+            inside *= fan
+    return slowest + latency
+
+
+def p2p_time(level: int, nbytes: float, net: Network) -> float:
+    """One point-to-point transfer between devices whose lowest common unit is `level`."""
+    if level < 0 or nbytes == 0:
+        return 0.0
+    return net.latency[level] + nbytes / net.bandwidth[level]

@@ -1,0 +1,23 @@
+"""What the cost model is asked about: a model on a cluster with a batch, in SI units."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nest_megatron.hardware.accelerator import Accelerator
+from nest_megatron.hardware.topology import Topology
+from nest_megatron.model.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Problem:
+    model: ModelSpec
+    accelerator: Accelerator
+    topology: Topology
+    global_batch_size: int  # sequences per iteration
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+
+    @property
+    def num_devices(self) -> int:
+        return self.topology.num_devices

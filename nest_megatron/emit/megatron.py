@@ -1,0 +1,91 @@
+"""Megatron-LM arguments for a configuration: returned as an argv list, rendered elsewhere."""
+
+from __future__ import annotations
+
+from nest_megatron.model.spec import ModelSpec
+from nest_megatron.parallel.config import ParallelConfig
+
+# How each ZeRO stage is realised in Megatron-LM.
+ZERO_FLAGS = {
+    0: [],
+    1: ["--use-distributed-optimizer"],
+    2: ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--ckpt-format", "fsdp_dtensor"],
+    3: ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--ckpt-format", "fsdp_dtensor"],
+}
+
+
+def recompute_settings(cfg: ParallelConfig, layers_per_chunk: int) -> dict:
+    """Megatron's recompute granularity / method / num_layers for the configuration."""
+    if cfg.recompute == "none":
+        return {"granularity": None, "method": None, "num_layers": None}
+    if cfg.recompute == "selective":
+        return {"granularity": "selective", "method": None, "num_layers": None}
+    if cfg.recompute_num_layers is None:
+        return {"granularity": "full", "method": "uniform", "num_layers": 1}
+    return {"granularity": "full", "method": "block", "num_layers": min(cfg.recompute_num_layers, layers_per_chunk)}
+
+
+def model_args(model: ModelSpec) -> list[str]:
+    """The model-shape flags, so that the argv is complete for pretrain_gpt.py."""
+    m = model.cfg
+    args = [
+        "--num-layers", str(m.num_layers),
+        "--hidden-size", str(m.hidden_size),
+        "--ffn-hidden-size", str(m.ffn_hidden_size),
+        "--num-attention-heads", str(m.num_attention_heads),
+        "--seq-length", str(m.seq_length),
+        "--max-position-embeddings", str(m.seq_length),
+        "--position-embedding-type", m.position_embedding_type,
+        "--normalization", m.normalization,
+        "--hidden-dropout", str(m.hidden_dropout),
+        "--attention-dropout", str(m.attention_dropout),
+        "--make-vocab-size-divisible-by", str(m.make_vocab_size_divisible_by),
+        "--bf16",
+    ]
+    if model.query_groups != model.heads:
+        args += ["--group-query-attention", "--num-query-groups", str(model.query_groups)]
+    if m.kv_channels:
+        args += ["--kv-channels", str(m.kv_channels)]
+    if m.swiglu:
+        args.append("--swiglu")
+    if m.untie_embeddings_and_output_weights:
+        args.append("--untie-embeddings-and-output-weights")
+    if not m.add_bias_linear:
+        args.append("--disable-bias-linear")
+    if model.is_moe:
+        args += ["--num-experts", str(m.num_experts), "--moe-router-topk", str(m.moe_router_topk)]
+        if m.moe_ffn_hidden_size:
+            args += ["--moe-ffn-hidden-size", str(m.moe_ffn_hidden_size)]
+    return args
+
+
+def parallel_args(
+    cfg: ParallelConfig, *, model: ModelSpec, global_batch_size: int, overlap_grad_reduce: bool, overlap_param_gather: bool
+) -> list[str]:
+    """The flags the planner owns: parallel sizes, batch, ZeRO, recompute and layout."""
+    args = [
+        "--tensor-model-parallel-size", str(cfg.tp),
+        "--pipeline-model-parallel-size", str(cfg.pp),
+        "--context-parallel-size", str(cfg.cp),
+        "--micro-batch-size", str(cfg.mbs),
+        "--global-batch-size", str(global_batch_size),
+    ]
+    if model.is_moe:
+        args += ["--expert-model-parallel-size", str(cfg.ep), "--expert-tensor-parallel-size", str(cfg.etp)]
+    if cfg.sp:
+        args.append("--sequence-parallel")
+    if cfg.vpp > 1:
+        args += ["--num-virtual-stages-per-pipeline-rank", str(cfg.vpp)]
+    if cfg.order == "tp-cp-ep-pp-dp":
+        args.append("--use-tp-pp-dp-mapping")
+    args += ZERO_FLAGS[cfg.zero]
+    if overlap_grad_reduce and cfg.zero in (0, 1):
+        args.append("--overlap-grad-reduce")
+    if overlap_param_gather and cfg.zero == 1:
+        args.append("--overlap-param-gather")
+    rc = recompute_settings(cfg, model.cfg.num_layers // (cfg.pp * cfg.vpp))
+    if rc["granularity"]:
+        args += ["--recompute-granularity", rc["granularity"]]
+    if rc["method"]:
+        args += ["--recompute-method", rc["method"], "--recompute-num-layers", str(rc["num_layers"])]
+    return args

@@ -1,0 +1,35 @@
+"""An accelerator in SI units, converted once from its config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nest_megatron.config.schema import AcceleratorConfig
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    peak_flops: float  # dense bf16, FLOP/s
+    memory_bytes: float  # usable device memory, B
+    hbm_bandwidth: float  # B/s
+    gemm_efficiency: float
+    attention_efficiency: float
+    memory_bound_efficiency: float
+    reserved_memory_bytes: float  # runtime allowance never available to the model, B
+
+
+def accelerator_from_config(cfg: AcceleratorConfig, *, memory_gib: float | None = None) -> Accelerator:
+    """`memory_gib` overrides the device memory (a cluster that models a different capacity)."""
+    return Accelerator(
+        name=cfg.name,
+        peak_flops=cfg.peak_bf16_tflops * 1e12,
+        memory_bytes=(memory_gib if memory_gib is not None else cfg.memory_gib) * GIB,
+        hbm_bandwidth=cfg.hbm_bandwidth_gb_per_s * 1e9,
+        gemm_efficiency=cfg.gemm_efficiency,
+        attention_efficiency=cfg.attention_efficiency,
+        memory_bound_efficiency=cfg.memory_bound_efficiency,
+        reserved_memory_bytes=cfg.reserved_memory_gib * GIB,
+    )

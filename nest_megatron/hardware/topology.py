@@ -1,0 +1,92 @@
+"""Network topology as a hierarchy of levels, and the builders that produce one.
+
+Devices are numbered so that level 0 varies fastest: device d sits in node d // f0, in level-1
+unit d // (f0*f1), and so on. Two devices communicate over the lowest level whose unit holds both.
+A torus is described the same way, one level per dimension (hop-distance classes), so every fabric
+the planner knows reduces to the same few numbers per level.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from nest_megatron.config.schema import ClusterConfig
+from nest_megatron.errors import NestError
+
+
+@dataclass(frozen=True)
+class Level:
+    name: str
+    fan_out: int  # units of the level below in one unit of this level
+    bandwidth: float  # per device per direction, B/s
+    latency: float  # s
+    oversubscription: float = 1.0
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    levels: tuple[Level, ...]
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(level.fan_out for level in self.levels)
+
+    @property
+    def devices_per_node(self) -> int:
+        return self.levels[0].fan_out
+
+    def unit_size(self, level: int) -> int:
+        """Devices in one unit of `level` (level 0: a node)."""
+        return math.prod(lv.fan_out for lv in self.levels[: level + 1])
+
+    def rescaled(self, num_devices: int) -> Topology:
+        """The same fabric with the top level grown or shrunk to `num_devices` devices."""
+        below = self.num_devices // self.levels[-1].fan_out
+        if num_devices <= 0 or num_devices % below:
+            raise NestError(
+                f"cluster.num_devices={num_devices}: must be a positive multiple of {below} "
+                f"(the devices in one {self.levels[-2].name if len(self.levels) > 1 else 'unit'} "
+                f"of cluster {self.name})"
+            )
+        top = replace(self.levels[-1], fan_out=num_devices // below)
+        return replace(self, levels=(*self.levels[:-1], top))
+
+
+def hierarchical(cfg: ClusterConfig) -> Topology:
+    levels = tuple(
+        Level(
+            name=lv.name,
+            fan_out=lv.fan_out,
+            bandwidth=lv.bandwidth_gb_per_s * 1e9,
+            latency=lv.latency_s,
+            oversubscription=lv.oversubscription,
+        )
+        for lv in cfg.levels
+    )
+    return Topology(name=cfg.name, levels=levels)
+
+
+def torus(cfg: ClusterConfig) -> Topology:
+    """One level per torus dimension.
+
+    A ring along one dimension of a torus uses both of a chip's links in that dimension, so a
+    device moves 2 x link bandwidth per direction there; the mean distance to a peer along a ring of
+    k chips is k/4 hops, which sets the level's latency.
+    """
+    spec = cfg.torus
+    levels = tuple(
+        Level(
+            name=f"dim{i}",
+            fan_out=k,
+            bandwidth=2 * spec.link_bandwidth_gb_per_s * 1e9,
+            latency=spec.hop_latency_s * max(1.0, k / 4),
+        )
+        for i, k in enumerate(spec.dims)
+    )
+    return Topology(name=cfg.name, levels=levels)
+
+
+# Topology builders by the name `cluster.topology` takes.
+BUILDERS = {"hierarchical": hierarchical, "torus": torus}

@@ -1,0 +1,180 @@
+"""A transformer's shape and the numbers derived from it: parameters and GEMMs per layer.
+
+Counts follow megatron-core's GPTModel with the layer specs Megatron-LM uses (ColumnParallelLinear
+for QKV and FC1, RowParallelLinear for the projection and FC2, vocab-parallel embedding and output
+layer), so that per-rank parameter counts match a model built on the meta device exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nest_megatron.config.schema import ModelConfig
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One GEMM of a layer's forward pass on one device: [m, k] @ [k, n]."""
+
+    name: str
+    m: int
+    n: int
+    k: int
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    cfg: ModelConfig
+
+    # --- shape -----------------------------------------------------------------------------
+    @property
+    def h(self) -> int:
+        return self.cfg.hidden_size
+
+    @property
+    def heads(self) -> int:
+        return self.cfg.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.cfg.num_query_groups or self.cfg.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.cfg.kv_channels or self.cfg.hidden_size // self.cfg.num_attention_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.query_groups * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.cfg.num_experts)
+
+    @property
+    def moe_ffn(self) -> int:
+        return self.cfg.moe_ffn_hidden_size or self.cfg.ffn_hidden_size
+
+    @property
+    def fc1_factor(self) -> int:
+        """FC1 produces gate and up projections with SwiGLU."""
+        return 2 if self.cfg.swiglu else 1
+
+    @property
+    def norm_params(self) -> int:
+        return self.h * (2 if self.cfg.normalization == "LayerNorm" else 1)
+
+    def padded_vocab(self, tp: int) -> int:
+        """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by * tp."""
+        multiple = self.cfg.make_vocab_size_divisible_by * tp
+        return math.ceil(self.cfg.vocab_size / multiple) * multiple
+
+    # --- parameters on one device ------------------------------------------------------------
+    def attention_params(self, tp: int) -> int:
+        h, bias = self.h, self.cfg.add_bias_linear
+        qkv = h * (self.q_size + 2 * self.kv_size) // tp + (self.q_size + 2 * self.kv_size) // tp * bias
+        proj = self.q_size * h // tp + h * bias  # row-parallel bias is not split
+        return qkv + proj + self.norm_params  # the input norm is fused into the QKV linear
+
+    def dense_mlp_params(self, tp: int, ffn: int | None = None) -> int:
+        h, f, bias = self.h, ffn or self.cfg.ffn_hidden_size, self.cfg.add_bias_linear
+        fc1 = h * f * self.fc1_factor // tp + f * self.fc1_factor // tp * bias
+        fc2 = f * h // tp + h * bias
+        return fc1 + fc2
+
+    def moe_params(self, *, ep: int, etp: int) -> tuple[int, int]:
+        """(replicated, expert) parameters of one MoE MLP on one device.
+
+        Expert weights are split over EP (whole experts) and expert-TP; the router and the
+        pre-MLP norm are replicated; a shared expert is split like a dense MLP over TP.
+        """
+        experts = self.cfg.num_experts // ep * self.dense_mlp_params(etp, self.moe_ffn)
+        replicated = self.h * self.cfg.num_experts + self.norm_params
+        return replicated, experts
+
+    def layer_params(self, *, tp: int, ep: int = 1, etp: int = 1) -> tuple[int, int]:
+        """(dense, expert) parameters of one transformer layer on one device.
+
+        Dense parameters are averaged over the data-parallel group; expert parameters over the
+        expert-data-parallel group, which is why the two are kept apart.
+        """
+        dense = self.attention_params(tp)
+        if not self.is_moe:
+            return dense + self.dense_mlp_params(tp) + self.norm_params, 0
+        replicated, experts = self.moe_params(ep=ep, etp=etp)
+        shared = self.cfg.moe_shared_expert_intermediate_size
+        if shared:
+            dense += self.dense_mlp_params(tp, shared)
+        return dense + replicated, experts
+
+    def embedding_params(self, tp: int) -> int:
+        """Word (and learned position) embeddings on the first stage."""
+        words = self.padded_vocab(tp) * self.h // tp
+        positions = self.cfg.seq_length * self.h if self.cfg.position_embedding_type == "learned_absolute" else 0
+        return words + positions
+
+    def output_params(self, *, tp: int, pp: int) -> int:
+        """Final norm and output layer on the last stage.
+
+        With tied embeddings and more than one stage Megatron keeps a copy of the word embedding
+        on the last stage (kept in sync by an all-reduce of its gradient); on a single stage the
+        output layer is the embedding itself and adds nothing.
+        """
+        head = self.padded_vocab(tp) * self.h // tp
+        if not self.cfg.untie_embeddings_and_output_weights and pp == 1:
+            head = 0
+        return self.norm_params + head
+
+    # --- forward GEMMs of one layer on one device -------------------------------------------
+    def layer_gemms(self, *, tokens: int, tp: int, etp: int = 1, moe: bool | None = None) -> list[Gemm]:
+        """GEMMs of one layer's forward pass for `tokens` tokens on one device (after CP).
+
+        With EP, each device runs its experts on the tokens routed to them: in expectation
+        tokens * topk rows in total, whatever ep is, because each of the ep devices receives
+        1/ep of the group's routed tokens. `moe` overrides whether this layer's MLP is MoE.
+        """
+        h = self.h
+        gemms = [
+            Gemm("qkv", tokens, (self.q_size + 2 * self.kv_size) // tp, h),
+            Gemm("proj", tokens, h, self.q_size // tp),
+        ]
+        if not (self.is_moe if moe is None else moe):
+            f = self.cfg.ffn_hidden_size
+            return gemms + [
+                Gemm("fc1", tokens, f * self.fc1_factor // tp, h),
+                Gemm("fc2", tokens, h, f // tp),
+            ]
+        routed = tokens * self.cfg.moe_router_topk
+        f = self.moe_ffn
+        gemms += [
+            Gemm("router", tokens, self.cfg.num_experts, h),
+            Gemm("expert_fc1", routed, f * self.fc1_factor // etp, h),
+            Gemm("expert_fc2", routed, h, f // etp),
+        ]
+        shared = self.cfg.moe_shared_expert_intermediate_size
+        if shared:
+            gemms += [
+                Gemm("shared_fc1", tokens, shared * self.fc1_factor // tp, h),
+                Gemm("shared_fc2", tokens, h, shared // tp),
+            ]
+        return gemms
+
+    def attention_flops(self, *, micro_batch: int, tp: int, cp: int) -> float:
+        """Forward FLOPs of QK^T and attention-over-values on one device.
+
+        Each of the s/cp local queries attends over the whole sequence (CP exchanges K/V), and a
+        causal kernel skips the masked half: 2 GEMMs x 2 FLOP x b x (s/cp) x s x q_size / tp x 1/2.
+        Megatron's MFU formula counts the full square instead (cost/flops.py).
+        """
+        s = self.cfg.seq_length
+        causal = 0.5 if self.cfg.family == "gpt" else 1.0
+        return 4.0 * micro_batch * (s // cp) * s * self.q_size / tp * causal

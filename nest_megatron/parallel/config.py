@@ -1,0 +1,38 @@
+"""One parallel configuration: everything the planner chooses except the layer split and placement."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RECOMPUTE_KINDS = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+RANK_ORDERS = ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1  # expert tensor parallel width
+    vpp: int = 1  # virtual pipeline stages per pipeline rank
+    sp: bool = False  # sequence parallel
+    mbs: int = 1  # micro-batch size
+    zero: int = 1  # 0: DDP, 1: distributed optimizer, 2/3: Megatron-FSDP (optim_grads / +params)
+    recompute: str = "none"  # none | selective | full
+    # With full recompute: layers recomputed per stage (the first n of each virtual stage);
+    # None means every layer.
+    recompute_num_layers: int | None = None
+    order: str = "tp-cp-ep-dp-pp"
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        """Data-parallel width of the expert weights: the non-expert tp*cp*dp ranks of a stage
+        regrouped as etp x ep x expert_dp (megatron-core's expert rank generator)."""
+        return self.tp * self.cp * self.dp // (self.etp * self.ep)

@@ -1,0 +1,88 @@
+"""Megatron's rank groups and the network levels each group spans.
+
+`rank_groups` reproduces megatron-core's RankGenerator / generate_masked_orthogonal_rank_groups
+(parallel_state.py) with numpy, so it runs without torch and at 65,536 ranks; a test checks that
+both give the same groups. `group_shape` maps a group through the rank -> device map onto the
+topology and counts, per level, how many units of the level below it joins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from nest_megatron.hardware.topology import Topology
+from nest_megatron.parallel.config import ParallelConfig
+
+
+def rank_groups(order: str, sizes: dict[str, int], token: str) -> np.ndarray:
+    """Groups of ranks that differ only in the dimensions named in `token` ("tp", "dp-cp", ...).
+
+    `order` lists the dimensions fastest first (tp-cp-ep-dp-pp: tp neighbours are adjacent
+    ranks). Returns an array [num_groups, group_size] in megatron-core's order: groups enumerated
+    with the first unmasked dimension fastest, ranks inside a group with the first masked
+    dimension fastest.
+    """
+    names = order.split("-")
+    names += [n for n in sizes if n not in names]
+    dims = [sizes.get(n, 1) for n in names]
+    world = int(np.prod(dims))
+    grid = np.arange(world).reshape(dims[::-1])  # axis j holds dimension len(dims)-1-j
+    masked = set(token.split("-"))
+    axis_of = {name: len(names) - 1 - i for i, name in enumerate(names)}
+    unmasked_axes = [axis_of[n] for n in reversed(names) if n not in masked]
+    masked_axes = [axis_of[n] for n in reversed(names) if n in masked]
+    group_size = int(np.prod([sizes.get(n, 1) for n in names if n in masked]))
+    return grid.transpose(unmasked_axes + masked_axes).reshape(-1, group_size)
+
+
+def decoder_sizes(cfg: ParallelConfig) -> dict[str, int]:
+    return {"tp": cfg.tp, "cp": cfg.cp, "ep": 1, "dp": cfg.dp, "pp": cfg.pp}
+
+
+def expert_sizes(cfg: ParallelConfig) -> dict[str, int]:
+    """megatron-core's expert rank generator: tp=etp, ep, dp=expert_dp, cp=1, same order."""
+    return {"tp": cfg.etp, "cp": 1, "ep": cfg.ep, "dp": cfg.expert_dp, "pp": cfg.pp}
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """How a group spreads over the network levels.
+
+    fan_in[l] is the mean number of level-(l-1) units (devices for l = 0) of the group inside each
+    of its level-l units; the product over levels is the group size. For the regular groups of
+    Megatron's orders every unit holds the same number; otherwise the mean is the model.
+    """
+
+    fan_in: tuple[float, ...]
+
+    @property
+    def size(self) -> int:
+        return round(float(np.prod(self.fan_in)))
+
+    @property
+    def top_level(self) -> int:
+        """The highest level the group crosses (-1 for a group of one)."""
+        crossing = [lvl for lvl, n in enumerate(self.fan_in) if n > 1.0 + 1e-9]
+        return max(crossing, default=-1)
+
+
+def group_shapes(groups: np.ndarray, rank_to_device: np.ndarray, topology: Topology) -> list[GroupShape]:
+    """The distinct shapes of `groups` (ranks) once placed by `rank_to_device`."""
+    devices = rank_to_device[groups]
+    distinct_below = np.full(len(groups), groups.shape[1], dtype=float)
+    fan_ins = []
+    for level in range(len(topology.levels)):
+        units = devices // topology.unit_size(level)
+        units.sort(axis=1)
+        distinct = 1 + (np.diff(units, axis=1) != 0).sum(axis=1)
+        fan_ins.append(distinct_below / distinct)
+        distinct_below = distinct.astype(float)
+    table = np.round(np.stack(fan_ins, axis=1), 9)
+    return [GroupShape(tuple(float(x) for x in row)) for row in np.unique(table, axis=0)]
+
+
+def identity_placement(world: int) -> np.ndarray:
+    """Rank r on device r: Megatron's default when torchrun assigns ranks node by node."""
+    return np.arange(world)

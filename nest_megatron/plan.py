@@ -1,0 +1,112 @@
+"""The Plan: what to launch and what it is predicted to do, with a versioned JSON form."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from nest_megatron.cost.evaluate import Estimate
+from nest_megatron.cost.problem import Problem
+from nest_megatron.emit.megatron import ZERO_FLAGS, model_args, parallel_args, recompute_settings
+from nest_megatron.hardware.accelerator import GIB
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Plan:
+    model: str
+    cluster: str
+    accelerator: str
+    num_devices: int
+    idle_devices: int
+    parallel: dict  # tp, pp, dp, cp, ep, etp, vpp, sp
+    micro_batch_size: int
+    global_batch_size: int
+    num_microbatches: int
+    zero_stage: int
+    zero_flags: list[str]
+    recompute: dict  # granularity, method, num_layers
+    layers_per_stage: list[int]
+    rank_order: str
+    rank_to_device: list[int]
+    group_levels: dict  # group kind -> name of the highest network level it crosses
+    predicted: dict
+    megatron_args: list[str]
+    search: dict = field(default_factory=lambda: {"solver": "evaluate", "time_s": 0.0, "configs_evaluated": 1})
+    runners_up: list[dict] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"plan schema_version={data.get('schema_version')}: this version reads {SCHEMA_VERSION}")
+        return cls(**data)
+
+
+def predicted(est: Estimate) -> dict:
+    return {
+        "step_time_s": est.step_time,
+        "tokens_per_s": est.tokens_per_s,
+        "tflops_per_gpu": est.tflops_per_gpu,
+        "mfu": est.mfu,
+        "peak_memory_gib": est.peak_memory / GIB,
+        "capacity_gib": est.capacity / GIB,
+        "memory_per_stage_gib": [m.total / GIB for m in est.memory],
+        "memory_breakdown_gib": [{k: v / GIB for k, v in m.as_dict().items()} for m in est.memory],
+        "breakdown": dict(est.breakdown),
+    }
+
+
+def summary(est: Estimate) -> dict:
+    """One line of a table of candidates: the configuration and its predicted numbers."""
+    c = est.config
+    return {
+        "tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep, "vpp": c.vpp, "mbs": c.mbs,
+        "zero": c.zero, "recompute": c.recompute, "order": c.order,
+        "step_time_s": est.step_time, "peak_memory_gib": est.peak_memory / GIB, "fits": est.fits,
+    }
+
+
+def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name: str, rank_to_device: np.ndarray | None = None,
+               search: dict | None = None, runners_up: list[Estimate] = ()) -> Plan:
+    c, model = est.config, problem.model
+    level_names = [lv.name for lv in problem.topology.levels]
+    mapping = rank_to_device if rank_to_device is not None else np.arange(c.world)
+    return Plan(
+        model=model_name,
+        cluster=cluster_name,
+        accelerator=problem.accelerator.name,
+        num_devices=problem.num_devices,
+        idle_devices=est.idle_devices,
+        parallel={"tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep, "etp": c.etp, "vpp": c.vpp, "sp": c.sp},
+        micro_batch_size=c.mbs,
+        global_batch_size=problem.global_batch_size,
+        num_microbatches=est.num_microbatches,
+        zero_stage=c.zero,
+        zero_flags=list(ZERO_FLAGS[c.zero]),
+        recompute=recompute_settings(c, model.cfg.num_layers // (c.pp * c.vpp)),
+        layers_per_stage=list(est.layers_per_stage),
+        rank_order=c.order,
+        rank_to_device=[int(d) for d in mapping],
+        group_levels={k: (level_names[v] if v >= 0 else None) for k, v in est.levels.items()},
+        predicted=predicted(est),
+        megatron_args=model_args(model)
+        + parallel_args(
+            c,
+            model=model,
+            global_batch_size=problem.global_batch_size,
+            overlap_grad_reduce=problem.overlap_grad_reduce,
+            overlap_param_gather=problem.overlap_param_gather,
+        ),
+        search=search or {"solver": "evaluate", "time_s": 0.0, "configs_evaluated": 1},
+        runners_up=[summary(e) for e in runners_up],
+    )

@@ -1,0 +1,54 @@
+"""The plan as a terminal table (rich)."""
+
+from __future__ import annotations
+
+import shlex
+
+from rich.console import Console
+from rich.table import Table
+
+from nest_megatron.plan import Plan
+
+
+def render(plan: Plan, console: Console) -> None:
+    p, pred = plan.parallel, plan.predicted
+    head = Table(title=f"nest-megatron plan: {plan.model} on {plan.num_devices} x {plan.accelerator} ({plan.cluster})",
+                 show_header=False)
+    head.add_column("what", style="bold")
+    head.add_column("value")
+    head.add_row("parallel", f"TP {p['tp']}  PP {p['pp']}  DP {p['dp']}  CP {p['cp']}  EP {p['ep']}  "
+                             f"ETP {p['etp']}  VPP {p['vpp']}  SP {'on' if p['sp'] else 'off'}")
+    head.add_row("batch", f"micro {plan.micro_batch_size} x {plan.num_microbatches} micro-batches x DP {p['dp']} "
+                          f"= global {plan.global_batch_size}")
+    head.add_row("ZeRO / recompute", f"stage {plan.zero_stage}  /  {plan.recompute['granularity'] or 'none'}"
+                 + (f" ({plan.recompute['method']}, {plan.recompute['num_layers']} layers)" if plan.recompute['method'] else ""))
+    head.add_row("layers per stage", " ".join(map(str, plan.layers_per_stage)))
+    head.add_row("rank order", plan.rank_order + "   groups cross: " +
+                 ", ".join(f"{k}={v}" for k, v in plan.group_levels.items() if v))
+    head.add_row("step time", f"{pred['step_time_s']:.3f} s   {pred['tokens_per_s']:,.0f} tokens/s   "
+                              f"{pred['tflops_per_gpu']:.0f} TFLOP/s/GPU   MFU {pred['mfu']:.1%}")
+    if plan.idle_devices:
+        head.add_row("idle devices", str(plan.idle_devices))
+    head.add_row("search", f"{plan.search['solver']}: {plan.search['configs_evaluated']} configurations in "
+                           f"{plan.search['time_s']:.2f} s")
+    console.print(head)
+
+    mem = Table(title="memory per pipeline stage (GiB)")
+    keys = list(pred["memory_breakdown_gib"][0])
+    for col in ["stage", *keys, "total", "capacity"]:
+        mem.add_column(col, justify="right")
+    for i, stage in enumerate(pred["memory_breakdown_gib"]):
+        total = pred["memory_per_stage_gib"][i]
+        style = "red" if total > pred["capacity_gib"] else None
+        mem.add_row(str(i), *(f"{stage[k]:.1f}" for k in keys), f"{total:.1f}", f"{pred['capacity_gib']:.1f}", style=style)
+    console.print(mem)
+
+    time_table = Table(title="step time breakdown (s)")
+    time_table.add_column("part")
+    time_table.add_column("seconds", justify="right")
+    for k, v in pred["breakdown"].items():
+        if v > 0:
+            time_table.add_row(k, f"{v:.3f}")
+    console.print(time_table)
+    console.print("[bold]Megatron arguments:[/bold]")
+    console.print(shlex.join(plan.megatron_args), soft_wrap=True, highlight=False)
