@@ -17,6 +17,7 @@ from nest_megatron.cost.layer import LayerTime, layer_time, worst
 from nest_megatron.cost.memory import GRAD_FP32, StageMemory, recomputed_layers, stage_memory
 from nest_megatron.cost.placement import Spans, spans_for
 from nest_megatron.cost.problem import Problem
+from nest_megatron.model.spec import Gemm
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.rules import num_microbatches
 
@@ -126,8 +127,6 @@ def _stage_parts(
     head_tp = 0.0
     if last:
         # Output layer: logits GEMM forward and its two backward GEMMs, and the cross entropy.
-        from nest_megatron.model.spec import Gemm
-
         logits = Gemm("output", tokens, model.padded_vocab(cfg.tp) // cfg.tp, model.h)
         compute_s += 3 * compute.gemm_time(logits) + compute.memory_time(3 * 6 * tokens * logits.n)
     if cfg.tp > 1 and (first or last):
