@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from nest_megatron.config.load import load
+from nest_megatron.config.load import Loaded, load
 from nest_megatron.cost.evaluate import estimate
 from nest_megatron.errors import InfeasibleError, NestError
 from nest_megatron.hardware.accelerator import GIB
@@ -18,7 +18,15 @@ from nest_megatron.solver.space import evaluate_config
 
 def plan(overrides: list[str]) -> Plan:
     """The fastest configuration that fits, as `nest-megatron plan` finds it."""
-    loaded = load(overrides)
+    return plan_loaded(load(overrides))
+
+
+def evaluate(overrides: list[str]) -> Plan:
+    """Score the configuration given by plan.* overrides; raise if it is invalid or does not fit."""
+    return evaluate_loaded(load(overrides))
+
+
+def plan_loaded(loaded: Loaded) -> Plan:
     cfg, problem = loaded.config, loaded.problem
     result = SOLVERS[cfg.solver.name](problem, cfg.solver, cfg.plan, micro_batch_size=cfg.train.micro_batch_size)
     if result.best is None:
@@ -32,9 +40,7 @@ def plan(overrides: list[str]) -> Plan:
                       search=search, runners_up=result.runners_up)
 
 
-def evaluate(overrides: list[str]) -> Plan:
-    """Score the configuration given by plan.* overrides; raise if it is invalid or does not fit."""
-    loaded = load(overrides)
+def evaluate_loaded(loaded: Loaded) -> Plan:
     cfg, problem = loaded.config, loaded.problem
     parallel = evaluate_config(problem, cfg.plan, default_mbs=cfg.train.micro_batch_size)
     est = estimate(problem, parallel)
@@ -47,10 +53,3 @@ def evaluate(overrides: list[str]) -> Plan:
         )
     return build_plan(problem, est, model_name=cfg.model.name, cluster_name=cfg.cluster.name)
 
-
-def output_path(overrides: list[str]) -> str | None:
-    """The `out=` override, if any (the Plan JSON is written there)."""
-    try:
-        return load(overrides).config.out
-    except NestError:
-        return None

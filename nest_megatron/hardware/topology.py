@@ -42,16 +42,22 @@ class Topology:
         return math.prod(lv.fan_out for lv in self.levels[: level + 1])
 
     def rescaled(self, num_devices: int) -> Topology:
-        """The same fabric with the top level grown or shrunk to `num_devices` devices."""
-        below = self.num_devices // self.levels[-1].fan_out
-        if num_devices <= 0 or num_devices % below:
+        """The same fabric with `num_devices` devices.
+
+        More devices than described grow the top level; fewer keep the lowest levels whose units
+        hold them (16 GPUs of a superpod: two nodes of one scalable unit, no spine).
+        """
+        if num_devices <= 0:
+            raise NestError(f"cluster.num_devices={num_devices}: must be positive")
+        top = next((lvl for lvl in range(len(self.levels)) if self.unit_size(lvl) >= num_devices), len(self.levels) - 1)
+        below = self.unit_size(top - 1) if top > 0 else 1
+        if num_devices % below:
             raise NestError(
-                f"cluster.num_devices={num_devices}: must be a positive multiple of {below} "
-                f"(the devices in one {self.levels[-2].name if len(self.levels) > 1 else 'unit'} "
-                f"of cluster {self.name})"
+                f"cluster.num_devices={num_devices}: must be a multiple of {below} "
+                f"(the devices in one {self.levels[top - 1].name} of cluster {self.name})"
             )
-        top = replace(self.levels[-1], fan_out=num_devices // below)
-        return replace(self, levels=(*self.levels[:-1], top))
+        level = replace(self.levels[top], fan_out=num_devices // below)
+        return replace(self, levels=(*self.levels[:top], level))
 
 
 def hierarchical(cfg: ClusterConfig) -> Topology:
