@@ -66,11 +66,13 @@ def load(overrides: list[str]) -> Loaded:
 
 def _compose(overrides: list[str]):
     for item in overrides:
+        if item.startswith(("+", "~")):
+            name = item.lstrip("+~").split("=", 1)[0]
+            raise NestError(f"'{item}': every key exists already, so '+' and '~' are not allowed; write {name}=VALUE")
         if "=" not in item:
             raise NestError(f"'{item}': overrides are key=value (e.g. model=llama3_70b, cluster.num_devices=1024)")
-        key = item.split("=", 1)[0].lstrip("+~")
-        if key in GROUPS and item.split("=", 1)[1] not in options(key):
-            value = item.split("=", 1)[1]
+        key, value = item.split("=", 1)
+        if key in GROUPS and value not in options(key):
             raise NestError(f"{key}={value}: unknown {key}; choose one of: {', '.join(options(key))}")
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):

@@ -11,9 +11,10 @@ size are sequence-sharded) and T without it; q and kv are the query and key/valu
   norm1_input, norm2_input   2 h T_sp          each norm keeps its input
   qkv_input, fc1_input       2 h T_sp          the linears keep their (pre-all-gather) input
   qkv (flash)                2 T (q + 2kv)/t   Q, K, V as the fused kernel keeps them
-  qkv (unfused)              Q and K after RoPE, 2 T (q + kv)/t, plus the whole QKV output
-                             2 T (q + 2kv)/t that the V view keeps alive; with GQA, K and V are
-                             first repeated to every head: 3 x 2 T q/t instead
+  qkv (unfused)              the whole QKV output 2 T (q + 2kv)/t, kept alive by V's view, plus
+                             Q and K, 2 T (q + kv)/t, where RoPE or the GQA reshape makes them
+                             new tensors; with GQA, K and V are repeated to every head before
+                             they are kept: 3 x 2 T q/t instead
   softmax_lse (flash)        4 (a/t) T         the fp32 log-sum-exp
   softmax (unfused)          2 or 4 (a/t) T s  probabilities, bf16 or fp32 (softmax_in_fp32)
   attention_dropout          3 (a/t) T s       1-byte mask + dropped probabilities (p > 0);
@@ -24,9 +25,8 @@ size are sequence-sharded) and T without it; q and kv are the query and key/valu
   fc2_input                  2 T f/t
   hidden_dropout_masks       2 x 1 h T_sp      after attention and after the MLP (p > 0)
 
-Korthikanti's 34 s b h + 5 a s^2 b is the sum of these terms for their GPT with one difference:
-they count V alone (2 s b h) where megatron-core's unfused path keeps the whole QKV output
-(6 s b h), +4 s b h. Selective recompute ("core_attn") drops the softmax and dropout terms and
+For Korthikanti's GPT (learned positions, bf16 softmax) these terms add up to exactly their
+34 s b h + 5 a s^2 b; RoPE adds the new Q and K, 4 s b h. Selective recompute ("core_attn") drops the softmax and dropout terms and
 keeps Q, K, V un-repeated as the checkpoint's inputs; full recompute keeps the layer input only.
 """
 
@@ -44,9 +44,13 @@ def _qkv_bytes(model: ModelSpec, *, tokens: float, tp: int, selective: bool) -> 
     q, kv = model.q_size / tp, model.kv_size / tp
     if model.cfg.attention_backend == "flash":
         return BF16 * tokens * (q + 2 * kv)
-    if model.query_groups != model.heads and not selective:
+    gqa = model.query_groups != model.heads
+    if gqa and not selective:
         return BF16 * tokens * 3 * q  # Q, and K and V repeated to every head
-    return BF16 * tokens * ((q + kv) + (q + 2 * kv))  # Q, K after RoPE; the QKV output under V
+    # Q and K are new tensors after RoPE or the GQA reshape, views of the QKV output otherwise;
+    # the QKV output itself stays alive under V's view.
+    fresh_qk = q + kv if gqa or model.cfg.position_embedding_type == "rope" else 0.0
+    return BF16 * tokens * (fresh_qk + q + 2 * kv)
 
 
 def layer_activation_terms(

@@ -38,7 +38,10 @@ class Network:
 
 
 def reduce_scatter_time(shape: GroupShape, nbytes: float, net: Network) -> float:
-    """Reduce-scatter of `nbytes` per device (input size) over a group; all-gather is its mirror."""
+    """Reduce-scatter of `nbytes` per device (input size) over a group; all-gather is its mirror.
+    Nothing to send costs nothing (no latency either: the collective is not issued)."""
+    if nbytes <= 0:
+        return 0.0
     total, shard = 0.0, float(nbytes)
     for level, n in enumerate(shape.fan_in):
         if n > 1.0 + 1e-9:
@@ -62,7 +65,7 @@ def all_to_all_time(shape: GroupShape, nbytes: float, net: Network) -> float:
     plus one latency per level crossed.
     """
     n = shape.size
-    if n <= 1:
+    if n <= 1 or nbytes <= 0:
         return 0.0
     slowest, latency, inside = 0.0, 0.0, 1.0
     for level, fan in enumerate(shape.fan_in):
@@ -76,6 +79,6 @@ def all_to_all_time(shape: GroupShape, nbytes: float, net: Network) -> float:
 
 def p2p_time(level: int, nbytes: float, net: Network) -> float:
     """One point-to-point transfer between devices whose lowest common unit is `level`."""
-    if level < 0 or nbytes == 0:
+    if level < 0 or nbytes <= 0:
         return 0.0
     return net.latency[level] + nbytes / net.bandwidth[level]

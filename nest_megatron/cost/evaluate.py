@@ -106,7 +106,7 @@ def estimate(
         memory=memory,
         capacity=acc.memory_bytes,
         breakdown=breakdown,
-        levels=spans.levels_used(),
+        levels=spans.levels_used(moe=model.is_moe),
         idle_devices=problem.num_devices - cfg.world,
         stage_times=tuple(stage_times),
     )
@@ -189,7 +189,8 @@ def _after_pipeline(
 
     With --overlap-grad-reduce the gradient reduction of the last micro-batch's buckets overlaps
     with that micro-batch's backward pass, except the last bucket; with --overlap-param-gather the
-    distributed optimizer's weight all-gather overlaps with the next forward, except the first.
+    distributed optimizer's weight all-gather overlaps with the next forward, except the first
+    bucket. Overlap never makes the step slower than no overlap.
     """
     model = problem.model
     dense, expert = _stage_params(problem, cfg, stage=stage, layers=layers)
@@ -200,11 +201,13 @@ def _after_pipeline(
         grad = worst(reduce_scatter_time, spans.dp, GRAD_FP32 * dense, net) + worst(reduce_scatter_time, spans.edp, GRAD_FP32 * expert, net)
     if cfg.zero in (1, 2):
         param = worst(all_gather_time, spans.dp, BF16 * dense, net) + worst(all_gather_time, spans.edp, BF16 * expert, net)
+    # The last bucket is only ready when the backward ends, the first is needed when the
+    # forward starts: at least its share stays exposed; the rest hides behind the pass.
     bucket = min(1.0, max(DDP_BUCKET_PARAMS, 1_000_000 * cfg.dp) / max(dense + expert, 1.0))
-    if problem.overlap_grad_reduce and grad:
-        grad = max(0.0, grad - layers * lt.bwd) + bucket * grad
-    if problem.overlap_param_gather and param and cfg.zero >= 1:
-        param = max(0.0, param - layers * lt.fwd) + bucket * param
+    if problem.overlap_grad_reduce:
+        grad = max(grad - layers * lt.bwd, bucket * grad)
+    if problem.overlap_param_gather:
+        param = max(param - layers * lt.fwd, bucket * param)
     tied = 0.0
     if cfg.pp > 1 and not model.cfg.untie_embeddings_and_output_weights and stage in (0, cfg.pp - 1):
         # The first and last stages all-reduce the gradient of the shared word embedding.

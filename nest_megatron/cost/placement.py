@@ -31,10 +31,11 @@ class Spans:
     edp: tuple[GroupShape, ...]  # the expert-gradient group
     pp_boundary_level: tuple[int, ...]  # boundary i sits between stage i and i + 1
 
-    def levels_used(self) -> dict[str, int]:
-        """The highest level each group kind crosses (-1: no communication)."""
+    def levels_used(self, *, moe: bool) -> dict[str, int]:
+        """The highest level each group kind crosses (-1: no communication); the expert groups
+        only for a MoE model."""
         out = {}
-        for kind in ("tp", "cp", "dp", "ep", "etp", "edp"):
+        for kind in ("tp", "cp", "dp") + (("ep", "etp", "edp") if moe else ()):
             out[kind] = max(shape.top_level for shape in getattr(self, kind))
         out["pp"] = max(self.pp_boundary_level, default=-1)
         return out

@@ -1,0 +1,154 @@
+"""The real console script, run as a subprocess: exit status, stderr, the Plan JSON it writes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from nest_megatron import api
+
+# 16 GPUs of a DGX H100 SuperPOD (two nodes of one scalable unit) and a tiny GPT.
+SMALL = ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64"]
+
+
+def run(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "nest_megatron.cli", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=120,
+    )
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    line = proc.stderr.strip()
+    assert line and "\n" not in line, proc.stderr
+    return line
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("plan")
+    proc = run("plan", *SMALL, f"out={tmp / 'p.json'}", "--quiet", cwd=tmp)
+    return proc, tmp / "p.json"
+
+
+def test_plan_writes_a_complete_plan(planned):
+    proc, path = planned
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(path.read_text())
+    assert plan["schema_version"] == 1
+    assert set(plan["parallel"]) == {"tp", "pp", "dp", "cp", "ep", "etp", "vpp", "sp"}
+    for key in ("micro_batch_size", "global_batch_size", "num_microbatches", "zero_stage", "layers_per_stage",
+                "rank_order", "rank_to_device", "megatron_args"):
+        assert key in plan, key
+    assert set(plan["recompute"]) >= {"granularity", "method", "num_layers"}
+    assert set(plan["predicted"]) >= {"step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_gib",
+                                      "memory_per_stage_gib", "breakdown"}
+    assert set(plan["search"]) >= {"time_s", "configs_evaluated"}
+    assert plan["search"]["configs_evaluated"] >= 1
+
+
+def test_plan_is_consistent(planned):
+    _, path = planned
+    plan = json.loads(path.read_text())
+    p = plan["parallel"]
+    assert p["tp"] * p["cp"] * p["pp"] * p["dp"] == 16
+    assert plan["global_batch_size"] == 64
+    # 64 sequences = mbs x dp x num_microbatches
+    assert plan["micro_batch_size"] * p["dp"] * plan["num_microbatches"] == 64
+    # tiny_gpt has 4 layers, split over pp stages
+    assert sum(plan["layers_per_stage"]) == 4 and len(plan["layers_per_stage"]) == p["pp"]
+    assert sorted(plan["rank_to_device"]) == list(range(16))
+    assert len(plan["predicted"]["memory_per_stage_gib"]) == p["pp"]
+    pred = plan["predicted"]
+    assert sum(pred["breakdown"].values()) == pytest.approx(pred["step_time_s"], rel=1e-9)
+    # 64 sequences x 128 tokens per step
+    assert pred["tokens_per_s"] == pytest.approx(64 * 128 / pred["step_time_s"], rel=1e-9)
+    # H100: 989.4 TFLOP/s peak
+    assert pred["mfu"] == pytest.approx(pred["tflops_per_gpu"] / 989.4, rel=1e-9)
+
+
+def test_plan_argv_matches_the_plan(planned):
+    _, path = planned
+    plan = json.loads(path.read_text())
+    argv, p = plan["megatron_args"], plan["parallel"]
+
+    def flag(name):
+        return argv[argv.index(name) + 1]
+
+    assert flag("--tensor-model-parallel-size") == str(p["tp"])
+    assert flag("--pipeline-model-parallel-size") == str(p["pp"])
+    assert flag("--context-parallel-size") == str(p["cp"])
+    assert flag("--micro-batch-size") == str(plan["micro_batch_size"])
+    assert flag("--global-batch-size") == "64"
+    assert flag("--num-layers") == "4"
+    assert ("--sequence-parallel" in argv) == p["sp"]
+
+
+PINS = ["plan.tp=2", "plan.pp=2", "plan.dp=4", "plan.cp=1", "plan.mbs=2", "plan.vpp=2", "plan.zero=1",
+        "plan.recompute=selective"]
+
+
+def test_evaluate_valid_pins(tmp_path):
+    out = tmp_path / "e.json"
+    proc = run("evaluate", *SMALL, *PINS, f"out={out}", "--quiet", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(out.read_text())
+    # sp defaults to on with tp > 1; etp and ep to 1 for a dense model
+    assert plan["parallel"] == {"tp": 2, "pp": 2, "dp": 4, "cp": 1, "ep": 1, "etp": 1, "vpp": 2, "sp": True}
+    assert plan["micro_batch_size"] == 2
+    # 64 / (2 * 4) = 8 micro-batches; 4 layers over 2 stages
+    assert plan["num_microbatches"] == 8
+    assert plan["layers_per_stage"] == [2, 2]
+    assert plan["zero_stage"] == 1
+    assert plan["recompute"]["granularity"] == "selective"
+    assert plan["search"]["configs_evaluated"] == 1
+
+
+def test_evaluate_invalid_configuration(tmp_path):
+    out = tmp_path / "e.json"
+    proc = run("evaluate", *SMALL, "plan.tp=3", f"out={out}", cwd=tmp_path)
+    line = assert_one_line_error(proc)
+    assert "plan.tp=3" in line and "num_attention_heads=8" in line
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_evaluate_does_not_fit(tmp_path):
+    # Llama 3 70B on one DGX H100 (8 GPUs, 79.6 GiB each), tp = 8, pp = 1: ~70.6e9 / 8 parameters
+    # per GPU at 18 B each (zero 1 over dp = 1: 6 + 12/1) is ~148 GiB > 79.6 GiB.
+    out = tmp_path / "e.json"
+    proc = run("evaluate", "model=llama3_70b", "cluster=dgx_h100_superpod", "cluster.num_devices=8",
+               "train.global_batch_size=8", "plan.tp=8", f"out={out}", cwd=tmp_path)
+    line = assert_one_line_error(proc)
+    assert "does not fit" in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["plan", "evaluate"])
+def test_typo_key_is_one_line(command, tmp_path):
+    out = tmp_path / "e.json"
+    proc = run(command, *SMALL, "model.num_layer=4", f"out={out}", cwd=tmp_path)
+    line = assert_one_line_error(proc)
+    assert "did you mean model.num_layers?" in line
+    assert not out.exists()
+
+
+def test_api_plan_and_evaluate_agree():
+    plan = api.plan(SMALL)
+    p = plan.parallel
+    pins = [f"plan.{k}={str(v).lower()}" for k, v in p.items()] + [
+        f"plan.mbs={plan.micro_batch_size}", f"plan.zero={plan.zero_stage}", f"plan.order={plan.rank_order}",
+        f"plan.recompute={plan.recompute['granularity'] or 'none'}",
+    ]
+    if plan.recompute["method"] == "block":
+        pins.append(f"plan.recompute_num_layers={plan.recompute['num_layers']}")
+    evaluated = api.evaluate(SMALL + pins)
+    assert evaluated.parallel == p
+    assert evaluated.predicted["step_time_s"] == plan.predicted["step_time_s"]
+    assert evaluated.predicted["peak_memory_gib"] == plan.predicted["peak_memory_gib"]
+    assert evaluated.megatron_args == plan.megatron_args
