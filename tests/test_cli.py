@@ -152,3 +152,12 @@ def test_api_plan_and_evaluate_agree():
     assert evaluated.predicted["step_time_s"] == plan.predicted["step_time_s"]
     assert evaluated.predicted["peak_memory_gib"] == plan.predicted["peak_memory_gib"]
     assert evaluated.megatron_args == plan.megatron_args
+
+
+def test_evaluate_reports_idle_devices():
+    # 16 GPUs (two DGX H100 nodes), tp 2 x pp 2 x dp 2 = 8 ranks: the other 8 devices are idle.
+    plan = api.evaluate(["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=16",
+                         "train.global_batch_size=64", "plan.tp=2", "plan.pp=2", "plan.dp=2"])
+    assert plan.idle_devices == 8
+    assert len(plan.rank_to_device) == 8
+    assert plan.parallel["dp"] == 2
