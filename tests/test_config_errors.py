@@ -89,7 +89,7 @@ MODEL_KEYS = {
     "attention_dropout": ("0.05", 0.05), "attention_backend": ("unfused", "unfused"),
     "attention_softmax_in_fp32": ("true", True), "bias_swiglu_fusion": ("false", False), "num_experts": ("8", 8),
     "moe_router_topk": ("1", 1), "moe_ffn_hidden_size": ("4096", 4096),
-    "moe_shared_expert_intermediate_size": ("2048", 2048),
+    "moe_shared_expert_intermediate_size": ("2048", 2048), "moe_layer_freq": ("2", 2),
 }
 ACCELERATOR_KEYS = {
     "name": ("acc", "acc"), "peak_bf16_tflops": ("500", 500.0), "memory_gib": ("40", 40.0),

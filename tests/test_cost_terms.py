@@ -27,6 +27,7 @@ from nest_megatron.cost.evaluate import estimate
 from nest_megatron.cost.flops import megatron_model_flops
 from nest_megatron.cost.layer import layer_time
 from nest_megatron.cost.memory import in_flight_chunks, model_state_bytes, stage_memory
+from nest_megatron.cost.tables import layer_costs, range_sums
 from nest_megatron.cost.placement import compute_spans
 from nest_megatron.cost.problem import Problem
 from nest_megatron.hardware.accelerator import Accelerator
@@ -60,6 +61,13 @@ def model(**overrides) -> ModelSpec:
     )
     cfg.update(overrides)
     return ModelSpec(ModelConfig(**cfg))
+
+
+def memory_of(m, cfg, *, stage, layers, num_microbatches, reserved_bytes):
+    """Memory of a pipeline rank holding the model's first `layers` layers (all alike here)."""
+    costs = layer_costs(m, cfg, spans=None, net=None, compute=None)
+    return stage_memory(m, cfg, range_sums(costs, cfg, 0, layers), stage=stage, num_microbatches=num_microbatches,
+                        reserved_bytes=reserved_bytes, act_rebuilt=costs.act_rebuilt)
 
 
 def accelerator(**overrides) -> Accelerator:
@@ -547,7 +555,7 @@ def test_stage_memory_tiny_model_by_hand():
     assert sum(expected[0]) == 1_303_784
     assert sum(expected[1]) == 1_337_064
     for stage in (0, 1):
-        got = stage_memory(m, cfg, stage=stage, layers=2, num_microbatches=4, reserved_bytes=1000.0)
+        got = memory_of(m, cfg, stage=stage, layers=2, num_microbatches=4, reserved_bytes=1000.0)
         assert (got.weights, got.grads, got.optimizer, got.activations, got.logits, got.workspace) == tuple(
             close(x) for x in expected[stage]
         )
@@ -568,7 +576,7 @@ def test_stage_memory_zero3_and_full_recompute():
     # full recompute keeps 2 s b h = 2*32*2*64 = 8192 per layer, 1 micro-batch in flight, plus
     # one layer's full activations while it is recomputed: 34 * 4096 + 1024 = 140,288
     activations = 4 * 8192 + 140_288
-    got = stage_memory(m, cfg, stage=0, layers=4, num_microbatches=4, reserved_bytes=0.0)
+    got = memory_of(m, cfg, stage=0, layers=4, num_microbatches=4, reserved_bytes=0.0)
     assert got.weights == close(weights)
     assert got.grads == close(4 * params)
     assert got.optimizer == close(12 * params)
@@ -691,8 +699,8 @@ def test_output_layer_is_not_in_every_transformer_layer():
     # pp = 3 of 3 layers (one each): the middle stage holds one layer; the last one layer plus
     # the final norm and the 1024 x 64 output weight = 128 + 65,536 more
     cfg = ParallelConfig(pp=3, zero=0)
-    mid = stage_memory(m, cfg, stage=1, layers=1, num_microbatches=3, reserved_bytes=0)
-    last = stage_memory(m, cfg, stage=2, layers=1, num_microbatches=3, reserved_bytes=0)
+    mid = memory_of(m, cfg, stage=1, layers=1, num_microbatches=3, reserved_bytes=0)
+    last = memory_of(m, cfg, stage=2, layers=1, num_microbatches=3, reserved_bytes=0)
     assert mid.weights == close(2 * 49_984)
     assert last.weights - mid.weights == close(2 * (128 + 65_536))
 
@@ -701,7 +709,7 @@ def test_optimizer_memory_is_counted():
     # zero 0: 18 B per parameter (bf16 weight 2, fp32 grad 4, Adam master + m + v 12)
     m = model(num_layers=3, position_embedding_type="rope", untie_embeddings_and_output_weights=True)
     cfg = ParallelConfig(pp=3, zero=0)
-    mid = stage_memory(m, cfg, stage=1, layers=1, num_microbatches=3, reserved_bytes=0)
+    mid = memory_of(m, cfg, stage=1, layers=1, num_microbatches=3, reserved_bytes=0)
     assert mid.optimizer == close(12 * 49_984)
     assert mid.weights + mid.grads + mid.optimizer == close(18 * 49_984)
 

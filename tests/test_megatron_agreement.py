@@ -40,6 +40,7 @@ from megatron_helpers import (  # noqa: E402
 from nest_megatron.config.schema import ModelConfig  # noqa: E402
 from nest_megatron.cost.activations import layer_activation_bytes, layer_activation_terms  # noqa: E402
 from nest_megatron.cost.memory import model_state_bytes, stage_memory  # noqa: E402
+from nest_megatron.cost.tables import layer_costs, range_sums  # noqa: E402
 from nest_megatron.model.spec import ModelSpec  # noqa: E402
 from nest_megatron.parallel.config import RANK_ORDERS, ParallelConfig  # noqa: E402
 from nest_megatron.parallel.ranks import decoder_sizes, expert_sizes, rank_groups  # noqa: E402
@@ -215,14 +216,10 @@ def test_params_per_rank_match_megatron(case):
             (0, 18 * total),
             (1, 6 * total + 12 * got["dense"] / got["dense_shards"] + 12 * got["expert"] / got["expert_shards"]),
         ):
-            mem = stage_memory(
-                spec,
-                ParallelConfig(tp=tp, pp=pp, dp=got["dp"], ep=ep, etp=etp, zero=zero),
-                stage=stage,
-                layers=layers,
-                num_microbatches=8,
-                reserved_bytes=0.0,
-            )
+            zcfg = ParallelConfig(tp=tp, pp=pp, dp=got["dp"], ep=ep, etp=etp, zero=zero)
+            costs = layer_costs(spec, zcfg, spans=None, net=None, compute=None)
+            mem = stage_memory(spec, zcfg, range_sums(costs, zcfg, 0, layers), stage=stage, num_microbatches=8,
+                               reserved_bytes=0.0, act_rebuilt=costs.act_rebuilt)
             assert mem.weights + mem.grads + mem.optimizer == pytest.approx(expected, rel=1e-12), (where, zero)
 
 

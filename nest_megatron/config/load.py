@@ -131,7 +131,7 @@ def _positive(section: str, obj, *names: str) -> None:
 def _check(root: RootConfig) -> None:
     m, a, c, t = root.model, root.accelerator, root.cluster, root.train
     _positive("model", m, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
-              "vocab_size", "num_query_groups", "kv_channels", "num_experts", "moe_router_topk")
+              "vocab_size", "num_query_groups", "kv_channels", "num_experts", "moe_router_topk", "moe_layer_freq")
     if m.family not in ("gpt", "bert"):
         raise NestError(f"model.family={m.family}: allowed are gpt, bert")
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads:

@@ -45,6 +45,7 @@ class ModelConfig:
     num_experts: Optional[int] = None  # None: dense MLP in every layer
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
+    moe_layer_freq: int = 1  # layer i has a MoE MLP when i % moe_layer_freq == 0, a dense one otherwise
     moe_shared_expert_intermediate_size: Optional[int] = None
 
 

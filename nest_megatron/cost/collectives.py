@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from nest_megatron.hardware.topology import Topology
 from nest_megatron.parallel.ranks import GroupShape
 
@@ -37,27 +39,32 @@ class Network:
         return cls(tuple(bandwidth), tuple(lv.latency for lv in topology.levels))
 
 
-def reduce_scatter_time(shape: GroupShape, nbytes: float, net: Network) -> float:
-    """Reduce-scatter of `nbytes` per device (input size) over a group; all-gather is its mirror.
-    Nothing to send costs nothing (no latency either: the collective is not issued)."""
-    if nbytes <= 0:
-        return 0.0
-    total, shard = 0.0, float(nbytes)
+def when_sent(nbytes, seconds):
+    """Nothing to send costs nothing, not even latency: the collective is not issued.
+    Works on a number or elementwise on an array of sizes (the DP solver's tables)."""
+    if np.ndim(nbytes) == 0:
+        return float(seconds) if nbytes > 0 else 0.0
+    return np.where(nbytes > 0, seconds, 0.0)
+
+
+def reduce_scatter_time(shape: GroupShape, nbytes, net: Network):
+    """Reduce-scatter of `nbytes` per device (input size) over a group; all-gather is its mirror."""
+    total, shard = 0.0, nbytes
     for level, n in enumerate(shape.fan_in):
         if n > 1.0 + 1e-9:
-            total += (n - 1) * net.latency[level] + (n - 1) / n * shard / net.bandwidth[level]
-            shard /= n
-    return total
+            total = total + (n - 1) * net.latency[level] + (n - 1) / n * shard / net.bandwidth[level]
+            shard = shard / n
+    return when_sent(nbytes, total)
 
 
 all_gather_time = reduce_scatter_time  # output size `nbytes`: the same phases in reverse order
 
 
-def all_reduce_time(shape: GroupShape, nbytes: float, net: Network) -> float:
+def all_reduce_time(shape: GroupShape, nbytes, net: Network):
     return 2.0 * reduce_scatter_time(shape, nbytes, net)
 
 
-def all_to_all_time(shape: GroupShape, nbytes: float, net: Network) -> float:
+def all_to_all_time(shape: GroupShape, nbytes, net: Network):
     """All-to-all where each device holds `nbytes`, 1/n of it for each member (itself included).
 
     The share for peers first met at level l (inside its level-l unit, outside its level-(l-1)
@@ -65,20 +72,26 @@ def all_to_all_time(shape: GroupShape, nbytes: float, net: Network) -> float:
     plus one latency per level crossed.
     """
     n = shape.size
-    if n <= 1 or nbytes <= 0:
-        return 0.0
+    if n <= 1:
+        return when_sent(nbytes, 0.0)
     slowest, latency, inside = 0.0, 0.0, 1.0
     for level, fan in enumerate(shape.fan_in):
         if fan > 1.0 + 1e-9:
             peers = inside * fan - inside
-            slowest = max(slowest, nbytes * peers / n / net.bandwidth[level])
+            slowest = np.maximum(slowest, nbytes * peers / n / net.bandwidth[level])
             latency += net.latency[level]
             inside *= fan
-    return slowest + latency
+    return when_sent(nbytes, slowest + latency)
 
 
-def p2p_time(level: int, nbytes: float, net: Network) -> float:
+def p2p_time(level: int, nbytes, net: Network):
     """One point-to-point transfer between devices whose lowest common unit is `level`."""
-    if level < 0 or nbytes <= 0:
-        return 0.0
-    return net.latency[level] + nbytes / net.bandwidth[level]
+    if level < 0:
+        return when_sent(nbytes, 0.0)
+    return when_sent(nbytes, net.latency[level] + nbytes / net.bandwidth[level])
+
+
+def worst(time_fn, shapes, nbytes, net: Network):
+    """The slowest group of a kind sets the pace: the others wait for it at the next sync."""
+    times = [time_fn(shape, nbytes, net) for shape in shapes]
+    return times[0] if len(times) == 1 else np.maximum.reduce(times)

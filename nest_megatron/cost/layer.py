@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nest_megatron.cost.collectives import Network, all_gather_time, all_reduce_time, all_to_all_time, p2p_time, reduce_scatter_time
+from nest_megatron.cost.collectives import (
+    Network,
+    all_gather_time,
+    all_reduce_time,
+    all_to_all_time,
+    p2p_time,
+    reduce_scatter_time,
+    worst,
+)
 from nest_megatron.cost.compute import BF16, ComputeModel
 from nest_megatron.cost.placement import Spans
 from nest_megatron.model.spec import ModelSpec
@@ -36,11 +44,6 @@ class LayerTime:
     @property
     def bwd(self) -> float:
         return self.bwd_compute + self.bwd_comm
-
-
-def worst(time_fn, shapes, nbytes: float, net: Network) -> float:
-    """The slowest group of a kind sets the pace: the others wait for it at the next sync."""
-    return max(time_fn(shape, nbytes, net) for shape in shapes)
 
 
 def elementwise_bytes(model: ModelSpec, *, tokens: int, cfg: ParallelConfig, moe: bool) -> float:

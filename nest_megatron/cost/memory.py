@@ -21,8 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nest_megatron.cost.activations import layer_activation_bytes, logits_bytes
+import numpy as np
+
+from nest_megatron.cost.activations import logits_bytes
 from nest_megatron.cost.compute import BF16
+from nest_megatron.cost.tables import StageSums
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 
@@ -44,12 +47,12 @@ class StageMemory:
 
     def as_dict(self) -> dict[str, float]:
         return {
-            "weights": self.weights,
-            "grads": self.grads,
-            "optimizer": self.optimizer,
-            "activations": self.activations,
-            "logits": self.logits,
-            "workspace": self.workspace,
+            "weights": float(self.weights),
+            "grads": float(self.grads),
+            "optimizer": float(self.optimizer),
+            "activations": float(self.activations),
+            "logits": float(self.logits),
+            "workspace": float(self.workspace),
         }
 
 
@@ -69,55 +72,32 @@ def in_flight_chunks(cfg: ParallelConfig, *, stage: int, num_microbatches: int) 
     return min(num_microbatches * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
 
 
-def recomputed_layers(cfg: ParallelConfig, layers_per_chunk: int) -> int:
-    """Layers of each chunk that full recompute rebuilds (the first n: Megatron's block method)."""
-    if cfg.recompute != "full":
-        return 0
-    return layers_per_chunk if cfg.recompute_num_layers is None else cfg.recompute_num_layers
-
-
-def stage_activation_bytes(
-    model: ModelSpec, cfg: ParallelConfig, *, stage: int, layers: int, num_microbatches: int, moe: bool
-) -> float:
-    """Activations of `layers` transformer layers on `stage`, all micro-batches in flight."""
-    per_layer = layer_activation_bytes(model, mbs=cfg.mbs, tp=cfg.tp, sp=cfg.sp, cp=cfg.cp, moe=moe, etp=cfg.etp)
-    per_chunk_layers = layers // cfg.vpp
-    recomputed = recomputed_layers(cfg, per_chunk_layers)
-    kept = per_layer["selective" if cfg.recompute == "selective" else "none"]
-    per_chunk = recomputed * per_layer["full"] + (per_chunk_layers - recomputed) * kept
-    chunks = in_flight_chunks(cfg, stage=stage, num_microbatches=num_microbatches)
-    # Backward of a recomputed layer rebuilds its full activations, one layer at a time.
-    working = per_layer["none"] if recomputed else 0.0
-    return chunks * per_chunk + working
-
-
 def stage_memory(
     model: ModelSpec,
     cfg: ParallelConfig,
+    sums: StageSums,
     *,
     stage: int,
-    layers: int,
     num_microbatches: int,
     reserved_bytes: float,
+    act_rebuilt: float,
 ) -> StageMemory:
-    """Memory of one device of `stage`, which holds `layers` transformer layers."""
+    """Memory of one device of pipeline rank `stage`, whose layers `sums` adds up; every field is
+    an array when `sums` holds arrays (the DP solver's candidate stages)."""
     first, last = stage == 0, stage == cfg.pp - 1
-    dense, expert = model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp)
-    dense *= layers
-    expert *= layers
-    if first:
-        dense += model.embedding_params(cfg.tp)
-    if last:
-        dense += model.output_params(tp=cfg.tp, pp=cfg.pp)
-    dp_shards = cfg.dp * cfg.cp
-    w, g, o = model_state_bytes(dense, zero=cfg.zero, shards=dp_shards)
-    ew, eg, eo = model_state_bytes(expert, zero=cfg.zero, shards=cfg.expert_dp)
+    dense = sums.dense_params + (model.embedding_params(cfg.tp) if first else 0)
+    dense = dense + (model.output_params(tp=cfg.tp, pp=cfg.pp) if last else 0)
+    w, g, o = model_state_bytes(dense, zero=cfg.zero, shards=cfg.dp * cfg.cp)
+    ew, eg, eo = model_state_bytes(sums.expert_params, zero=cfg.zero, shards=cfg.expert_dp)
     weights, grads, optimizer = w + ew, g + eg, o + eo
     if cfg.zero == 3:
-        layer_dense, layer_expert = model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp)
-        weights += 2 * BF16 * (layer_dense + layer_expert)  # gathered layer + prefetched layer
-    activations = stage_activation_bytes(
-        model, cfg, stage=stage, layers=layers, num_microbatches=num_microbatches, moe=model.is_moe
-    )
+        # The gathered weights of the layer being computed and of the one prefetched.
+        weights = weights + 2 * BF16 * max(sum(model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe))
+                                           for moe in set(model.layer_is_moe()))
+    chunks = in_flight_chunks(cfg, stage=stage, num_microbatches=num_microbatches)
+    # Backward of a fully recomputed layer rebuilds its activations, one layer at a time.
+    activations = chunks * sums.act_per_chunk + np.where(sums.recomputes, act_rebuilt, 0.0)
+    if np.ndim(activations) == 0:
+        activations = float(activations)
     logits = logits_bytes(model, mbs=cfg.mbs, tp=cfg.tp, cp=cfg.cp) if last else 0.0
     return StageMemory(weights, grads, optimizer, activations, logits, reserved_bytes)

@@ -54,6 +54,8 @@ def model_args(model: ModelSpec) -> list[str]:
         args.append("--disable-bias-linear")
     if model.is_moe:
         args += ["--num-experts", str(m.num_experts), "--moe-router-topk", str(m.moe_router_topk)]
+        if m.moe_layer_freq != 1:
+            args += ["--moe-layer-freq", str(m.moe_layer_freq)]
         if m.moe_ffn_hidden_size:
             args += ["--moe-ffn-hidden-size", str(m.moe_ffn_hidden_size)]
     return args

@@ -60,6 +60,10 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return bool(self.cfg.num_experts)
 
+    def layer_is_moe(self) -> list[bool]:
+        """Per transformer layer, whether its MLP is MoE (Megatron's --moe-layer-freq)."""
+        return [self.is_moe and i % self.cfg.moe_layer_freq == 0 for i in range(self.cfg.num_layers)]
+
     @property
     def moe_ffn(self) -> int:
         return self.cfg.moe_ffn_hidden_size or self.cfg.ffn_hidden_size
@@ -101,14 +105,15 @@ class ModelSpec:
         replicated = self.h * self.cfg.num_experts + self.norm_params
         return replicated, experts
 
-    def layer_params(self, *, tp: int, ep: int = 1, etp: int = 1) -> tuple[int, int]:
-        """(dense, expert) parameters of one transformer layer on one device.
+    def layer_params(self, *, tp: int, ep: int = 1, etp: int = 1, moe: bool | None = None) -> tuple[int, int]:
+        """(dense, expert) parameters of one transformer layer on one device; `moe` says whether
+        this layer's MLP is MoE (default: the model's).
 
         Dense parameters are averaged over the data-parallel group; expert parameters over the
         expert-data-parallel group, which is why the two are kept apart.
         """
         dense = self.attention_params(tp)
-        if not self.is_moe:
+        if not (self.is_moe if moe is None else moe):
             return dense + self.dense_mlp_params(tp) + self.norm_params, 0
         replicated, experts = self.moe_params(ep=ep, etp=etp)
         shared = self.cfg.moe_shared_expert_intermediate_size

@@ -10,6 +10,7 @@ from nest_megatron.config.schema import PlanChoice, SolverConfig
 from nest_megatron.cost.evaluate import Estimate, estimate
 from nest_megatron.cost.memory import stage_memory
 from nest_megatron.cost.problem import Problem
+from nest_megatron.cost.tables import layer_costs, stage_sums
 from nest_megatron.parallel.rules import num_microbatches
 from nest_megatron.solver.space import candidates
 
@@ -23,13 +24,14 @@ class SearchResult:
 
 
 def fits_in_memory(problem: Problem, cfg) -> bool:
-    """Memory of every stage, checked before the (costlier) timing."""
-    layers = problem.model.cfg.num_layers // cfg.pp
+    """Memory of every stage under the even split, checked before the (costlier) timing."""
+    model, acc = problem.model, problem.accelerator
+    costs = layer_costs(model, cfg, spans=None, net=None, compute=None)
+    split = (model.cfg.num_layers // cfg.pp,) * cfg.pp
     m = num_microbatches(cfg, problem.global_batch_size)
-    capacity = problem.accelerator.memory_bytes
-    reserved = problem.accelerator.reserved_memory_bytes
     return all(
-        stage_memory(problem.model, cfg, stage=i, layers=layers, num_microbatches=m, reserved_bytes=reserved).total <= capacity
+        stage_memory(model, cfg, stage_sums(costs, cfg, split, i), stage=i, num_microbatches=m,
+                     reserved_bytes=acc.reserved_memory_bytes, act_rebuilt=costs.act_rebuilt).total <= acc.memory_bytes
         for i in range(cfg.pp)
     )
 

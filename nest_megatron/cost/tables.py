@@ -1,0 +1,158 @@
+"""Per-layer costs of one configuration, and their sums over the layers of a pipeline stage.
+
+Everything about a configuration except its layer split is computed once per layer (layers may
+differ: dense and MoE MLPs mixed). A stage is then a set of layers, and its costs are sums (and
+one max) over them. `range_sums` takes a contiguous range [a, b) whose end `b` may be a numpy
+array, so that the DP solver prices every candidate stage from one call with the same formulas
+`estimate` uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from nest_megatron.cost.activations import layer_activation_bytes
+from nest_megatron.cost.collectives import Network
+from nest_megatron.cost.compute import ComputeModel
+from nest_megatron.cost.layer import LayerTime, layer_time
+from nest_megatron.cost.placement import Spans
+from nest_megatron.model.spec import ModelSpec
+from nest_megatron.parallel.config import ParallelConfig
+
+
+NO_TIME = LayerTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def _prefix(values: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(values) + 1)
+    np.cumsum(values, out=out[1:])
+    return out
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Prefix sums over layers (entry l = sum over layers < l) of per-micro-batch costs."""
+
+    compute: np.ndarray  # forward + backward computation, s
+    fwd: np.ndarray  # forward with its communication: what full recompute runs again, s
+    bwd: np.ndarray  # backward with its communication, s
+    core_attention: np.ndarray  # what selective recompute runs again, s
+    tp_comm: np.ndarray
+    cp_comm: np.ndarray
+    ep_comm: np.ndarray
+    act_kept: np.ndarray  # bytes kept per micro-batch when the layer is not fully recomputed
+    act_checkpoint: np.ndarray  # bytes kept when it is (its input)
+    dense_params: np.ndarray
+    expert_params: np.ndarray
+    act_rebuilt: float  # the most bytes one fully recomputed layer rebuilds during its backward
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.compute) - 1
+
+
+def layer_costs(
+    model: ModelSpec, cfg: ParallelConfig, *, spans: Spans | None, net: Network | None, compute: ComputeModel | None
+) -> LayerCosts:
+    """Per-layer costs; with spans=None only the memory columns (times are left at zero)."""
+    kinds = model.layer_is_moe()
+    per_kind = {}
+    for moe in set(kinds):
+        lt = layer_time(model, cfg=cfg, moe=moe, spans=spans, net=net, compute=compute) if spans else NO_TIME
+        act = layer_activation_bytes(model, mbs=cfg.mbs, tp=cfg.tp, sp=cfg.sp, cp=cfg.cp, moe=moe, etp=cfg.etp)
+        params = model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe)
+        per_kind[moe] = (lt, act, params)
+
+    kind_of_layer = np.asarray(kinds, dtype=int)
+
+    def column(get) -> np.ndarray:
+        by_kind = np.array([get(*per_kind[moe]) if moe in per_kind else 0.0 for moe in (False, True)], dtype=float)
+        return _prefix(by_kind[kind_of_layer])
+
+    kept = "selective" if cfg.recompute == "selective" else "none"
+    return LayerCosts(
+        compute=column(lambda lt, act, p: lt.fwd_compute + lt.bwd_compute),
+        fwd=column(lambda lt, act, p: lt.fwd),
+        bwd=column(lambda lt, act, p: lt.bwd),
+        core_attention=column(lambda lt, act, p: lt.core_attention_fwd),
+        tp_comm=column(lambda lt, act, p: lt.tp_comm),
+        cp_comm=column(lambda lt, act, p: lt.cp_comm),
+        ep_comm=column(lambda lt, act, p: lt.ep_comm),
+        act_kept=column(lambda lt, act, p: act[kept]),
+        act_checkpoint=column(lambda lt, act, p: act["full"]),
+        dense_params=column(lambda lt, act, p: p[0]),
+        expert_params=column(lambda lt, act, p: p[1]),
+        act_rebuilt=max(act["none"] for _, act, _ in per_kind.values()),
+    )
+
+
+class StageSums(NamedTuple):
+    """The layers of one pipeline rank (all its virtual chunks), summed. Fields are numbers, or
+    arrays when the DP prices many candidate stages at once."""
+
+    layers: object
+    compute: object
+    recompute: object  # extra forward work per micro-batch for recomputation, s
+    fwd: object
+    bwd: object
+    tp_comm: object
+    cp_comm: object
+    ep_comm: object
+    act_per_chunk: object  # bytes one micro-batch leaves on one chunk (the largest chunk)
+    recomputes: object  # whether any layer is fully recomputed (then one layer is rebuilt at a time)
+    dense_params: object
+    expert_params: object
+
+
+def range_sums(c: LayerCosts, cfg: ParallelConfig, a: int, b) -> StageSums:
+    """Sums over the contiguous layers [a, b) of a stage without virtual chunks.
+
+    Full recompute rebuilds the first n layers of the stage (Megatron's block method, n =
+    recompute_num_layers) or all of them (uniform method with one layer per group).
+    """
+    b = np.asarray(b) if np.ndim(b) else b
+    if cfg.recompute == "full":
+        n = cfg.recompute_num_layers
+        r_end = b if n is None else np.minimum(a + n, b)
+    else:
+        r_end = a if np.ndim(b) == 0 else np.full_like(b, a)
+    recompute = c.fwd[r_end] - c.fwd[a]
+    if cfg.recompute == "selective":
+        recompute = c.core_attention[b] - c.core_attention[a]
+    act = (c.act_checkpoint[r_end] - c.act_checkpoint[a]) + (c.act_kept[b] - c.act_kept[r_end])
+    return StageSums(
+        layers=b - a,
+        compute=c.compute[b] - c.compute[a],
+        recompute=recompute,
+        fwd=c.fwd[b] - c.fwd[a],
+        bwd=c.bwd[b] - c.bwd[a],
+        tp_comm=c.tp_comm[b] - c.tp_comm[a],
+        cp_comm=c.cp_comm[b] - c.cp_comm[a],
+        ep_comm=c.ep_comm[b] - c.ep_comm[a],
+        act_per_chunk=act,
+        recomputes=r_end > a,
+        dense_params=c.dense_params[b] - c.dense_params[a],
+        expert_params=c.expert_params[b] - c.expert_params[a],
+    )
+
+
+def chunk_ranges(cfg: ParallelConfig, layers_per_stage: tuple[int, ...], stage: int) -> list[tuple[int, int]]:
+    """The layer ranges pipeline rank `stage` holds. With v virtual stages the layers are cut into
+    p*v equal chunks and rank i holds chunks i, i + p, ..., i + (v-1) p."""
+    if cfg.vpp == 1:
+        start = sum(layers_per_stage[:stage])
+        return [(start, start + layers_per_stage[stage])]
+    per_chunk = sum(layers_per_stage) // (cfg.pp * cfg.vpp)
+    return [((k * cfg.pp + stage) * per_chunk, (k * cfg.pp + stage + 1) * per_chunk) for k in range(cfg.vpp)]
+
+
+def stage_sums(c: LayerCosts, cfg: ParallelConfig, layers_per_stage: tuple[int, ...], stage: int) -> StageSums:
+    """Sums over every chunk of pipeline rank `stage`; the activations of its largest chunk."""
+    parts = [range_sums(c, cfg, a, b) for a, b in chunk_ranges(cfg, layers_per_stage, stage)]
+    total = StageSums(*(sum(values) for values in zip(*parts)))
+    return total._replace(
+        act_per_chunk=max(p.act_per_chunk for p in parts), recomputes=any(p.recomputes for p in parts)
+    )
