@@ -12,7 +12,7 @@ from nest_megatron.cost.evaluate import estimate
 from nest_megatron.errors import InfeasibleError, NestError
 from nest_megatron.hardware.accelerator import GIB
 from nest_megatron.plan import Plan, build_plan
-from nest_megatron.solver.enumerate import SOLVERS
+from nest_megatron.solver.registry import SOLVERS
 from nest_megatron.solver.space import evaluate_config
 
 
@@ -35,7 +35,8 @@ def plan_loaded(loaded: Loaded) -> Plan:
             f"({problem.accelerator.memory_bytes / GIB:.1f} GiB) among {result.configs_evaluated} searched; "
             "add devices, shorten model.seq_length or relax the plan.* pins"
         )
-    search = {"solver": cfg.solver.name, "time_s": result.time_s, "configs_evaluated": result.configs_evaluated}
+    search = {"solver": cfg.solver.name, "time_s": result.time_s, "configs_evaluated": result.configs_evaluated,
+              "configs_in_space": result.configs_in_space}
     return build_plan(problem, result.best, model_name=cfg.model.name, cluster_name=cfg.cluster.name,
                       search=search, runners_up=result.runners_up)
 

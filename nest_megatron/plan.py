@@ -106,6 +106,7 @@ def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name
             global_batch_size=problem.global_batch_size,
             overlap_grad_reduce=problem.overlap_grad_reduce,
             overlap_param_gather=problem.overlap_param_gather,
+            layers_per_stage=est.layers_per_stage,
         ),
         search=search or {"solver": "evaluate", "time_s": 0.0, "configs_evaluated": 1},
         runners_up=[summary(e) for e in runners_up],

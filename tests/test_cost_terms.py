@@ -66,7 +66,8 @@ def model(**overrides) -> ModelSpec:
 def memory_of(m, cfg, *, stage, layers, num_microbatches, reserved_bytes):
     """Memory of a pipeline rank holding the model's first `layers` layers (all alike here)."""
     costs = layer_costs(m, cfg, spans=None, net=None, compute=None)
-    return stage_memory(m, cfg, range_sums(costs, cfg, 0, layers), stage=stage, num_microbatches=num_microbatches,
+    return stage_memory(m, cfg, range_sums(costs, cfg, 0, layers), first=stage == 0, last=stage == cfg.pp - 1,
+                        in_flight=in_flight_chunks(cfg, stage=stage, num_microbatches=num_microbatches),
                         reserved_bytes=reserved_bytes, act_rebuilt=costs.act_rebuilt)
 
 

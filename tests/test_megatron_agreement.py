@@ -218,8 +218,8 @@ def test_params_per_rank_match_megatron(case):
         ):
             zcfg = ParallelConfig(tp=tp, pp=pp, dp=got["dp"], ep=ep, etp=etp, zero=zero)
             costs = layer_costs(spec, zcfg, spans=None, net=None, compute=None)
-            mem = stage_memory(spec, zcfg, range_sums(costs, zcfg, 0, layers), stage=stage, num_microbatches=8,
-                               reserved_bytes=0.0, act_rebuilt=costs.act_rebuilt)
+            mem = stage_memory(spec, zcfg, range_sums(costs, zcfg, 0, layers), first=stage == 0,
+                               last=stage == pp - 1, in_flight=1, reserved_bytes=0.0, act_rebuilt=costs.act_rebuilt)
             assert mem.weights + mem.grads + mem.optimizer == pytest.approx(expected, rel=1e-12), (where, zero)
 
 

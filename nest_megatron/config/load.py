@@ -31,6 +31,7 @@ from nest_megatron.errors import NestError
 from nest_megatron.hardware.accelerator import accelerator_from_config
 from nest_megatron.hardware.topology import BUILDERS
 from nest_megatron.model.spec import ModelSpec
+from nest_megatron.solver.registry import SOLVERS
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "hydra_configs"
 GROUPS = ("model", "accelerator", "cluster", "train", "solver")
@@ -174,8 +175,8 @@ def _check(root: RootConfig) -> None:
     _positive("cluster", c, "num_devices", "device_memory_gib")
     _positive("train", t, "global_batch_size", "micro_batch_size")
     s = root.solver
-    if s.name not in ("enumerate",):
-        raise NestError(f"solver.name={s.name}: allowed are enumerate")
+    if s.name not in SOLVERS:
+        raise NestError(f"solver.name={s.name}: allowed are {', '.join(SOLVERS)}")
     if not s.micro_batch_sizes or any(x <= 0 for x in s.micro_batch_sizes):
         raise NestError(f"solver.micro_batch_sizes={s.micro_batch_sizes}: a list of positive integers")
 

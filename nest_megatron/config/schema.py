@@ -114,7 +114,7 @@ class TrainConfig:
 class SolverConfig:
     """What the planner searches."""
 
-    name: str = "enumerate"
+    name: str = "dp"
     micro_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
     recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])

@@ -23,7 +23,7 @@ from nest_megatron.cost.collectives import (
 )
 from nest_megatron.cost.compute import BF16, ComputeModel, RooflineCompute
 from nest_megatron.cost.flops import megatron_model_flops
-from nest_megatron.cost.memory import GRAD_FP32, StageMemory, stage_memory
+from nest_megatron.cost.memory import GRAD_FP32, StageMemory, in_flight_chunks, stage_memory
 from nest_megatron.cost.placement import Spans, spans_for
 from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.tables import LayerCosts, StageSums, layer_costs, stage_sums
@@ -112,7 +112,7 @@ def estimate_in(ctx: Context, split: tuple[int, ...]) -> Estimate:
     stage_parts_ = [stage_parts(ctx, s, stage=i) for i, s in enumerate(sums)]
     stage_times = [float(sum(parts.values())) for parts in stage_parts_]
     slowest = int(np.argmax(stage_times))
-    finish = [after_pipeline(ctx, s, stage=i) for i, s in enumerate(sums)]
+    finish = [after_pipeline(ctx, s, first=i == 0, last=i == cfg.pp - 1) for i, s in enumerate(sums)]
     last = int(np.argmax([sum(f.values()) for f in finish]))
     step = ctx.pipeline_factor * stage_times[slowest] + float(sum(finish[last].values()))
 
@@ -122,8 +122,9 @@ def estimate_in(ctx: Context, split: tuple[int, ...]) -> Estimate:
     breakdown.update({k: float(v) for k, v in finish[last].items()})
 
     memory = tuple(
-        stage_memory(model, cfg, s, stage=i, num_microbatches=m, reserved_bytes=acc.reserved_memory_bytes,
-                     act_rebuilt=ctx.costs.act_rebuilt)
+        stage_memory(model, cfg, s, first=i == 0, last=i == cfg.pp - 1,
+                     in_flight=in_flight_chunks(cfg, stage=i, num_microbatches=m),
+                     reserved_bytes=acc.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt)
         for i, s in enumerate(sums)
     )
     tokens = problem.global_batch_size * model.cfg.seq_length
@@ -147,8 +148,35 @@ def estimate_in(ctx: Context, split: tuple[int, ...]) -> Estimate:
 
 def stage_parts(ctx: Context, sums: StageSums, *, stage: int) -> dict:
     """Seconds one micro-batch spends on pipeline rank `stage`, by kind (all its chunks)."""
+    parts = stage_body(ctx, sums, first=stage == 0, last=stage == ctx.cfg.pp - 1)
+    parts["pp_p2p"] = pipeline_p2p(ctx, stage=stage)
+    return parts
+
+
+def pipeline_p2p(ctx: Context, *, stage: int) -> float:
+    """Point-to-point time of one micro-batch on `stage`: its activation forward and its gradient
+    backward, each at the network level of that boundary."""
     model, cfg, spans, net = ctx.problem.model, ctx.cfg, ctx.spans, ctx.net
-    first, last = stage == 0, stage == cfg.pp - 1
+    if cfg.pp == 1:
+        return 0.0
+    tokens = cfg.mbs * model.cfg.seq_length // cfg.cp
+    boundary = BF16 * tokens * model.h / (cfg.tp if cfg.sp else 1)
+    levels = spans.pp_boundary_level
+    if cfg.vpp > 1:
+        # Every chunk boundary is crossed, including the wrap from the last rank to the first.
+        return 2 * cfg.vpp * p2p_time(max(levels), boundary, net)
+    p2p = 0.0
+    if stage < cfg.pp - 1:
+        p2p += p2p_time(levels[stage], boundary, net)
+    if stage > 0:
+        p2p += p2p_time(levels[stage - 1], boundary, net)
+    return p2p
+
+
+def stage_body(ctx: Context, sums: StageSums, *, first: bool, last: bool) -> dict:
+    """Seconds one micro-batch spends on a rank's layers (with the embedding if `first`, the
+    output layer if `last`), everything but the pipeline transfers."""
+    model, cfg, spans, net = ctx.problem.model, ctx.cfg, ctx.spans, ctx.net
     tokens = cfg.mbs * model.cfg.seq_length // cfg.cp
     compute_s = sums.compute
     if last:
@@ -161,55 +189,43 @@ def stage_parts(ctx: Context, sums: StageSums, *, stage: int) -> dict:
         # output layer all-gathers its input with SP; each has its mirror in backward.
         op = reduce_scatter_time if cfg.sp else all_reduce_time
         head_tp = 2 * worst(op, spans.tp, BF16 * tokens * model.h, net) * (first + last)
-    p2p = 0.0
-    if cfg.pp > 1:
-        boundary = BF16 * tokens * model.h / (cfg.tp if cfg.sp else 1)
-        levels = spans.pp_boundary_level
-        if cfg.vpp > 1:
-            # Every chunk boundary is crossed, including the wrap from the last rank to the first.
-            p2p = 2 * cfg.vpp * p2p_time(max(levels), boundary, net)
-        else:
-            if not last:
-                p2p += p2p_time(levels[stage], boundary, net)
-            if not first:
-                p2p += p2p_time(levels[stage - 1], boundary, net)
-    zero = _sharded_dp_per_microbatch(ctx, sums, stage=stage)
+    zero = _sharded_dp_per_microbatch(ctx, sums, first=first, last=last)
     return {
         "compute": compute_s,
         "recompute": sums.recompute,
         "tp_comm": sums.tp_comm + head_tp,
         "cp_comm": sums.cp_comm,
         "ep_comm": sums.ep_comm,
-        "pp_p2p": p2p,
         "zero_comm": np.maximum(0.0, zero - compute_s) if cfg.zero >= 2 else 0.0,
     }
 
 
-def _stage_params(ctx: Context, sums: StageSums, *, stage: int):
+def _stage_params(ctx: Context, sums: StageSums, *, first: bool, last: bool):
     model, cfg = ctx.problem.model, ctx.cfg
     dense = sums.dense_params
-    if stage == 0:
+    if first:
         dense = dense + model.embedding_params(cfg.tp)
-    if stage == cfg.pp - 1:
+    if last:
         dense = dense + model.output_params(tp=cfg.tp, pp=cfg.pp)
     return dense, sums.expert_params
 
 
-def _sharded_dp_per_microbatch(ctx: Context, sums: StageSums, *, stage: int):
+def _sharded_dp_per_microbatch(ctx: Context, sums: StageSums, *, first: bool, last: bool):
     """Megatron-FSDP traffic of every micro-batch: ZeRO-2 reduce-scatters the gradients after each
     backward; ZeRO-3 also all-gathers the weights for the forward and again for the backward."""
     cfg, spans, net = ctx.cfg, ctx.spans, ctx.net
     if cfg.zero < 2:
         return 0.0
-    dense, expert = _stage_params(ctx, sums, stage=stage)
+    dense, expert = _stage_params(ctx, sums, first=first, last=last)
     t = worst(reduce_scatter_time, spans.dp, GRAD_FP32 * dense, net) + worst(reduce_scatter_time, spans.edp, GRAD_FP32 * expert, net)
     if cfg.zero == 3:
         t = t + 2 * (worst(all_gather_time, spans.dp, BF16 * dense, net) + worst(all_gather_time, spans.edp, BF16 * expert, net))
     return t
 
 
-def after_pipeline(ctx: Context, sums: StageSums, *, stage: int) -> dict:
-    """Exposed data-parallel synchronisation and the optimizer step of one stage, in seconds.
+def after_pipeline(ctx: Context, sums: StageSums, *, first: bool, last: bool) -> dict:
+    """Exposed data-parallel synchronisation and the optimizer step of a rank (with the embedding
+    if `first`, the output layer if `last`), in seconds.
 
     With --overlap-grad-reduce the gradient reduction of the last micro-batch's buckets overlaps
     with that micro-batch's backward pass, except the last bucket; with --overlap-param-gather the
@@ -218,7 +234,7 @@ def after_pipeline(ctx: Context, sums: StageSums, *, stage: int) -> dict:
     """
     problem, cfg, spans, net = ctx.problem, ctx.cfg, ctx.spans, ctx.net
     model = problem.model
-    dense, expert = _stage_params(ctx, sums, stage=stage)
+    dense, expert = _stage_params(ctx, sums, first=first, last=last)
     grad = param = 0.0
     if cfg.zero == 0:
         grad = worst(all_reduce_time, spans.dp, GRAD_FP32 * dense, net) + worst(all_reduce_time, spans.edp, GRAD_FP32 * expert, net)
@@ -234,7 +250,7 @@ def after_pipeline(ctx: Context, sums: StageSums, *, stage: int) -> dict:
     if problem.overlap_param_gather:
         param = np.maximum(param - sums.fwd, bucket * param)
     tied = 0.0
-    if cfg.pp > 1 and not model.cfg.untie_embeddings_and_output_weights and stage in (0, cfg.pp - 1):
+    if cfg.pp > 1 and not model.cfg.untie_embeddings_and_output_weights and (first or last):
         # The first and last stages all-reduce the gradient of the shared word embedding.
         words = GRAD_FP32 * model.padded_vocab(cfg.tp) * model.h / cfg.tp
         tied = p2p_time(max(spans.pp_boundary_level), words, net)

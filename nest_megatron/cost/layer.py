@@ -10,6 +10,7 @@ compute in Megatron's default settings, except CP's K/V ring, which hides behind
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from nest_megatron.cost.collectives import (
     Network,
@@ -71,6 +72,14 @@ def elementwise_bytes(model: ModelSpec, *, tokens: int, cfg: ParallelConfig, moe
 def layer_time(
     model: ModelSpec, *, cfg: ParallelConfig, moe: bool, spans: Spans, net: Network, compute: ComputeModel
 ) -> LayerTime:
+    """One layer's times; configurations that differ only in what a layer does not see (ZeRO,
+    recompute, pipeline depth, ...) share one computation."""
+    return _layer_time(model, cfg.tp, cfg.sp, cfg.cp, cfg.ep, cfg.etp, cfg.mbs, moe, spans.tp, spans.cp, spans.ep, net, compute)
+
+
+@lru_cache(maxsize=65536)
+def _layer_time(model, tp, sp, cp, ep, etp, mbs, moe, tp_shapes, cp_shapes, ep_shapes, net, compute) -> LayerTime:
+    cfg = ParallelConfig(tp=tp, sp=sp, cp=cp, ep=ep, etp=etp, mbs=mbs)
     tokens = cfg.mbs * model.cfg.seq_length // cfg.cp
     gemms = model.layer_gemms(tokens=tokens, tp=cfg.tp, etp=cfg.etp, moe=moe)
     gemm = sum(compute.gemm_time(g) for g in gemms)
@@ -86,16 +95,16 @@ def layer_time(
     if cfg.tp == 1:
         tp_pass = 0.0
     elif cfg.sp:
-        tp_pass = tp_blocks * (worst(all_gather_time, spans.tp, activation, net) + worst(reduce_scatter_time, spans.tp, activation, net))
+        tp_pass = tp_blocks * (worst(all_gather_time, tp_shapes, activation, net) + worst(reduce_scatter_time, tp_shapes, activation, net))
     else:
-        tp_pass = tp_blocks * worst(all_reduce_time, spans.tp, activation, net)
+        tp_pass = tp_blocks * worst(all_reduce_time, tp_shapes, activation, net)
 
     # CP: a ring of cp - 1 steps, each passing one K/V chunk to the next rank; backward passes
     # K/V and their gradients. It overlaps with the attention computation.
     cp_fwd = cp_bwd = 0.0
     if cfg.cp > 1:
         kv_chunk = 2 * BF16 * tokens * model.kv_size / cfg.tp
-        ring_level = max(shape.top_level for shape in spans.cp)
+        ring_level = max(shape.top_level for shape in cp_shapes)
         step = p2p_time(ring_level, kv_chunk, net)
         cp_fwd = max(0.0, (cfg.cp - 1) * step - attention)
         cp_bwd = max(0.0, 2 * (cfg.cp - 1) * step - 2 * attention)
@@ -105,7 +114,7 @@ def layer_time(
     if moe and cfg.ep > 1:
         tokens_sp = tokens / cfg.tp if cfg.sp else tokens
         routed = BF16 * tokens_sp * model.cfg.moe_router_topk * model.h
-        ep_pass = 2 * worst(all_to_all_time, spans.ep, routed, net)
+        ep_pass = 2 * worst(all_to_all_time, ep_shapes, routed, net)
 
     return LayerTime(
         fwd_compute=gemm + attention + memory,

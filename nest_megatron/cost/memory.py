@@ -72,19 +72,27 @@ def in_flight_chunks(cfg: ParallelConfig, *, stage: int, num_microbatches: int) 
     return min(num_microbatches * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
 
 
+def activation_bytes(sums: StageSums, *, in_flight: int, act_rebuilt: float):
+    """Activations of a pipeline rank holding `in_flight` micro-batch chunks of `sums`' layers;
+    the backward of a fully recomputed layer rebuilds its activations, one layer at a time."""
+    act = in_flight * sums.act_per_chunk + np.where(sums.recomputes, act_rebuilt, 0.0)
+    return float(act) if np.ndim(act) == 0 else act
+
+
 def stage_memory(
     model: ModelSpec,
     cfg: ParallelConfig,
     sums: StageSums,
     *,
-    stage: int,
-    num_microbatches: int,
+    first: bool,
+    last: bool,
+    in_flight: int,
     reserved_bytes: float,
     act_rebuilt: float,
 ) -> StageMemory:
-    """Memory of one device of pipeline rank `stage`, whose layers `sums` adds up; every field is
-    an array when `sums` holds arrays (the DP solver's candidate stages)."""
-    first, last = stage == 0, stage == cfg.pp - 1
+    """Memory of one device of a pipeline rank whose layers `sums` adds up (with the embedding if
+    `first`, the output layer if `last`), holding `in_flight` chunks (`in_flight_chunks`); every
+    field is an array when `sums` holds arrays (the DP solver's candidate stages)."""
     dense = sums.dense_params + (model.embedding_params(cfg.tp) if first else 0)
     dense = dense + (model.output_params(tp=cfg.tp, pp=cfg.pp) if last else 0)
     w, g, o = model_state_bytes(dense, zero=cfg.zero, shards=cfg.dp * cfg.cp)
@@ -94,10 +102,6 @@ def stage_memory(
         # The gathered weights of the layer being computed and of the one prefetched.
         weights = weights + 2 * BF16 * max(sum(model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe))
                                            for moe in set(model.layer_is_moe()))
-    chunks = in_flight_chunks(cfg, stage=stage, num_microbatches=num_microbatches)
-    # Backward of a fully recomputed layer rebuilds its activations, one layer at a time.
-    activations = chunks * sums.act_per_chunk + np.where(sums.recomputes, act_rebuilt, 0.0)
-    if np.ndim(activations) == 0:
-        activations = float(activations)
+    activations = activation_bytes(sums, in_flight=in_flight, act_rebuilt=act_rebuilt)
     logits = logits_bytes(model, mbs=cfg.mbs, tp=cfg.tp, cp=cfg.cp) if last else 0.0
     return StageMemory(weights, grads, optimizer, activations, logits, reserved_bytes)

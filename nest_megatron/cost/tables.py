@@ -107,18 +107,18 @@ class StageSums(NamedTuple):
     expert_params: object
 
 
-def range_sums(c: LayerCosts, cfg: ParallelConfig, a: int, b) -> StageSums:
-    """Sums over the contiguous layers [a, b) of a stage without virtual chunks.
+def range_sums(c: LayerCosts, cfg: ParallelConfig, a, b) -> StageSums:
+    """Sums over the contiguous layers [a, b) of a stage without virtual chunks; `a` and `b` may
+    be index arrays that broadcast (every candidate stage of the DP at once).
 
     Full recompute rebuilds the first n layers of the stage (Megatron's block method, n =
     recompute_num_layers) or all of them (uniform method with one layer per group).
     """
-    b = np.asarray(b) if np.ndim(b) else b
     if cfg.recompute == "full":
         n = cfg.recompute_num_layers
-        r_end = b if n is None else np.minimum(a + n, b)
+        r_end = b + 0 * a if n is None else np.minimum(a + n, b)
     else:
-        r_end = a if np.ndim(b) == 0 else np.full_like(b, a)
+        r_end = a + 0 * b
     recompute = c.fwd[r_end] - c.fwd[a]
     if cfg.recompute == "selective":
         recompute = c.core_attention[b] - c.core_attention[a]

@@ -61,8 +61,20 @@ def model_args(model: ModelSpec) -> list[str]:
     return args
 
 
+def pipeline_layout(layers_per_stage: tuple[int, ...]) -> str:
+    """Megatron's --pipeline-model-parallel-layout for an uneven split: stages separated by '|',
+    't' a transformer layer, 'E' the embedding on the first stage, 'L' the loss on the last."""
+    return "|".join(f"t*{n}" for n in layers_per_stage).join(("E", "L"))
+
+
 def parallel_args(
-    cfg: ParallelConfig, *, model: ModelSpec, global_batch_size: int, overlap_grad_reduce: bool, overlap_param_gather: bool
+    cfg: ParallelConfig,
+    *,
+    model: ModelSpec,
+    global_batch_size: int,
+    overlap_grad_reduce: bool,
+    overlap_param_gather: bool,
+    layers_per_stage: tuple[int, ...] | None = None,
 ) -> list[str]:
     """The flags the planner owns: parallel sizes, batch, ZeRO, recompute and layout."""
     args = [
@@ -78,6 +90,8 @@ def parallel_args(
         args.append("--sequence-parallel")
     if cfg.vpp > 1:
         args += ["--num-virtual-stages-per-pipeline-rank", str(cfg.vpp)]
+    if layers_per_stage and len(set(layers_per_stage)) > 1:
+        args += ["--pipeline-model-parallel-layout", pipeline_layout(layers_per_stage)]
     if cfg.order == "tp-cp-ep-pp-dp":
         args.append("--use-tp-pp-dp-mapping")
     args += ZERO_FLAGS[cfg.zero]

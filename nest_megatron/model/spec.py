@@ -27,7 +27,7 @@ class Gemm:
         return 2.0 * self.m * self.n * self.k
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: per-layer costs are cached per model
 class ModelSpec:
     cfg: ModelConfig
 

@@ -15,9 +15,19 @@ def num_microbatches(cfg: ParallelConfig, global_batch_size: int) -> int:
 
 
 def violation(
-    cfg: ParallelConfig, *, model: ModelSpec, num_devices: int, global_batch_size: int
+    cfg: ParallelConfig,
+    *,
+    model: ModelSpec,
+    num_devices: int,
+    global_batch_size: int,
+    layers_per_stage: tuple[int, ...] | None = None,
+    any_split: bool = False,
 ) -> str | None:
-    """The first Megatron rule `cfg` breaks, as one line, or None when it can launch."""
+    """The first Megatron rule `cfg` breaks, as one line, or None when it can launch.
+
+    The layers are split evenly unless `layers_per_stage` gives the split (Megatron's
+    --pipeline-model-parallel-layout); `any_split` asks whether some split can launch.
+    """
     m = model.cfg
     for name in ("tp", "pp", "dp", "cp", "ep", "etp", "vpp", "mbs"):
         if getattr(cfg, name) < 1:
@@ -59,7 +69,15 @@ def violation(
             return f"plan.etp={cfg.etp}: must divide the expert ffn size {model.moe_ffn}"
     elif cfg.etp != 1:
         return f"plan.etp={cfg.etp}: expert tensor parallel needs a MoE model"
-    if m.num_layers % (cfg.pp * cfg.vpp):
+    uneven = layers_per_stage is not None or any_split
+    if layers_per_stage is not None and (
+        len(layers_per_stage) != cfg.pp or min(layers_per_stage) < 1 or sum(layers_per_stage) != m.num_layers
+    ):
+        return f"layers_per_stage={list(layers_per_stage)}: {cfg.pp} stages of at least one layer adding up to {m.num_layers}"
+    if uneven and cfg.vpp == 1:
+        if cfg.pp > m.num_layers:
+            return f"plan.pp={cfg.pp}: more stages than num_layers={m.num_layers}"
+    elif m.num_layers % (cfg.pp * cfg.vpp):
         return (
             f"plan.pp={cfg.pp} x plan.vpp={cfg.vpp}: must divide num_layers={m.num_layers} "
             "for an even split"

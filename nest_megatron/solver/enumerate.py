@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from nest_megatron.config.schema import PlanChoice, SolverConfig
 from nest_megatron.cost.evaluate import Estimate, estimate
-from nest_megatron.cost.memory import stage_memory
+from nest_megatron.cost.memory import in_flight_chunks, stage_memory
 from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.tables import layer_costs, stage_sums
 from nest_megatron.parallel.rules import num_microbatches
@@ -18,9 +18,10 @@ from nest_megatron.solver.space import candidates
 @dataclass
 class SearchResult:
     best: Estimate | None
-    runners_up: list[Estimate]  # the next fastest plans that fit, then the fastest that did not
-    configs_evaluated: int
+    runners_up: list[Estimate]  # the next fastest plans that fit, then some that did not
+    configs_evaluated: int  # configurations scored
     time_s: float
+    configs_in_space: int = 0  # configurations the space holds (pruned ones included)
 
 
 def fits_in_memory(problem: Problem, cfg) -> bool:
@@ -30,7 +31,8 @@ def fits_in_memory(problem: Problem, cfg) -> bool:
     split = (model.cfg.num_layers // cfg.pp,) * cfg.pp
     m = num_microbatches(cfg, problem.global_batch_size)
     return all(
-        stage_memory(model, cfg, stage_sums(costs, cfg, split, i), stage=i, num_microbatches=m,
+        stage_memory(model, cfg, stage_sums(costs, cfg, split, i), first=i == 0, last=i == cfg.pp - 1,
+                     in_flight=in_flight_chunks(cfg, stage=i, num_microbatches=m),
                      reserved_bytes=acc.reserved_memory_bytes, act_rebuilt=costs.act_rebuilt).total <= acc.memory_bytes
         for i in range(cfg.pp)
     )
@@ -53,8 +55,5 @@ def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_bat
             heapq.heappop(fastest)
     ranked = [e for _, _, e in sorted(fastest, key=lambda x: -x[0])]
     best = ranked[0] if ranked else None
-    return SearchResult(best=best, runners_up=ranked[1:] + too_big[:3], configs_evaluated=evaluated, time_s=time.perf_counter() - start)
-
-
-# Planners by the name `solver.name` takes.
-SOLVERS = {"enumerate": solve}
+    return SearchResult(best=best, runners_up=ranked[1:] + too_big[:3], configs_evaluated=evaluated,
+                        time_s=time.perf_counter() - start, configs_in_space=evaluated)

@@ -38,8 +38,11 @@ def evaluate_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | 
     return cfg
 
 
-def candidates(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None) -> Iterator[ParallelConfig]:
-    """Every configuration that uses all devices, satisfies Megatron's rules and the pins."""
+def candidates(
+    problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None, any_split: bool = False
+) -> Iterator[ParallelConfig]:
+    """Every configuration that uses all devices, satisfies Megatron's rules and the pins; with
+    `any_split`, also those whose layers only split unevenly over the stages."""
     model, devices = problem.model, problem.num_devices
     node = problem.topology.devices_per_node
 
@@ -48,7 +51,8 @@ def candidates(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micr
 
     tps = axis(pins.tp, [t for t in divisors(node) if model.heads % t == 0 and model.query_groups % t == 0])
     cps = axis(pins.cp, [c for c in (1, 2, 4, 8, 16, 32) if c <= solver.max_context_parallel])
-    pps = axis(pins.pp, divisors(model.cfg.num_layers))
+    pps = axis(pins.pp, [p for p in divisors(devices) if p <= model.cfg.num_layers] if any_split
+               else divisors(model.cfg.num_layers))
     mbss = axis(pins.mbs, [micro_batch_size] if micro_batch_size else list(solver.micro_batch_sizes))
     zeros = axis(pins.zero, list(solver.zero_stages))
     recomputes = axis(pins.recompute, list(solver.recompute))
@@ -66,5 +70,6 @@ def candidates(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micr
         for ep, etp, sp, vpp, mbs, zero, recompute, order in itertools.product(eps, etps, sps, vpps, mbss, zeros, recomputes, orders):
             cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
                                  recompute=recompute, recompute_num_layers=pins.recompute_num_layers, order=order)
-            if violation(cfg, model=model, num_devices=devices, global_batch_size=problem.global_batch_size) is None:
+            if violation(cfg, model=model, num_devices=devices, global_batch_size=problem.global_batch_size,
+                         any_split=any_split) is None:
                 yield cfg

@@ -1,0 +1,251 @@
+"""The layer split by dynamic programming, exact within the cost model.
+
+For one configuration (everything but the split), `best_split` divides the L layers into p
+contiguous pipeline stages, possibly uneven, minimising the cost model's step time
+
+    step = F * max_s t_s + max_s x_s        (F = micro-batches + (p - 1); x: after the pipeline)
+
+over the splits whose every stage fits in memory. The stage tables come from the cost model's
+own stage formulas, applied to arrays of candidate stages (`cost.evaluate.stage_parts`,
+`after_pipeline`, `memory.stage_memory`): t[s, a, b], x[s, a, b] and the memory of stage s holding
+layers [a, b). Stage s knows its micro-batches in flight (p - s under 1F1B) and the network level
+of its boundaries, so memory and transfers are priced where they occur.
+
+Stages are filled from the last backwards. Because the objective adds two maxima, the state
+(s, a) = "stages s..p-1 hold layers a..L-1" keeps the Pareto front of (max t, max x) pairs rather
+than one number; the front is short (both maxima grow with the layers a stage holds), and the
+answer is the point of F(0, 0) with the least F t + x. `brute_force_split` enumerates every split
+with `estimate` for the tests.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+
+import numba
+import numpy as np
+
+from nest_megatron.config.schema import PlanChoice, SolverConfig
+from nest_megatron.cost.evaluate import (
+    Context,
+    Estimate,
+    after_pipeline,
+    context,
+    estimate_in,
+    pipeline_p2p,
+    stage_body,
+    uniform_split,
+)
+from nest_megatron.cost.collectives import Network
+from nest_megatron.cost.compute import RooflineCompute
+from nest_megatron.cost.layer import layer_time
+from nest_megatron.cost.memory import activation_bytes, in_flight_chunks, stage_memory
+from nest_megatron.cost.placement import spans_for
+from nest_megatron.cost.problem import Problem
+from nest_megatron.cost.tables import range_sums
+from nest_megatron.parallel.config import ParallelConfig
+from nest_megatron.parallel.rules import num_microbatches
+from nest_megatron.solver.enumerate import SearchResult
+from nest_megatron.solver.space import candidates
+
+FRONT_CAPACITY = 64  # Pareto points kept per state; exceeding it is an error, never a silent cut
+
+
+def stage_tables(ctx: Context) -> tuple[np.ndarray, np.ndarray]:
+    """t[s, a, b] and x[s, a, b] for every stage s and layer range [a, b); inf where the stage
+    does not fit in memory or is empty.
+
+    A stage's costs depend on its index only through being first or last, its pipeline transfers
+    and its micro-batches in flight, so the tables are priced once per kind of stage.
+    """
+    cfg, problem = ctx.cfg, ctx.problem
+    acc = problem.accelerator
+    layers = ctx.costs.num_layers
+    a = np.arange(layers + 1)[:, None]
+    b = np.arange(layers + 1)[None, :]
+    sums = range_sums(ctx.costs, cfg, a, b)
+    t = np.full((cfg.pp, layers + 1, layers + 1), np.inf)
+    x = np.full_like(t, np.inf)
+    priced = {}
+    for s in range(cfg.pp):
+        kind = (s == 0, s == cfg.pp - 1)
+        if kind not in priced:
+            first, last = kind
+            mem = stage_memory(problem.model, cfg, sums, first=first, last=last, in_flight=0,
+                               reserved_bytes=acc.reserved_memory_bytes, act_rebuilt=0.0)
+            priced[kind] = (
+                sum(stage_body(ctx, sums, first=first, last=last).values()),
+                sum(after_pipeline(ctx, sums, first=first, last=last).values()),
+                mem.total,  # everything but the activations in flight
+            )
+        body, after, states = priced[kind]
+        in_flight = in_flight_chunks(cfg, stage=s, num_microbatches=ctx.num_microbatches)
+        memory = states + activation_bytes(sums, in_flight=in_flight, act_rebuilt=ctx.costs.act_rebuilt)
+        ok = (b > a) & (memory <= acc.memory_bytes)
+        t[s] = np.where(ok, body + pipeline_p2p(ctx, stage=s), np.inf)
+        x[s] = np.where(ok, after, np.inf)
+    return t, x
+
+
+@numba.njit(cache=True)
+def _pareto_split(t, x, factor, capacity):  # pragma: no cover - compiled; tests run it compiled
+    stages, n1, _ = t.shape
+    layers = n1 - 1
+    front_t = np.full((stages, n1, capacity), np.inf)
+    front_x = np.full((stages, n1, capacity), np.inf)
+    next_b = np.zeros((stages, n1, capacity), dtype=np.int64)
+    next_i = np.zeros((stages, n1, capacity), dtype=np.int64)
+    count = np.zeros((stages, n1), dtype=np.int64)
+    last = stages - 1
+    for a in range(last, layers):
+        if t[last, a, layers] < np.inf:
+            front_t[last, a, 0] = t[last, a, layers]
+            front_x[last, a, 0] = x[last, a, layers]
+            next_b[last, a, 0] = layers
+            next_i[last, a, 0] = -1
+            count[last, a] = 1
+    for s in range(stages - 2, -1, -1):
+        a_first = 0 if s == 0 else s
+        a_last = 0 if s == 0 else layers - (stages - s)
+        for a in range(a_first, a_last + 1):
+            for b in range(a + 1, layers - (stages - 1 - s) + 1):
+                ts = t[s, a, b]
+                if ts == np.inf:
+                    continue
+                xs = x[s, a, b]
+                for j in range(count[s + 1, b]):
+                    nt = max(ts, front_t[s + 1, b, j])
+                    nx = max(xs, front_x[s + 1, b, j])
+                    # Keep (nt, nx) unless a point of the front is at least as good in both.
+                    dominated = False
+                    for k in range(count[s, a]):
+                        if front_t[s, a, k] <= nt and front_x[s, a, k] <= nx:
+                            dominated = True
+                            break
+                    if dominated:
+                        continue
+                    kept = 0
+                    for k in range(count[s, a]):
+                        if not (nt <= front_t[s, a, k] and nx <= front_x[s, a, k]):
+                            front_t[s, a, kept] = front_t[s, a, k]
+                            front_x[s, a, kept] = front_x[s, a, k]
+                            next_b[s, a, kept] = next_b[s, a, k]
+                            next_i[s, a, kept] = next_i[s, a, k]
+                            kept += 1
+                    if kept == capacity:
+                        return -1.0, np.zeros(0, dtype=np.int64)  # front overflow
+                    front_t[s, a, kept] = nt
+                    front_x[s, a, kept] = nx
+                    next_b[s, a, kept] = b
+                    next_i[s, a, kept] = j
+                    count[s, a] = kept + 1
+    best, best_k = np.inf, -1
+    for k in range(count[0, 0]):
+        value = factor * front_t[0, 0, k] + front_x[0, 0, k]
+        if value < best:
+            best, best_k = value, k
+    if best_k < 0:
+        return np.inf, np.zeros(0, dtype=np.int64)
+    split = np.zeros(stages, dtype=np.int64)
+    a, k = 0, best_k
+    for s in range(stages):
+        b = next_b[s, a, k]
+        split[s] = b - a
+        a, k = b, next_i[s, a, k]
+    return best, split
+
+
+def best_split(ctx: Context) -> tuple[tuple[int, ...], float] | None:
+    """The fastest split of the layers whose every stage fits, with its step time; None when no
+    split fits."""
+    if ctx.cfg.pp == 1:
+        split = (ctx.costs.num_layers,)
+        est = estimate_in(ctx, split)
+        return (split, est.step_time) if est.fits else None
+    t, x = stage_tables(ctx)
+    value, split = _pareto_split(t, x, ctx.pipeline_factor, FRONT_CAPACITY)
+    if value < 0:
+        raise RuntimeError(f"Pareto front of more than {FRONT_CAPACITY} points: raise FRONT_CAPACITY")
+    if not np.isfinite(value):
+        return None
+    return tuple(int(n) for n in split), float(value)
+
+
+def brute_force_split(ctx: Context) -> Estimate | None:
+    """Every split of the layers into cfg.pp non-empty stages, scored by `estimate`; the fastest
+    that fits. Exponential: for the exactness tests only."""
+    layers, stages = ctx.costs.num_layers, ctx.cfg.pp
+    best = None
+    for cuts in itertools.combinations(range(1, layers), stages - 1):
+        bounds = (0, *cuts, layers)
+        split = tuple(bounds[i + 1] - bounds[i] for i in range(stages))
+        est = estimate_in(ctx, split)
+        if est.fits and (best is None or est.step_time < best.step_time):
+            best = est
+    return best
+
+
+def balanced_split(num_layers: int, stages: int) -> tuple[int, ...]:
+    """As even as the layers allow: the first num_layers % stages stages take one more."""
+    base, extra = divmod(num_layers, stages)
+    return tuple(base + (i < extra) for i in range(stages))
+
+
+def lower_bound(problem: Problem, cfg: ParallelConfig) -> float:
+    """A step time no split can beat: the slowest stage is at least the mean of the stages, and a
+    stage is at least its layers' computation, recomputation and communication."""
+    spans = spans_for(cfg, problem.topology, None)
+    net = Network.for_topology(problem.topology, busy_fraction=cfg.world / problem.num_devices)
+    compute = RooflineCompute(problem.accelerator)
+    kinds = problem.model.layer_is_moe()
+    per_microbatch = 0.0
+    for moe in set(kinds):
+        lt = layer_time(problem.model, cfg=cfg, moe=moe, spans=spans, net=net, compute=compute)
+        work = lt.fwd_compute + lt.bwd_compute + lt.tp_comm + lt.cp_comm + lt.ep_comm
+        if cfg.recompute == "selective":
+            work += lt.core_attention_fwd
+        elif cfg.recompute == "full" and cfg.recompute_num_layers is None:
+            work += lt.fwd
+        per_microbatch += kinds.count(moe) * work
+    factor = num_microbatches(cfg, problem.global_batch_size) + (cfg.pp - 1) / cfg.vpp
+    return factor * per_microbatch / cfg.pp
+
+
+def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None) -> SearchResult:
+    """Every configuration of the search space with its best layer split; configurations are
+    visited by increasing lower bound and skipped once the bound cannot beat the kept plans."""
+    start = time.perf_counter()
+    space = candidates(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=True)
+    pending = sorted((lower_bound(problem, cfg), i, cfg) for i, cfg in enumerate(space))
+    layers = problem.model.cfg.num_layers
+    fastest: list[tuple[float, int, Context, tuple[int, ...]]] = []  # max-heap of the top_k + 1
+    too_big: list[Estimate] = []
+    solved = 0
+    for bound, i, cfg in pending:
+        if len(fastest) > solver.top_k and bound >= -fastest[0][0]:
+            break
+        solved += 1
+        ctx = context(problem, cfg)
+        if cfg.vpp == 1:
+            found = best_split(ctx)
+        else:
+            est = estimate_in(ctx, uniform_split(layers, cfg.pp))
+            found = (est.layers_per_stage, est.step_time) if est.fits else None
+        if found is None:
+            if len(too_big) < 3:
+                too_big.append(estimate_in(ctx, balanced_split(layers, cfg.pp)))
+            continue
+        split, step = found
+        heapq.heappush(fastest, (-step, i, ctx, split))
+        if len(fastest) > solver.top_k + 1:
+            heapq.heappop(fastest)
+    ranked = [estimate_in(ctx, split) for _, _, ctx, split in sorted(fastest, key=lambda item: (-item[0], item[1]))]
+    return SearchResult(
+        best=ranked[0] if ranked else None,
+        runners_up=ranked[1:] + too_big,
+        configs_evaluated=solved,
+        time_s=time.perf_counter() - start,
+        configs_in_space=len(pending),
+    )
