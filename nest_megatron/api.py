@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from nest_megatron.config.load import Loaded, load
 from nest_megatron.cost.evaluate import estimate
-from nest_megatron.errors import InfeasibleError, NestError
+from nest_megatron.errors import InfeasibleError
 from nest_megatron.hardware.accelerator import GIB
 from nest_megatron.plan import Plan, build_plan
 from nest_megatron.solver.registry import SOLVERS

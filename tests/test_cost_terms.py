@@ -27,9 +27,9 @@ from nest_megatron.cost.evaluate import estimate
 from nest_megatron.cost.flops import megatron_model_flops
 from nest_megatron.cost.layer import layer_time
 from nest_megatron.cost.memory import in_flight_chunks, model_state_bytes, stage_memory
-from nest_megatron.cost.tables import layer_costs, range_sums
 from nest_megatron.cost.placement import compute_spans
 from nest_megatron.cost.problem import Problem
+from nest_megatron.cost.tables import layer_costs, range_sums
 from nest_megatron.hardware.accelerator import Accelerator
 from nest_megatron.hardware.topology import Level, Topology
 from nest_megatron.model.spec import Gemm, ModelSpec

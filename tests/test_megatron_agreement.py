@@ -27,7 +27,6 @@ pytestmark = [
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.parallel_state import RankGenerator  # noqa: E402
 from megatron.core.transformer.transformer_block import get_num_layers_to_build  # noqa: E402
-
 from megatron_helpers import (  # noqa: E402
     as_rank,
     build_meta_gpt,
@@ -37,6 +36,7 @@ from megatron_helpers import (  # noqa: E402
     load_model_config,
     teardown_distributed,
 )
+
 from nest_megatron.config.schema import ModelConfig  # noqa: E402
 from nest_megatron.cost.activations import layer_activation_bytes, layer_activation_terms  # noqa: E402
 from nest_megatron.cost.memory import model_state_bytes, stage_memory  # noqa: E402

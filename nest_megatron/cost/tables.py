@@ -22,7 +22,6 @@ from nest_megatron.cost.placement import Spans
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 
-
 NO_TIME = LayerTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 

@@ -28,6 +28,8 @@ import numba
 import numpy as np
 
 from nest_megatron.config.schema import PlanChoice, SolverConfig
+from nest_megatron.cost.collectives import Network
+from nest_megatron.cost.compute import RooflineCompute
 from nest_megatron.cost.evaluate import (
     Context,
     Estimate,
@@ -38,8 +40,6 @@ from nest_megatron.cost.evaluate import (
     stage_body,
     uniform_split,
 )
-from nest_megatron.cost.collectives import Network
-from nest_megatron.cost.compute import RooflineCompute
 from nest_megatron.cost.layer import layer_time
 from nest_megatron.cost.memory import activation_bytes, in_flight_chunks, stage_memory
 from nest_megatron.cost.placement import spans_for
