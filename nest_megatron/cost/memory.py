@@ -101,7 +101,7 @@ def stage_memory(
     if cfg.zero == 3:
         # The gathered weights of the layer being computed and of the one prefetched.
         weights = weights + 2 * BF16 * max(sum(model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe))
-                                           for moe in set(model.layer_is_moe()))
+                                           for moe in set(model.layer_is_moe))
     activations = activation_bytes(sums, in_flight=in_flight, act_rebuilt=act_rebuilt)
     logits = logits_bytes(model, mbs=cfg.mbs, tp=cfg.tp, cp=cfg.cp) if last else 0.0
     return StageMemory(weights, grads, optimizer, activations, logits, reserved_bytes)

@@ -57,7 +57,7 @@ def layer_costs(
     model: ModelSpec, cfg: ParallelConfig, *, spans: Spans | None, net: Network | None, compute: ComputeModel | None
 ) -> LayerCosts:
     """Per-layer costs; with spans=None only the memory columns (times are left at zero)."""
-    kinds = model.layer_is_moe()
+    kinds = model.layer_is_moe
     per_kind = {}
     for moe in set(kinds):
         lt = layer_time(model, cfg=cfg, moe=moe, spans=spans, net=net, compute=compute) if spans else NO_TIME

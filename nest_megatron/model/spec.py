@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 from nest_megatron.config.schema import ModelConfig
 
@@ -60,9 +61,10 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return bool(self.cfg.num_experts)
 
-    def layer_is_moe(self) -> list[bool]:
+    @cached_property
+    def layer_is_moe(self) -> tuple[bool, ...]:
         """Per transformer layer, whether its MLP is MoE (Megatron's --moe-layer-freq)."""
-        return [self.is_moe and i % self.cfg.moe_layer_freq == 0 for i in range(self.cfg.num_layers)]
+        return tuple(self.is_moe and i % self.cfg.moe_layer_freq == 0 for i in range(self.cfg.num_layers))
 
     @property
     def moe_ffn(self) -> int:

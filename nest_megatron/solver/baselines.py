@@ -53,7 +53,7 @@ def search_record(name: str, *, time_s: float = 0.0, configs_evaluated: int = 1,
 def total_params(problem: Problem) -> int:
     """Parameters of the whole model (one copy, no parallelism)."""
     model = problem.model
-    layers = sum(sum(model.layer_params(tp=1, ep=1, etp=1, moe=moe)) for moe in model.layer_is_moe())
+    layers = sum(sum(model.layer_params(tp=1, ep=1, etp=1, moe=moe)) for moe in model.layer_is_moe)
     return layers + model.embedding_params(1) + model.output_params(tp=1, pp=1)
 
 

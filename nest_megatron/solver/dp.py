@@ -6,9 +6,9 @@ contiguous pipeline stages, possibly uneven, minimising the cost model's step ti
     step = F * max_s t_s + max_s x_s        (F = micro-batches + (p - 1); x: after the pipeline)
 
 over the splits whose every stage fits in memory. The stage tables come from the cost model's
-own stage formulas, applied to arrays of candidate stages (`cost.evaluate.stage_parts`,
-`after_pipeline`, `memory.stage_memory`): t[s, a, b], x[s, a, b] and the memory of stage s holding
-layers [a, b). Stage s knows its micro-batches in flight (p - s under 1F1B) and the network level
+own stage formulas, applied to arrays of candidate stages (`cost.evaluate.stage_body`,
+`pipeline_p2p`, `after_pipeline`, `memory.stage_memory`): t(s, a, b), x(s, a, b) and the memory of
+stage s holding layers [a, b). Stage s knows its micro-batches in flight (p - s under 1F1B) and the network level
 of its boundaries, so memory and transfers are priced where they occur.
 
 Stages are filled from the last backwards. Because the objective adds two maxima, the state
@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -53,45 +54,66 @@ from nest_megatron.solver.space import candidates
 FRONT_CAPACITY = 64  # Pareto points kept per state; exceeding it is an error, never a silent cut
 
 
-def stage_tables(ctx: Context) -> tuple[np.ndarray, np.ndarray]:
-    """t[s, a, b] and x[s, a, b] for every stage s and layer range [a, b); inf where the stage
-    does not fit in memory or is empty.
+class StageTables(NamedTuple):
+    """Stage s holding layers [a, b) costs t = body[kind[s], a, b] + p2p[s] per micro-batch and
+    x = after[kind[s], a, b] after the pipeline, and fits when in_flight[s] * per_chunk[a, b] <=
+    room[kind[s], a, b] (the memory left beside its model states, logits, workspace and the layer
+    rebuilt by recompute). Kinds: first, middle, last (or the only) stage."""
 
-    A stage's costs depend on its index only through being first or last, its pipeline transfers
-    and its micro-batches in flight, so the tables are priced once per kind of stage.
-    """
+    body: np.ndarray
+    after: np.ndarray
+    room: np.ndarray
+    per_chunk: np.ndarray
+    kind: np.ndarray
+    p2p: np.ndarray
+    in_flight: np.ndarray
+
+
+def stage_tables(ctx: Context) -> StageTables:
+    """Every candidate stage priced with the cost model's own stage formulas, once per kind of
+    stage: a stage's index matters only through being first or last, its pipeline transfers and
+    its micro-batches in flight (activation_bytes is affine in them)."""
     cfg, problem = ctx.cfg, ctx.problem
     acc = problem.accelerator
     layers = ctx.costs.num_layers
     a = np.arange(layers + 1)[:, None]
     b = np.arange(layers + 1)[None, :]
     sums = range_sums(ctx.costs, cfg, a, b)
-    t = np.full((cfg.pp, layers + 1, layers + 1), np.inf)
-    x = np.full_like(t, np.inf)
-    priced = {}
-    for s in range(cfg.pp):
-        kind = (s == 0, s == cfg.pp - 1)
-        if kind not in priced:
-            first, last = kind
-            mem = stage_memory(problem.model, cfg, sums, first=first, last=last, in_flight=0,
-                               reserved_bytes=acc.reserved_memory_bytes, act_rebuilt=0.0)
-            priced[kind] = (
-                sum(stage_body(ctx, sums, first=first, last=last).values()),
-                sum(after_pipeline(ctx, sums, first=first, last=last).values()),
-                mem.total,  # everything but the activations in flight
-            )
-        body, after, states = priced[kind]
-        in_flight = in_flight_chunks(cfg, stage=s, num_microbatches=ctx.num_microbatches)
-        memory = states + activation_bytes(sums, in_flight=in_flight, act_rebuilt=ctx.costs.act_rebuilt)
-        ok = (b > a) & (memory <= acc.memory_bytes)
-        t[s] = np.where(ok, body + pipeline_p2p(ctx, stage=s), np.inf)
-        x[s] = np.where(ok, after, np.inf)
-    return t, x
+    rebuilt = activation_bytes(sums, in_flight=0, act_rebuilt=ctx.costs.act_rebuilt)
+    per_chunk = activation_bytes(sums, in_flight=1, act_rebuilt=ctx.costs.act_rebuilt) - rebuilt
+    kinds = [(s == 0, s == cfg.pp - 1) for s in range(cfg.pp)]
+    distinct = list(dict.fromkeys(kinds))
+    body, after, room = [], [], []
+    for first, last in distinct:
+        states = stage_memory(problem.model, cfg, sums, first=first, last=last, in_flight=0,
+                              reserved_bytes=acc.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt)
+        body.append(sum(stage_body(ctx, sums, first=first, last=last).values()) + 0 * a * b)
+        after.append(sum(after_pipeline(ctx, sums, first=first, last=last).values()) + 0 * a * b)
+        room.append(acc.memory_bytes - states.total + 0 * a * b)
+    return StageTables(
+        body=np.stack(body).astype(float),
+        after=np.stack(after).astype(float),
+        room=np.stack(room).astype(float),
+        per_chunk=np.asarray(per_chunk + 0 * a * b, dtype=float),
+        kind=np.array([distinct.index(k) for k in kinds], dtype=np.int64),
+        p2p=np.array([pipeline_p2p(ctx, stage=s) for s in range(cfg.pp)], dtype=float),
+        in_flight=np.array([in_flight_chunks(cfg, stage=s, num_microbatches=ctx.num_microbatches)
+                            for s in range(cfg.pp)], dtype=float),
+    )
+
+
+@numba.njit(cache=True, inline="always")
+def _stage(tables, s, a, b):
+    """(t, x) of stage s on layers [a, b), or (inf, inf) when it does not fit."""
+    k = tables[4][s]
+    if b <= a or tables[6][s] * tables[3][a, b] > tables[2][k, a, b]:
+        return np.inf, np.inf
+    return tables[0][k, a, b] + tables[5][s], tables[1][k, a, b]
 
 
 @numba.njit(cache=True)
-def _pareto_split(t, x, factor, capacity):  # pragma: no cover - compiled; tests run it compiled
-    stages, n1, _ = t.shape
+def _pareto_split(tables, stages, factor, capacity):  # pragma: no cover - compiled; tests run it compiled
+    n1 = tables[3].shape[0]
     layers = n1 - 1
     front_t = np.full((stages, n1, capacity), np.inf)
     front_x = np.full((stages, n1, capacity), np.inf)
@@ -100,9 +122,10 @@ def _pareto_split(t, x, factor, capacity):  # pragma: no cover - compiled; tests
     count = np.zeros((stages, n1), dtype=np.int64)
     last = stages - 1
     for a in range(last, layers):
-        if t[last, a, layers] < np.inf:
-            front_t[last, a, 0] = t[last, a, layers]
-            front_x[last, a, 0] = x[last, a, layers]
+        ts, xs = _stage(tables, last, a, layers)
+        if ts < np.inf:
+            front_t[last, a, 0] = ts
+            front_x[last, a, 0] = xs
             next_b[last, a, 0] = layers
             next_i[last, a, 0] = -1
             count[last, a] = 1
@@ -111,10 +134,9 @@ def _pareto_split(t, x, factor, capacity):  # pragma: no cover - compiled; tests
         a_last = 0 if s == 0 else layers - (stages - s)
         for a in range(a_first, a_last + 1):
             for b in range(a + 1, layers - (stages - 1 - s) + 1):
-                ts = t[s, a, b]
+                ts, xs = _stage(tables, s, a, b)
                 if ts == np.inf:
                     continue
-                xs = x[s, a, b]
                 for j in range(count[s + 1, b]):
                     nt = max(ts, front_t[s + 1, b, j])
                     nx = max(xs, front_x[s + 1, b, j])
@@ -164,8 +186,8 @@ def best_split(ctx: Context) -> tuple[tuple[int, ...], float] | None:
         split = (ctx.costs.num_layers,)
         est = estimate_in(ctx, split)
         return (split, est.step_time) if est.fits else None
-    t, x = stage_tables(ctx)
-    value, split = _pareto_split(t, x, ctx.pipeline_factor, FRONT_CAPACITY)
+    tables = stage_tables(ctx)
+    value, split = _pareto_split(tuple(tables), ctx.cfg.pp, ctx.pipeline_factor, FRONT_CAPACITY)
     if value < 0:
         raise RuntimeError(f"Pareto front of more than {FRONT_CAPACITY} points: raise FRONT_CAPACITY")
     if not np.isfinite(value):
@@ -199,7 +221,7 @@ def lower_bound(problem: Problem, cfg: ParallelConfig) -> float:
     spans = spans_for(cfg, problem.topology, None)
     net = Network.for_topology(problem.topology, busy_fraction=cfg.world / problem.num_devices)
     compute = RooflineCompute(problem.accelerator)
-    kinds = problem.model.layer_is_moe()
+    kinds = problem.model.layer_is_moe
     per_microbatch = 0.0
     for moe in set(kinds):
         lt = layer_time(problem.model, cfg=cfg, moe=moe, spans=spans, net=net, compute=compute)
