@@ -76,11 +76,11 @@ def summary(est: Estimate) -> dict:
     }
 
 
-def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name: str, rank_to_device: np.ndarray | None = None,
+def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name: str,
                search: dict | None = None, runners_up: list[Estimate] = ()) -> Plan:
     c, model = est.config, problem.model
     level_names = [lv.name for lv in problem.topology.levels]
-    mapping = rank_to_device if rank_to_device is not None else np.arange(c.world)
+    mapping = est.rank_to_device if est.rank_to_device is not None else np.arange(c.world)
     return Plan(
         model=model_name,
         cluster=cluster_name,

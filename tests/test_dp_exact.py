@@ -11,15 +11,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nest_megatron import api
-from nest_megatron.config.schema import ModelConfig
-from nest_megatron.cost.evaluate import context, estimate_in
+from nest_megatron.config.schema import ModelConfig, PlanChoice, SolverConfig
+from nest_megatron.cost.evaluate import context, estimate, estimate_in
 from nest_megatron.cost.problem import Problem
 from nest_megatron.hardware.accelerator import Accelerator
 from nest_megatron.hardware.topology import Level, Topology
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
+from nest_megatron.parallel.ranks import node_permutations
 from nest_megatron.parallel.rules import violation
-from nest_megatron.solver.dp import balanced_split, best_split, brute_force_split
+from nest_megatron.solver.dp import balanced_split, best_split, brute_force_split, solve
 
 
 @st.composite
@@ -124,3 +125,37 @@ def test_plan_uses_the_dp_and_beats_the_even_split_enumerator():
     # The DP's space holds every even split the enumerator scores, so it is never slower.
     assert dp.predicted["step_time_s"] <= brute.predicted["step_time_s"] * (1 + 1e-12)
     assert math.isfinite(dp.predicted["step_time_s"])
+
+
+def test_node_permutations_lay_pipeline_neighbours_on_adjacent_nodes():
+    # 8 ranks, 2 per node, tp 2 x dp 2 x pp 2 in Megatron's tp-cp-ep-dp-pp order: node blocks are
+    # (dp, pp) = (0,0) (1,0) (0,1) (1,1). Megatron's layout puts them on nodes 0 1 2 3; the other
+    # order puts (dp, pp) = (0,0) (0,1) (1,0) (1,1) there, i.e. block 1 -> node 2, block 2 -> node 1.
+    sizes = {"tp": 2, "cp": 1, "ep": 1, "dp": 2, "pp": 2}
+    maps = node_permutations("tp-cp-ep-dp-pp", sizes, 2)
+    assert [m.tolist() for m in maps] == [[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 4, 5, 2, 3, 6, 7]]
+    # Every map is a permutation of the devices that keeps each node's ranks together.
+    for m in node_permutations("tp-cp-ep-dp-pp", {"tp": 2, "cp": 2, "ep": 1, "dp": 8, "pp": 4}, 8):
+        assert sorted(m.tolist()) == list(range(128))
+        assert all(len(set(m[r:r + 8] // 8)) == 1 for r in range(0, 128, 8))
+
+
+def test_the_planner_picks_the_faster_node_order():
+    # 2 GPUs a node, 2 nodes a rack, 2 racks; the racks are joined by a slow link. A model whose
+    # pipeline traffic (seq 2048 activations) outweighs its gradients: pipeline neighbours should
+    # share a rack, which only the second node order does (see the test above).
+    topology = Topology("two_racks", (Level("node", 2, 100e9, 1e-6), Level("rack", 2, 10e9, 1e-6),
+                                      Level("spine", 2, 0.1e9, 1e-6)))
+    model = ModelSpec(ModelConfig(name="wide", num_layers=4, hidden_size=256, ffn_hidden_size=512,
+                                  num_attention_heads=4, seq_length=2048, vocab_size=256))
+    acc = Accelerator(name="acc", peak_flops=1e15, memory_bytes=1e12, hbm_bandwidth=3e12, gemm_efficiency=0.7,
+                      attention_efficiency=0.5, memory_bound_efficiency=0.8, reserved_memory_bytes=0.0)
+    problem = Problem(model=model, accelerator=acc, topology=topology, global_batch_size=16)
+    pins = PlanChoice(tp=2, pp=2, dp=2, cp=1, mbs=1, zero=1, recompute="none", order="tp-cp-ep-dp-pp")
+    result = solve(problem, SolverConfig(), pins, micro_batch_size=None)
+    cfg = result.best.config
+    by_map = {tuple(m): estimate(problem, cfg, layers_per_stage=result.best.layers_per_stage, rank_to_device=m).step_time
+              for m in node_permutations(cfg.order, {"tp": 2, "cp": 1, "ep": 1, "dp": 2, "pp": 2}, 2)}
+    assert by_map[(0, 1, 4, 5, 2, 3, 6, 7)] < by_map[(0, 1, 2, 3, 4, 5, 6, 7)]
+    assert tuple(result.best.rank_to_device) == (0, 1, 4, 5, 2, 3, 6, 7)
+    assert result.best.step_time == pytest.approx(min(by_map.values()), rel=1e-12)

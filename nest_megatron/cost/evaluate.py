@@ -50,6 +50,7 @@ class Estimate:
     levels: dict[str, int]  # highest network level each group kind crosses
     idle_devices: int
     stage_times: tuple[float, ...] = field(default=())  # per micro-batch, s
+    rank_to_device: np.ndarray | None = None  # None: rank r on device r
 
     @property
     def peak_memory(self) -> float:
@@ -71,6 +72,7 @@ class Context:
     compute: ComputeModel
     costs: LayerCosts
     num_microbatches: int
+    rank_to_device: np.ndarray | None = None
 
     @property
     def pipeline_factor(self) -> float:
@@ -84,7 +86,8 @@ def context(problem: Problem, cfg: ParallelConfig, *, rank_to_device: np.ndarray
     spans = spans_for(cfg, problem.topology, rank_to_device)
     net = Network.for_topology(problem.topology, busy_fraction=cfg.world / problem.num_devices)
     costs = layer_costs(problem.model, cfg, spans=spans, net=net, compute=compute)
-    return Context(problem, cfg, spans, net, compute, costs, num_microbatches(cfg, problem.global_batch_size))
+    return Context(problem, cfg, spans, net, compute, costs, num_microbatches(cfg, problem.global_batch_size),
+                   rank_to_device)
 
 
 def uniform_split(num_layers: int, pp: int) -> tuple[int, ...]:
@@ -106,18 +109,19 @@ def estimate(
 
 
 def estimate_in(ctx: Context, split: tuple[int, ...]) -> Estimate:
+    """The Estimate of `ctx`'s configuration with the layers split as `split`."""
     problem, cfg = ctx.problem, ctx.cfg
     model, acc = problem.model, problem.accelerator
     sums = [stage_sums(ctx.costs, cfg, tuple(split), i) for i in range(cfg.pp)]
-    stage_parts_ = [stage_parts(ctx, s, stage=i) for i, s in enumerate(sums)]
-    stage_times = [float(sum(parts.values())) for parts in stage_parts_]
+    parts_per_stage = [stage_parts(ctx, s, stage=i) for i, s in enumerate(sums)]
+    stage_times = [float(sum(parts.values())) for parts in parts_per_stage]
     slowest = int(np.argmax(stage_times))
     finish = [after_pipeline(ctx, s, first=i == 0, last=i == cfg.pp - 1) for i, s in enumerate(sums)]
     last = int(np.argmax([sum(f.values()) for f in finish]))
     step = ctx.pipeline_factor * stage_times[slowest] + float(sum(finish[last].values()))
 
     m = ctx.num_microbatches
-    breakdown = {k: float(m * v) for k, v in stage_parts_[slowest].items()}
+    breakdown = {k: float(m * v) for k, v in parts_per_stage[slowest].items()}
     breakdown["pipeline_bubble"] = (cfg.pp - 1) / cfg.vpp * stage_times[slowest]
     breakdown.update({k: float(v) for k, v in finish[last].items()})
 
@@ -143,6 +147,7 @@ def estimate_in(ctx: Context, split: tuple[int, ...]) -> Estimate:
         levels=ctx.spans.levels_used(moe=model.is_moe),
         idle_devices=problem.num_devices - cfg.world,
         stage_times=tuple(stage_times),
+        rank_to_device=ctx.rank_to_device,
     )
 
 

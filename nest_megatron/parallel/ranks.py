@@ -8,6 +8,7 @@ topology and counts, per level, how many units of the level below it joins.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,3 +87,46 @@ def group_shapes(groups: np.ndarray, rank_to_device: np.ndarray, topology: Topol
 def identity_placement(world: int) -> np.ndarray:
     """Rank r on device r: Megatron's default when torchrun assigns ranks node by node."""
     return np.arange(world)
+
+
+def node_permutations(order: str, sizes: dict[str, int], devices_per_node: int) -> list[np.ndarray]:
+    """Rank -> device maps that torchrun can realise by giving node ranks to the hosts in another
+    order (each node keeps a block of consecutive ranks, issue: launch).
+
+    The rank dimensions that vary across nodes (fastest first in `order`; one that straddles the
+    node boundary is split into its part inside and its part across) are laid out over the nodes
+    in every order of those dimensions, e.g. with tp-cp-ep-dp-pp either consecutive nodes hold
+    data-parallel replicas (Megatron's layout) or pipeline neighbours. The identity comes first.
+    """
+    names = [n for n in order.split("-") if sizes.get(n, 1) > 1]
+    world = int(np.prod([sizes[n] for n in names])) if names else 1
+    identity = identity_placement(world)
+    if world % devices_per_node or world // devices_per_node == 1:
+        return [identity]
+    inside, across = 1, []
+    for name in names:
+        size = sizes[name]
+        if inside * size <= devices_per_node:
+            inside *= size
+        elif inside < devices_per_node:
+            if (devices_per_node % inside) or (size % (devices_per_node // inside)):
+                return [identity]
+            split = devices_per_node // inside
+            inside = devices_per_node
+            across.append(size // split)
+        else:
+            across.append(size)
+    num_nodes = world // devices_per_node
+    block = np.arange(num_nodes).reshape(across[::-1])  # axis j holds across-dimension len-1-j
+    maps, seen = [identity], {tuple(range(num_nodes))}
+    for perm in itertools.permutations(range(len(across))):
+        # Node of a block = mixed radix of its across-indices, taken in the order `perm`.
+        axes = [len(across) - 1 - d for d in perm][::-1]
+        node_of_block = np.empty(num_nodes, dtype=int)
+        node_of_block[block.transpose(axes).reshape(-1)] = np.arange(num_nodes)
+        key = tuple(node_of_block)
+        if key not in seen:
+            seen.add(key)
+            ranks = np.arange(world)
+            maps.append(node_of_block[ranks // devices_per_node] * devices_per_node + ranks % devices_per_node)
+    return maps

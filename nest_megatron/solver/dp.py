@@ -47,6 +47,7 @@ from nest_megatron.cost.placement import spans_for
 from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.tables import range_sums
 from nest_megatron.parallel.config import ParallelConfig
+from nest_megatron.parallel.ranks import decoder_sizes, node_permutations
 from nest_megatron.parallel.rules import num_microbatches
 from nest_megatron.solver.enumerate import SearchResult
 from nest_megatron.solver.space import candidates
@@ -235,9 +236,33 @@ def lower_bound(problem: Problem, cfg: ParallelConfig) -> float:
     return factor * per_microbatch / cfg.pp
 
 
+def best_for(ctx: Context) -> tuple[tuple[int, ...], float] | None:
+    """The best split of `ctx`'s configuration and its step time (the even split with virtual
+    stages), or None when nothing fits."""
+    if ctx.cfg.vpp == 1:
+        return best_split(ctx)
+    est = estimate_in(ctx, uniform_split(ctx.costs.num_layers, ctx.cfg.pp))
+    return (est.layers_per_stage, est.step_time) if est.fits else None
+
+
+def best_placement(problem: Problem, ctx: Context, found: tuple[tuple[int, ...], float]) -> tuple[Context, tuple[int, ...], float]:
+    """The configuration under every node order torchrun can realise (`node_permutations`): the
+    one whose best split is fastest, with that split and step time."""
+    cfg = ctx.cfg
+    best = (ctx, *found)
+    for mapping in node_permutations(cfg.order, decoder_sizes(cfg), problem.topology.devices_per_node)[1:]:
+        alt = context(problem, cfg, rank_to_device=mapping)
+        alt_found = best_for(alt)
+        if alt_found is not None and alt_found[1] < best[2]:
+            best = (alt, *alt_found)
+    return best
+
+
 def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None) -> SearchResult:
     """Every configuration of the search space with its best layer split; configurations are
-    visited by increasing lower bound and skipped once the bound cannot beat the kept plans."""
+    visited by increasing lower bound and skipped once the bound cannot beat the kept plans. The
+    kept plans then try every realisable node order (placement changes communication only, which
+    the bound leaves out, so a plan can only improve)."""
     start = time.perf_counter()
     space = candidates(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=True)
     pending = sorted((lower_bound(problem, cfg), i, cfg) for i, cfg in enumerate(space))
@@ -250,20 +275,16 @@ def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_bat
             break
         solved += 1
         ctx = context(problem, cfg)
-        if cfg.vpp == 1:
-            found = best_split(ctx)
-        else:
-            est = estimate_in(ctx, uniform_split(layers, cfg.pp))
-            found = (est.layers_per_stage, est.step_time) if est.fits else None
+        found = best_for(ctx)
         if found is None:
             if len(too_big) < 3:
                 too_big.append(estimate_in(ctx, balanced_split(layers, cfg.pp)))
             continue
-        split, step = found
-        heapq.heappush(fastest, (-step, i, ctx, split))
+        heapq.heappush(fastest, (-found[1], i, ctx, found[0]))
         if len(fastest) > solver.top_k + 1:
             heapq.heappop(fastest)
-    ranked = [estimate_in(ctx, split) for _, _, ctx, split in sorted(fastest, key=lambda item: (-item[0], item[1]))]
+    placed = [best_placement(problem, ctx, (split, -neg_step)) + (i,) for neg_step, i, ctx, split in fastest]
+    ranked = [estimate_in(ctx, split) for ctx, split, _, _ in sorted(placed, key=lambda item: (item[2], item[3]))]
     return SearchResult(
         best=ranked[0] if ranked else None,
         runners_up=ranked[1:] + too_big,
