@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nest_megatron import api
+from nest_megatron.config.load import load
 from nest_megatron.config.schema import ModelConfig, PlanChoice, SolverConfig
 from nest_megatron.cost.evaluate import context, estimate, estimate_in
 from nest_megatron.cost.problem import Problem
@@ -159,3 +160,16 @@ def test_the_planner_picks_the_faster_node_order():
     assert by_map[(0, 1, 4, 5, 2, 3, 6, 7)] < by_map[(0, 1, 2, 3, 4, 5, 6, 7)]
     assert tuple(result.best.rank_to_device) == (0, 1, 4, 5, 2, 3, 6, 7)
     assert result.best.step_time == pytest.approx(min(by_map.values()), rel=1e-12)
+
+
+@pytest.mark.parametrize("model", ["tiny_gpt", "tiny_moe"])
+def test_pruning_keeps_the_optimum(model):
+    # Visiting configurations by lower bound, stopping early and cutting stages inside the DP must
+    # find the same best plan as solving every configuration of the space (top_k above its size).
+    loaded = load([f"model={model}", "model.num_layers=6", "cluster=dgx_h100_superpod", "cluster.num_devices=16",
+                   "train.global_batch_size=64"])
+    problem, cfg = loaded.problem, loaded.config
+    pruned = solve(problem, cfg.solver, cfg.plan, micro_batch_size=None)
+    everything = solve(problem, SolverConfig(top_k=10**9), cfg.plan, micro_batch_size=None)
+    assert everything.configs_evaluated == everything.configs_in_space > pruned.configs_evaluated
+    assert pruned.best.step_time == pytest.approx(everything.best.step_time, rel=1e-12)

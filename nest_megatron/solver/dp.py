@@ -113,7 +113,7 @@ def _stage(tables, s, a, b):
 
 
 @numba.njit(cache=True)
-def _pareto_split(tables, stages, factor, capacity):  # pragma: no cover - compiled; tests run it compiled
+def _pareto_split(tables, stages, factor, capacity, cutoff):  # pragma: no cover - compiled; tests run it compiled
     n1 = tables[3].shape[0]
     layers = n1 - 1
     front_t = np.full((stages, n1, capacity), np.inf)
@@ -124,7 +124,7 @@ def _pareto_split(tables, stages, factor, capacity):  # pragma: no cover - compi
     last = stages - 1
     for a in range(last, layers):
         ts, xs = _stage(tables, last, a, layers)
-        if ts < np.inf:
+        if factor * ts < cutoff:
             front_t[last, a, 0] = ts
             front_x[last, a, 0] = xs
             next_b[last, a, 0] = layers
@@ -136,7 +136,7 @@ def _pareto_split(tables, stages, factor, capacity):  # pragma: no cover - compi
         for a in range(a_first, a_last + 1):
             for b in range(a + 1, layers - (stages - 1 - s) + 1):
                 ts, xs = _stage(tables, s, a, b)
-                if ts == np.inf:
+                if factor * ts >= cutoff:  # no split with this stage can beat the cutoff
                     continue
                 for j in range(count[s + 1, b]):
                     nt = max(ts, front_t[s + 1, b, j])
@@ -180,18 +180,18 @@ def _pareto_split(tables, stages, factor, capacity):  # pragma: no cover - compi
     return best, split
 
 
-def best_split(ctx: Context) -> tuple[tuple[int, ...], float] | None:
+def best_split(ctx: Context, *, cutoff: float = np.inf) -> tuple[tuple[int, ...], float] | None:
     """The fastest split of the layers whose every stage fits, with its step time; None when no
-    split fits."""
+    split fits or none is faster than `cutoff` (stages slower than cutoff / F are never tried)."""
     if ctx.cfg.pp == 1:
         split = (ctx.costs.num_layers,)
         est = estimate_in(ctx, split)
-        return (split, est.step_time) if est.fits else None
+        return (split, est.step_time) if est.fits and est.step_time < cutoff else None
     tables = stage_tables(ctx)
-    value, split = _pareto_split(tuple(tables), ctx.cfg.pp, ctx.pipeline_factor, FRONT_CAPACITY)
+    value, split = _pareto_split(tuple(tables), ctx.cfg.pp, ctx.pipeline_factor, FRONT_CAPACITY, cutoff)
     if value < 0:
         raise RuntimeError(f"Pareto front of more than {FRONT_CAPACITY} points: raise FRONT_CAPACITY")
-    if not np.isfinite(value):
+    if not value < cutoff:
         return None
     return tuple(int(n) for n in split), float(value)
 
@@ -236,13 +236,13 @@ def lower_bound(problem: Problem, cfg: ParallelConfig) -> float:
     return factor * per_microbatch / cfg.pp
 
 
-def best_for(ctx: Context) -> tuple[tuple[int, ...], float] | None:
+def best_for(ctx: Context, *, cutoff: float = np.inf) -> tuple[tuple[int, ...], float] | None:
     """The best split of `ctx`'s configuration and its step time (the even split with virtual
-    stages), or None when nothing fits."""
+    stages), or None when nothing fits or beats `cutoff`."""
     if ctx.cfg.vpp == 1:
-        return best_split(ctx)
+        return best_split(ctx, cutoff=cutoff)
     est = estimate_in(ctx, uniform_split(ctx.costs.num_layers, ctx.cfg.pp))
-    return (est.layers_per_stage, est.step_time) if est.fits else None
+    return (est.layers_per_stage, est.step_time) if est.fits and est.step_time < cutoff else None
 
 
 def best_placement(problem: Problem, ctx: Context, found: tuple[tuple[int, ...], float]) -> tuple[Context, tuple[int, ...], float]:
@@ -252,7 +252,7 @@ def best_placement(problem: Problem, ctx: Context, found: tuple[tuple[int, ...],
     best = (ctx, *found)
     for mapping in node_permutations(cfg.order, decoder_sizes(cfg), problem.topology.devices_per_node)[1:]:
         alt = context(problem, cfg, rank_to_device=mapping)
-        alt_found = best_for(alt)
+        alt_found = best_for(alt, cutoff=best[2])
         if alt_found is not None and alt_found[1] < best[2]:
             best = (alt, *alt_found)
     return best
@@ -275,9 +275,10 @@ def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_bat
             break
         solved += 1
         ctx = context(problem, cfg)
-        found = best_for(ctx)
+        cutoff = -fastest[0][0] if len(fastest) > solver.top_k else np.inf
+        found = best_for(ctx, cutoff=cutoff)
         if found is None:
-            if len(too_big) < 3:
+            if cutoff == np.inf and len(too_big) < 3:  # nothing fits (rather than nothing beats the kept)
                 too_big.append(estimate_in(ctx, balanced_split(layers, cfg.pp)))
             continue
         heapq.heappush(fastest, (-found[1], i, ctx, found[0]))
