@@ -26,7 +26,9 @@ import multiprocessing
 import os
 import platform
 import resource
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -200,7 +202,7 @@ def markdown(records: list[dict], meta: dict) -> str:
         f"- date: {meta['date']}; machine: {m['node']}, {m['cpu']}, {m['cores']} cores, Python {m['python']}",
         f"- planner: `{meta['solver']}`; global batch {meta['global_batch_size']}; micro-batch "
         f"{', '.join(map(str, meta['mbs']))}; annealing / mcmc budget {meta['budget']} evaluations, seed {meta['seed']}",
-        f"- total wall time {meta['wall_s']:.1f} s",
+        f"- total wall time {meta['wall_s']:.1f} s, of which the planner's searches {meta['planner_search_s']:.1f} s",
         "",
         "Columns after the planner: planner tokens/s divided by the baseline's (above 1: the planner is faster); "
         "`skip`: not launchable or does not fit (reasons below); empty: no such entry in the paper's grid.",
@@ -274,7 +276,9 @@ def run_grid(args, console: Console) -> int:
             progress.advance(task)
     meta = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": machine(), "solver": args.solver,
             "global_batch_size": args.global_batch, "mbs": mbss, "budget": args.budget, "seed": args.seed,
-            "wall_s": time.perf_counter() - start}
+            "wall_s": time.perf_counter() - start,
+            "planner_search_s": sum(r["planner"]["time_s"] for r in records)}
+    console.print(f"planner search time over {len(records)} cells: {meta['planner_search_s']:.1f} s")
     md_path, json_path = _out_paths(args.out, "paper_grid" + ("_mbs_sweep" if args.mbs_sweep else ""))
     md_path.write_text(markdown(records, meta))
     json_path.write_text(json.dumps({"meta": meta, "cells": records}, indent=2))
@@ -359,10 +363,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+COMPILE_PROBE = """
+import time
+t0 = time.perf_counter()
+from nest_megatron import api
+api.plan(["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64"])
+t1 = time.perf_counter()
+api.plan(["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64"])
+print(t1 - t0, time.perf_counter() - t1)
+"""
+
+
+def numba_cold_and_warm() -> tuple[float, float]:
+    """A tiny plan in a fresh process with an empty Numba cache (the DP kernel compiles: cold) and
+    the same plan again (warm); the difference is what `cache=True` saves on later runs."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache}
+        out = subprocess.run([sys.executable, "-c", COMPILE_PROBE], env=env, capture_output=True, text=True, check=True)
+    cold, warm = (float(x) for x in out.stdout.split())
+    return cold, warm
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console()
     _print_machine(console, machine())
+    cold, warm = numba_cold_and_warm()
+    console.print(f"tiny plan in a fresh process: {cold:.2f} s with an empty Numba cache (compile), {warm:.2f} s warm")
     return run_scale(args, console) if args.scale else run_grid(args, console)
 
 
