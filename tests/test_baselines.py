@@ -238,7 +238,7 @@ def test_bench_cell_runner_on_a_tiny_cell(bench, tmp_path):
     plans = sorted(f.name for f in (tmp_path / "plans").iterdir())
     assert len(plans) == 5 and any(name.endswith("_manual.json") for name in plans)
     meta = {"date": "today", "machine": bench.machine(), "solver": "enumerate", "global_batch_size": 64, "mbs": [1],
-            "budget": 30, "seed": 0, "wall_s": 1.0}
+            "budget": 30, "seed": 0, "wall_s": 1.0, "planner_search_s": planner["time_s"]}
     md = bench.markdown([record], meta)
     assert "| tiny_gpt | dgx_h100_superpod | 16 | 1 |" in md and "no baseline entries" in md
 
