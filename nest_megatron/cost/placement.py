@@ -75,14 +75,16 @@ def compute_spans(cfg: ParallelConfig, topology: Topology, rank_to_device: np.nd
     )
 
 
-@lru_cache(maxsize=4096)
-def default_spans(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, order: str, topology: Topology) -> Spans:
-    """Spans under the identity map, shared by every configuration with the same group sizes."""
+@lru_cache(maxsize=8192)
+def _cached_spans(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, order: str, topology: Topology,
+                  mapping: bytes | None) -> Spans:
     cfg = ParallelConfig(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp, order=order)
-    return compute_spans(cfg, topology, identity_placement(cfg.world))
+    rank_to_device = identity_placement(cfg.world) if mapping is None else np.frombuffer(mapping, dtype=np.int64)
+    return compute_spans(cfg, topology, rank_to_device)
 
 
 def spans_for(cfg: ParallelConfig, topology: Topology, rank_to_device: np.ndarray | None) -> Spans:
-    if rank_to_device is None:
-        return default_spans(cfg.tp, cfg.cp, cfg.dp, cfg.pp, cfg.ep, cfg.etp, cfg.order, topology)
-    return compute_spans(cfg, topology, rank_to_device)
+    """Spans of `cfg` under `rank_to_device` (None: rank r on device r), shared by every
+    configuration with the same group sizes and map: ZeRO, recompute, micro-batch do not move them."""
+    mapping = None if rank_to_device is None else np.asarray(rank_to_device, dtype=np.int64).tobytes()
+    return _cached_spans(cfg.tp, cfg.cp, cfg.dp, cfg.pp, cfg.ep, cfg.etp, cfg.order, topology, mapping)

@@ -71,17 +71,15 @@ class GroupShape:
 
 def group_shapes(groups: np.ndarray, rank_to_device: np.ndarray, topology: Topology) -> list[GroupShape]:
     """The distinct shapes of `groups` (ranks) once placed by `rank_to_device`."""
-    devices = rank_to_device[groups]
-    distinct_below = np.full(len(groups), groups.shape[1], dtype=float)
-    fan_ins = []
+    # Sorted device ids give sorted unit ids at every level (floor division keeps the order), so
+    # one sort serves all levels.
+    devices = np.sort(rank_to_device[groups], axis=1)
+    counts = [np.full(len(groups), groups.shape[1])]  # distinct devices, then units per level
     for level in range(len(topology.levels)):
         units = devices // topology.unit_size(level)
-        units.sort(axis=1)
-        distinct = 1 + (np.diff(units, axis=1) != 0).sum(axis=1)
-        fan_ins.append(distinct_below / distinct)
-        distinct_below = distinct.astype(float)
-    table = np.round(np.stack(fan_ins, axis=1), 9)
-    return [GroupShape(tuple(float(x) for x in row)) for row in np.unique(table, axis=0)]
+        counts.append(1 + np.count_nonzero(np.diff(units, axis=1), axis=1))
+    distinct_rows = sorted(set(zip(*(c.tolist() for c in counts))))
+    return [GroupShape(tuple(row[lvl] / row[lvl + 1] for lvl in range(len(row) - 1))) for row in distinct_rows]
 
 
 def identity_placement(world: int) -> np.ndarray:

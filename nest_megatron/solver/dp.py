@@ -113,6 +113,44 @@ def _stage(tables, s, a, b):
 
 
 @numba.njit(cache=True)
+def _fill_state(tables, s, a, stages, factor, cutoff, front_t, front_x, next_b, next_i, count):  # pragma: no cover
+    """The Pareto front of state (s, a) from the fronts of stage s + 1; False when it overflows."""
+    capacity = front_t.shape[2]
+    layers = tables[3].shape[0] - 1
+    for b in range(a + 1, layers - (stages - 1 - s) + 1):
+        ts, xs = _stage(tables, s, a, b)
+        if factor * ts >= cutoff:  # no split with this stage can beat the cutoff
+            continue
+        for j in range(count[s + 1, b]):
+            nt = max(ts, front_t[s + 1, b, j])
+            nx = max(xs, front_x[s + 1, b, j])
+            # Keep (nt, nx) unless a point of the front is at least as good in both.
+            dominated = False
+            for k in range(count[s, a]):
+                if front_t[s, a, k] <= nt and front_x[s, a, k] <= nx:
+                    dominated = True
+                    break
+            if dominated:
+                continue
+            kept = 0
+            for k in range(count[s, a]):
+                if not (nt <= front_t[s, a, k] and nx <= front_x[s, a, k]):
+                    front_t[s, a, kept] = front_t[s, a, k]
+                    front_x[s, a, kept] = front_x[s, a, k]
+                    next_b[s, a, kept] = next_b[s, a, k]
+                    next_i[s, a, kept] = next_i[s, a, k]
+                    kept += 1
+            if kept == capacity:
+                return False
+            front_t[s, a, kept] = nt
+            front_x[s, a, kept] = nx
+            next_b[s, a, kept] = b
+            next_i[s, a, kept] = j
+            count[s, a] = kept + 1
+    return True
+
+
+@numba.njit(cache=True, parallel=True)
 def _pareto_split(tables, stages, factor, capacity, cutoff):  # pragma: no cover - compiled; tests run it compiled
     n1 = tables[3].shape[0]
     layers = n1 - 1
@@ -130,40 +168,16 @@ def _pareto_split(tables, stages, factor, capacity, cutoff):  # pragma: no cover
             next_b[last, a, 0] = layers
             next_i[last, a, 0] = -1
             count[last, a] = 1
+    complete = np.ones(n1, dtype=np.bool_)
     for s in range(stages - 2, -1, -1):
         a_first = 0 if s == 0 else s
         a_last = 0 if s == 0 else layers - (stages - s)
-        for a in range(a_first, a_last + 1):
-            for b in range(a + 1, layers - (stages - 1 - s) + 1):
-                ts, xs = _stage(tables, s, a, b)
-                if factor * ts >= cutoff:  # no split with this stage can beat the cutoff
-                    continue
-                for j in range(count[s + 1, b]):
-                    nt = max(ts, front_t[s + 1, b, j])
-                    nx = max(xs, front_x[s + 1, b, j])
-                    # Keep (nt, nx) unless a point of the front is at least as good in both.
-                    dominated = False
-                    for k in range(count[s, a]):
-                        if front_t[s, a, k] <= nt and front_x[s, a, k] <= nx:
-                            dominated = True
-                            break
-                    if dominated:
-                        continue
-                    kept = 0
-                    for k in range(count[s, a]):
-                        if not (nt <= front_t[s, a, k] and nx <= front_x[s, a, k]):
-                            front_t[s, a, kept] = front_t[s, a, k]
-                            front_x[s, a, kept] = front_x[s, a, k]
-                            next_b[s, a, kept] = next_b[s, a, k]
-                            next_i[s, a, kept] = next_i[s, a, k]
-                            kept += 1
-                    if kept == capacity:
-                        return -1.0, np.zeros(0, dtype=np.int64)  # front overflow
-                    front_t[s, a, kept] = nt
-                    front_x[s, a, kept] = nx
-                    next_b[s, a, kept] = b
-                    next_i[s, a, kept] = j
-                    count[s, a] = kept + 1
+        # The states of one stage depend only on the next stage's: fill them in parallel.
+        for a in numba.prange(a_first, a_last + 1):
+            complete[a] = complete[a] and _fill_state(tables, s, a, stages, factor, cutoff,
+                                                      front_t, front_x, next_b, next_i, count)
+        if not complete.all():
+            return -1.0, np.zeros(0, dtype=np.int64)  # front overflow
     best, best_k = np.inf, -1
     for k in range(count[0, 0]):
         value = factor * front_t[0, 0, k] + front_x[0, 0, k]
@@ -245,47 +259,41 @@ def best_for(ctx: Context, *, cutoff: float = np.inf) -> tuple[tuple[int, ...], 
     return (est.layers_per_stage, est.step_time) if est.fits and est.step_time < cutoff else None
 
 
-def best_placement(problem: Problem, ctx: Context, found: tuple[tuple[int, ...], float]) -> tuple[Context, tuple[int, ...], float]:
-    """The configuration under every node order torchrun can realise (`node_permutations`): the
-    one whose best split is fastest, with that split and step time."""
-    cfg = ctx.cfg
-    best = (ctx, *found)
-    for mapping in node_permutations(cfg.order, decoder_sizes(cfg), problem.topology.devices_per_node)[1:]:
-        alt = context(problem, cfg, rank_to_device=mapping)
-        alt_found = best_for(alt, cutoff=best[2])
-        if alt_found is not None and alt_found[1] < best[2]:
-            best = (alt, *alt_found)
-    return best
+def placements(problem: Problem, cfg: ParallelConfig) -> list[np.ndarray | None]:
+    """The rank -> device maps a configuration is tried under: Megatron's own layout (None, rank r
+    on device r) and every other node order torchrun can realise (`node_permutations`)."""
+    maps = node_permutations(cfg.order, decoder_sizes(cfg), problem.topology.devices_per_node)
+    return [None, *maps[1:]]
 
 
 def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None) -> SearchResult:
-    """Every configuration of the search space with its best layer split; configurations are
-    visited by increasing lower bound and skipped once the bound cannot beat the kept plans. The
-    kept plans then try every realisable node order (placement changes communication only, which
-    the bound leaves out, so a plan can only improve)."""
+    """Every configuration of the search space under every realisable node order, each with its
+    best layer split. Configurations are visited by increasing lower bound (which no placement
+    changes) and skipped once the bound cannot beat the kept plans."""
     start = time.perf_counter()
     space = candidates(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=True)
     pending = sorted((lower_bound(problem, cfg), i, cfg) for i, cfg in enumerate(space))
     layers = problem.model.cfg.num_layers
     fastest: list[tuple[float, int, Context, tuple[int, ...]]] = []  # max-heap of the top_k + 1
+    tiebreak = itertools.count()  # equal step times: the earlier found ranks first
     too_big: list[Estimate] = []
     solved = 0
-    for bound, i, cfg in pending:
+    for bound, _, cfg in pending:
         if len(fastest) > solver.top_k and bound >= -fastest[0][0]:
             break
         solved += 1
-        ctx = context(problem, cfg)
-        cutoff = -fastest[0][0] if len(fastest) > solver.top_k else np.inf
-        found = best_for(ctx, cutoff=cutoff)
-        if found is None:
-            if cutoff == np.inf and len(too_big) < 3:  # nothing fits (rather than nothing beats the kept)
-                too_big.append(estimate_in(ctx, balanced_split(layers, cfg.pp)))
-            continue
-        heapq.heappush(fastest, (-found[1], i, ctx, found[0]))
-        if len(fastest) > solver.top_k + 1:
-            heapq.heappop(fastest)
-    placed = [best_placement(problem, ctx, (split, -neg_step)) + (i,) for neg_step, i, ctx, split in fastest]
-    ranked = [estimate_in(ctx, split) for ctx, split, _, _ in sorted(placed, key=lambda item: (item[2], item[3]))]
+        for mapping in placements(problem, cfg):
+            ctx = context(problem, cfg, rank_to_device=mapping)
+            cutoff = -fastest[0][0] if len(fastest) > solver.top_k else np.inf
+            found = best_for(ctx, cutoff=cutoff)
+            if found is None:
+                if cutoff == np.inf and len(too_big) < 3:  # nothing fits (rather than nothing beats the kept)
+                    too_big.append(estimate_in(ctx, balanced_split(layers, cfg.pp)))
+                continue
+            heapq.heappush(fastest, (-found[1], next(tiebreak), ctx, found[0]))
+            if len(fastest) > solver.top_k + 1:
+                heapq.heappop(fastest)
+    ranked = [estimate_in(ctx, split) for _, _, ctx, split in sorted(fastest, key=lambda item: (-item[0], item[1]))]
     return SearchResult(
         best=ranked[0] if ranked else None,
         runners_up=ranked[1:] + too_big,
