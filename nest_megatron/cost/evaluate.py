@@ -80,11 +80,16 @@ class Context:
         return self.num_microbatches + (self.cfg.pp - 1) / self.cfg.vpp
 
 
+def groups_and_network(problem: Problem, cfg: ParallelConfig, rank_to_device: np.ndarray | None) -> tuple[Spans, Network]:
+    """Where `cfg`'s groups sit on the topology, and the network as this plan's devices share it."""
+    spans = spans_for(cfg, problem.topology, rank_to_device)
+    return spans, Network.for_topology(problem.topology, busy_fraction=cfg.world / problem.num_devices)
+
+
 def context(problem: Problem, cfg: ParallelConfig, *, rank_to_device: np.ndarray | None = None,
             compute: ComputeModel | None = None) -> Context:
     compute = compute or RooflineCompute(problem.accelerator)
-    spans = spans_for(cfg, problem.topology, rank_to_device)
-    net = Network.for_topology(problem.topology, busy_fraction=cfg.world / problem.num_devices)
+    spans, net = groups_and_network(problem, cfg, rank_to_device)
     costs = layer_costs(problem.model, cfg, spans=spans, net=net, compute=compute)
     return Context(problem, cfg, spans, net, compute, costs, num_microbatches(cfg, problem.global_batch_size),
                    rank_to_device)

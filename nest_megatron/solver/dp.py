@@ -29,7 +29,6 @@ import numba
 import numpy as np
 
 from nest_megatron.config.schema import PlanChoice, SolverConfig
-from nest_megatron.cost.collectives import Network
 from nest_megatron.cost.compute import RooflineCompute
 from nest_megatron.cost.evaluate import (
     Context,
@@ -37,13 +36,13 @@ from nest_megatron.cost.evaluate import (
     after_pipeline,
     context,
     estimate_in,
+    groups_and_network,
     pipeline_p2p,
     stage_body,
     uniform_split,
 )
 from nest_megatron.cost.layer import layer_time
 from nest_megatron.cost.memory import activation_bytes, in_flight_chunks, stage_memory
-from nest_megatron.cost.placement import spans_for
 from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.tables import range_sums
 from nest_megatron.parallel.config import ParallelConfig
@@ -233,8 +232,7 @@ def balanced_split(num_layers: int, stages: int) -> tuple[int, ...]:
 def lower_bound(problem: Problem, cfg: ParallelConfig) -> float:
     """A step time no split can beat: the slowest stage is at least the mean of the stages, and a
     stage is at least its layers' computation, recomputation and communication."""
-    spans = spans_for(cfg, problem.topology, None)
-    net = Network.for_topology(problem.topology, busy_fraction=cfg.world / problem.num_devices)
+    spans, net = groups_and_network(problem, cfg, None)
     compute = RooflineCompute(problem.accelerator)
     kinds = problem.model.layer_is_moe
     per_microbatch = 0.0
