@@ -21,7 +21,7 @@ from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.ranks import node_permutations
 from nest_megatron.parallel.rules import violation
-from nest_megatron.solver.dp import balanced_split, best_split, brute_force_split, solve
+from nest_megatron.solver.dp import balanced_split, best_split, brute_force_split, context_bound, lower_bound, solve
 
 
 @st.composite
@@ -104,6 +104,9 @@ def test_dp_split_equals_brute_force(case):
     est = estimate_in(ctx, split)
     assert est.fits  # every plan the DP returns fits in memory
     assert est.step_time == pytest.approx(step, rel=1e-9, abs=1e-15)
+    # The bounds the search prunes with never exceed the optimum.
+    assert lower_bound(problem, cfg) <= step * (1 + 1e-9)
+    assert context_bound(ctx) <= step * (1 + 1e-9)
 
 
 def test_an_uneven_split_when_the_layers_do_not_divide():

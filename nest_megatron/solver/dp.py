@@ -248,6 +248,25 @@ def lower_bound(problem: Problem, cfg: ParallelConfig) -> float:
     return factor * per_microbatch / cfg.pp
 
 
+def context_bound(ctx: Context) -> float:
+    """A tighter bound once the configuration is priced on its placement: the stages' fixed parts
+    (pipeline transfers, embedding and output layer) join the mean, and the stage with the largest
+    fixed part holds at least the lightest layer."""
+    c, cfg = ctx.costs, ctx.cfg
+    work = np.diff(c.compute + c.tp_comm + c.cp_comm + c.ep_comm)
+    if cfg.recompute == "selective":
+        work = work + np.diff(c.core_attention)
+    elif cfg.recompute == "full" and cfg.recompute_num_layers is None:
+        work = work + np.diff(c.fwd)
+    empty = range_sums(c, cfg, 0, 0)
+    fixed = []
+    for s in range(cfg.pp):
+        body = stage_body(ctx, empty, first=s == 0, last=s == cfg.pp - 1)
+        fixed.append(body["compute"] + body["tp_comm"] + pipeline_p2p(ctx, stage=s))
+    slowest = max((work.sum() + sum(fixed)) / cfg.pp, max(fixed) + work.min())
+    return ctx.pipeline_factor * slowest
+
+
 def best_for(ctx: Context, *, cutoff: float = np.inf) -> tuple[tuple[int, ...], float] | None:
     """The best split of `ctx`'s configuration and its step time (the even split with virtual
     stages), or None when nothing fits or beats `cutoff`."""
@@ -283,6 +302,8 @@ def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_bat
         for mapping in placements(problem, cfg):
             ctx = context(problem, cfg, rank_to_device=mapping)
             cutoff = -fastest[0][0] if len(fastest) > solver.top_k else np.inf
+            if context_bound(ctx) >= cutoff:  # priced on its placement, it cannot make the kept plans
+                continue
             found = best_for(ctx, cutoff=cutoff)
             if found is None:
                 if cutoff == np.inf and len(too_big) < 3:  # nothing fits (rather than nothing beats the kept)
