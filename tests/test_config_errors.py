@@ -115,6 +115,7 @@ SOLVER_KEYS = {
     "name": ("enumerate", "enumerate"), "micro_batch_sizes": ("[1,2]", [1, 2]), "zero_stages": ("[1]", [1]),
     "recompute": ("[none]", ["none"]), "rank_orders": ("[tp-cp-ep-dp-pp]", ["tp-cp-ep-dp-pp"]),
     "max_virtual_stages": ("2", 2), "max_context_parallel": ("2", 2), "top_k": ("3", 3),
+    "recompute_num_layers": ("[null,1]", [None, 1]),
 }
 PLAN_KEYS = {
     "tp": ("2", 2), "pp": ("2", 2), "dp": ("4", 4), "cp": ("1", 1), "ep": ("1", 1), "etp": ("1", 1), "vpp": ("1", 1),

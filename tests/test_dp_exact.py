@@ -22,6 +22,7 @@ from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.ranks import node_permutations
 from nest_megatron.parallel.rules import violation
 from nest_megatron.solver.dp import balanced_split, best_split, brute_force_split, context_bound, lower_bound, solve
+from nest_megatron.solver.space import candidates
 
 
 @st.composite
@@ -176,3 +177,20 @@ def test_pruning_keeps_the_optimum(model):
     everything = solve(problem, SolverConfig(top_k=10**9), cfg.plan, micro_batch_size=None)
     assert everything.configs_evaluated == everything.configs_in_space > pruned.configs_evaluated
     assert pruned.best.step_time == pytest.approx(everything.best.step_time, rel=1e-12)
+
+
+def test_the_number_of_recomputed_layers_is_searched_when_asked():
+    # solver.recompute_num_layers=[null,1]: full recompute of every layer, or of the first layer of
+    # each stage (Megatron's block method).
+    cell = ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64",
+            "plan.recompute=full", "plan.pp=2", "plan.tp=1", "plan.cp=1"]
+    loaded = load(cell + ["solver.recompute_num_layers=[null,1]"])
+    space = list(candidates(loaded.problem, loaded.config.solver, loaded.config.plan, micro_batch_size=None, any_split=True))
+    assert {c.recompute_num_layers for c in space} == {None, 1}
+    # Recomputing one layer of a stage instead of all is faster when both fit (the tiny model fits
+    # easily), and Megatron's block method with --recompute-num-layers 1 says so.
+    plan = api.plan(cell + ["solver.recompute_num_layers=[null,1]"])
+    assert plan.recompute == {"granularity": "full", "method": "block", "num_layers": 1}
+    args = plan.megatron_args
+    assert args[args.index("--recompute-method") + 1] == "block"
+    assert args[args.index("--recompute-num-layers") + 1] == "1"

@@ -118,6 +118,8 @@ class SolverConfig:
     micro_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
     recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
+    # With full recompute: layers recomputed per stage (the first n; null: every layer).
+    recompute_num_layers: list[Optional[int]] = field(default_factory=lambda: [None])
     rank_orders: list[str] = field(default_factory=lambda: ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"])
     max_virtual_stages: int = 4
     max_context_parallel: int = 8

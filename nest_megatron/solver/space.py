@@ -56,6 +56,7 @@ def candidates(
     mbss = axis(pins.mbs, [micro_batch_size] if micro_batch_size else list(solver.micro_batch_sizes))
     zeros = axis(pins.zero, list(solver.zero_stages))
     recomputes = axis(pins.recompute, list(solver.recompute))
+    recomputed_counts = axis(pins.recompute_num_layers, list(solver.recompute_num_layers))
     for tp, cp, pp in itertools.product(tps, cps, pps):
         if devices % (tp * cp * pp):
             continue
@@ -68,8 +69,9 @@ def candidates(
         # With one pipeline stage or one replica both Megatron orders build the same groups.
         orders = axis(pins.order, list(solver.rank_orders) if pp > 1 and dp > 1 else solver.rank_orders[:1])
         for ep, etp, sp, vpp, mbs, zero, recompute, order in itertools.product(eps, etps, sps, vpps, mbss, zeros, recomputes, orders):
-            cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
-                                 recompute=recompute, recompute_num_layers=pins.recompute_num_layers, order=order)
-            if violation(cfg, model=model, num_devices=devices, global_batch_size=problem.global_batch_size,
-                         any_split=any_split) is None:
-                yield cfg
+            for recomputed in recomputed_counts if recompute == "full" else [None]:
+                cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
+                                     recompute=recompute, recompute_num_layers=recomputed, order=order)
+                if violation(cfg, model=model, num_devices=devices, global_batch_size=problem.global_batch_size,
+                             any_split=any_split) is None:
+                    yield cfg
