@@ -41,11 +41,7 @@ from nest_megatron.config.load import load
 from nest_megatron.cost.evaluate import Estimate
 from nest_megatron.plan import Plan, build_plan, summary
 from nest_megatron.solver import baselines as bl
-
-try:
-    from nest_megatron.solver.registry import SOLVERS
-except ImportError:  # before the solver registry existed
-    from nest_megatron.solver.enumerate import SOLVERS
+from nest_megatron.solver.registry import SOLVERS
 
 MODELS = ["bert_large", "llama2_7b", "llama3_70b", "gpt3_175b", "mixtral_8x7b"]
 DEVICES = [64, 128, 256, 512, 1024]
@@ -55,10 +51,6 @@ MBS_SWEEP = [1, 2, 4, 8]
 SCALE_DEVICES = [4096, 16384, 65536]
 # Columns of the Markdown table, in order: the baselines' names in a cell record.
 BASELINE_COLUMNS = ["manual", "paper:Manual", "paper:MCMC", "paper:Phaze", "flat_network", "annealing", "mcmc"]
-
-
-def default_solver() -> str:
-    return "dp" if "dp" in SOLVERS else "enumerate"
 
 
 def machine() -> dict:
@@ -114,7 +106,7 @@ def run_cell(model: str, cluster: str, num_devices: int, *, solver: str | None =
              global_batch_size: int = GLOBAL_BATCH, budget: int = 200, seed: int = 0, overrides: list[str] = (),
              plans_dir: Path | None = None) -> dict:
     """Plan one cell with `solver` and score every baseline on it; a JSON-ready record."""
-    solver = solver or default_solver()
+    solver = solver or "dp"
     loaded = load([f"model={model}", f"cluster={cluster}", f"cluster.num_devices={num_devices}",
                    f"train.global_batch_size={global_batch_size}", f"train.micro_batch_size={mbs}", *overrides])
     problem, cfg = loaded.problem, loaded.config
@@ -342,8 +334,8 @@ def run_scale(args, console: Console) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--solver", default=default_solver(), choices=sorted(SOLVERS),
-                    help="the planner (default: dp when registered, else enumerate)")
+    ap.add_argument("--solver", default="dp", choices=sorted(SOLVERS),
+                    help="the planner (default: dp)")
     ap.add_argument("--models", nargs="+", default=MODELS, metavar="MODEL")
     ap.add_argument("--devices", nargs="+", type=int, default=DEVICES, metavar="N")
     ap.add_argument("--clusters", nargs="+", default=CLUSTERS, metavar="CLUSTER")

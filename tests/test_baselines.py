@@ -17,12 +17,8 @@ from nest_megatron.config.schema import PlanChoice
 from nest_megatron.cost.evaluate import estimate
 from nest_megatron.parallel.rules import violation
 from nest_megatron.solver import baselines as bl
+from nest_megatron.solver.registry import SOLVERS
 from nest_megatron.solver.space import candidates
-
-try:
-    from nest_megatron.solver.registry import SOLVERS
-except ImportError:
-    from nest_megatron.solver.enumerate import SOLVERS
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64"]
