@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from nest_megatron import api
+from nest_megatron.errors import NestError
 
 # 16 GPUs of a DGX H100 SuperPOD (two nodes of one scalable unit) and a tiny GPT.
 SMALL = ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64"]
@@ -161,3 +162,13 @@ def test_evaluate_reports_idle_devices():
     assert plan.idle_devices == 8
     assert len(plan.rank_to_device) == 8
     assert plan.parallel["dp"] == 2
+
+
+def test_megatron_fsdp_refuses_the_tp_pp_dp_mapping():
+    # Megatron-LM / Megatron-Bridge: "use_tp_pp_dp_mapping is not supported with Megatron FSDP".
+    base = ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64",
+            "plan.tp=2", "plan.pp=2", "plan.dp=4"]
+    with pytest.raises(NestError, match=r"plan.zero=2 \(Megatron-FSDP\) with plan.order=tp-cp-ep-pp-dp"):
+        api.evaluate(base + ["plan.zero=2", "plan.order=tp-cp-ep-pp-dp"])
+    assert api.evaluate(base + ["plan.zero=2", "plan.order=tp-cp-ep-dp-pp"]).zero_stage == 2
+    assert api.evaluate(base + ["plan.zero=1", "plan.order=tp-cp-ep-pp-dp"]).rank_order == "tp-cp-ep-pp-dp"

@@ -38,6 +38,9 @@ def violation(
         return f"plan.recompute={cfg.recompute}: allowed are {', '.join(RECOMPUTE_KINDS)}"
     if cfg.order not in RANK_ORDERS:
         return f"plan.order={cfg.order}: Megatron launches {' or '.join(RANK_ORDERS)}"
+    if cfg.zero >= 2 and cfg.order == "tp-cp-ep-pp-dp":
+        return (f"plan.zero={cfg.zero} (Megatron-FSDP) with plan.order=tp-cp-ep-pp-dp: Megatron-FSDP does not "
+                "support --use-tp-pp-dp-mapping; use plan.order=tp-cp-ep-dp-pp or plan.zero=0|1")
     if cfg.world > num_devices:
         return (
             f"tp*cp*pp*dp = {cfg.tp}*{cfg.cp}*{cfg.pp}*{cfg.dp} = {cfg.world} devices, "

@@ -23,8 +23,9 @@ def render(plan: Plan, console: Console) -> None:
     head.add_row("ZeRO / recompute", f"stage {plan.zero_stage}  /  {plan.recompute['granularity'] or 'none'}"
                  + (f" ({plan.recompute['method']}, {plan.recompute['num_layers']} layers)" if plan.recompute['method'] else ""))
     head.add_row("layers per stage", " ".join(map(str, plan.layers_per_stage)))
-    head.add_row("rank order", plan.rank_order + "   groups cross: " +
-                 ", ".join(f"{k}={v}" for k, v in plan.group_levels.items() if v))
+    node_order = "torchrun's" if plan.rank_to_device == sorted(plan.rank_to_device) else "permuted (see rank_to_device)"
+    head.add_row("placement", f"{plan.rank_order}, node order {node_order}   groups cross: "
+                 + ", ".join(f"{k}={v}" for k, v in plan.group_levels.items() if v))
     head.add_row("step time", f"{pred['step_time_s']:.3f} s   {pred['tokens_per_s']:,.0f} tokens/s   "
                               f"{pred['tflops_per_gpu']:.0f} TFLOP/s/GPU   MFU {pred['mfu']:.1%}")
     if plan.idle_devices:
