@@ -23,7 +23,7 @@ from nest_megatron.cost.collectives import (
 )
 from nest_megatron.cost.compute import BF16, ComputeModel, RooflineCompute
 from nest_megatron.cost.flops import megatron_model_flops
-from nest_megatron.cost.memory import GRAD_FP32, StageMemory, in_flight_chunks, stage_memory
+from nest_megatron.cost.memory import GRAD_FP32, StageMemory, memory_per_stage
 from nest_megatron.cost.placement import Spans, spans_for
 from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.tables import LayerCosts, StageSums, layer_costs, stage_sums
@@ -130,12 +130,8 @@ def estimate_in(ctx: Context, split: tuple[int, ...]) -> Estimate:
     breakdown["pipeline_bubble"] = (cfg.pp - 1) / cfg.vpp * stage_times[slowest]
     breakdown.update({k: float(v) for k, v in finish[last].items()})
 
-    memory = tuple(
-        stage_memory(model, cfg, s, first=i == 0, last=i == cfg.pp - 1,
-                     in_flight=in_flight_chunks(cfg, stage=i, num_microbatches=m),
-                     reserved_bytes=acc.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt)
-        for i, s in enumerate(sums)
-    )
+    memory = memory_per_stage(model, cfg, sums, num_microbatches=m, reserved_bytes=acc.reserved_memory_bytes,
+                              act_rebuilt=ctx.costs.act_rebuilt)
     tokens = problem.global_batch_size * model.cfg.seq_length
     tflops = megatron_model_flops(model, batch_size=problem.global_batch_size, tp=cfg.tp) / step / cfg.world / 1e12
     return Estimate(

@@ -105,3 +105,21 @@ def stage_memory(
     activations = activation_bytes(sums, in_flight=in_flight, act_rebuilt=act_rebuilt)
     logits = logits_bytes(model, mbs=cfg.mbs, tp=cfg.tp, cp=cfg.cp) if last else 0.0
     return StageMemory(weights, grads, optimizer, activations, logits, reserved_bytes)
+
+
+def memory_per_stage(
+    model: ModelSpec,
+    cfg: ParallelConfig,
+    sums: list[StageSums],
+    *,
+    num_microbatches: int,
+    reserved_bytes: float,
+    act_rebuilt: float,
+) -> tuple[StageMemory, ...]:
+    """Memory of every pipeline rank, whose layers `sums[i]` adds up, under 1F1B or interleaving."""
+    return tuple(
+        stage_memory(model, cfg, s, first=i == 0, last=i == cfg.pp - 1,
+                     in_flight=in_flight_chunks(cfg, stage=i, num_microbatches=num_microbatches),
+                     reserved_bytes=reserved_bytes, act_rebuilt=act_rebuilt)
+        for i, s in enumerate(sums)
+    )

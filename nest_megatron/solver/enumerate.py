@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from nest_megatron.config.schema import PlanChoice, SolverConfig
 from nest_megatron.cost.evaluate import Estimate, estimate
-from nest_megatron.cost.memory import in_flight_chunks, stage_memory
+from nest_megatron.cost.memory import memory_per_stage
 from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.tables import layer_costs, stage_sums
 from nest_megatron.parallel.rules import num_microbatches
@@ -30,12 +30,10 @@ def fits_in_memory(problem: Problem, cfg) -> bool:
     costs = layer_costs(model, cfg, spans=None, net=None, compute=None)
     split = (model.cfg.num_layers // cfg.pp,) * cfg.pp
     m = num_microbatches(cfg, problem.global_batch_size)
-    return all(
-        stage_memory(model, cfg, stage_sums(costs, cfg, split, i), first=i == 0, last=i == cfg.pp - 1,
-                     in_flight=in_flight_chunks(cfg, stage=i, num_microbatches=m),
-                     reserved_bytes=acc.reserved_memory_bytes, act_rebuilt=costs.act_rebuilt).total <= acc.memory_bytes
-        for i in range(cfg.pp)
-    )
+    sums = [stage_sums(costs, cfg, split, i) for i in range(cfg.pp)]
+    memory = memory_per_stage(model, cfg, sums, num_microbatches=m, reserved_bytes=acc.reserved_memory_bytes,
+                              act_rebuilt=costs.act_rebuilt)
+    return all(stage.total <= acc.memory_bytes for stage in memory)
 
 
 def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None) -> SearchResult:
