@@ -16,8 +16,10 @@ LAYERS = [
     ["solver"],
     ["plan"],
     ["report"],
-    ["config.load", "trace"],
+    ["config.load", "trace", "profile"],
     ["api"],
+    ["launch", "integrations"],
+    ["commands"],
     ["cli"],
 ]
 

@@ -1,0 +1,43 @@
+"""`nest-megatron plan|evaluate [overrides]`: search (or score) a configuration, print it, write out=."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from nest_megatron import api
+from nest_megatron.commands.common import fail, stdout_console, write_atomically
+from nest_megatron.config.load import load
+from nest_megatron.errors import NestError
+from nest_megatron.report.table import render
+
+HELP = {
+    "plan": "search the fastest configuration that fits and print it",
+    "evaluate": "score the configuration given by plan.* overrides",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides: model=llama3_70b cluster.num_devices=1024 ...")
+    parser.add_argument("--json", action="store_true", help="print the Plan JSON instead of tables")
+    parser.add_argument("--quiet", action="store_true", help="print nothing; write out= only")
+
+
+def run(args: argparse.Namespace) -> int:
+    console = stdout_console()
+    try:
+        loaded = load(args.overrides)
+        plan = api.plan_loaded(loaded) if args.command == "plan" else api.evaluate_loaded(loaded)
+        out = loaded.config.out
+        if out:
+            write_atomically(Path(out), plan.to_json())
+    except (NestError, OSError) as e:
+        return fail(args.command, e)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    elif not args.quiet:
+        render(plan, console)
+        if out:
+            console.print(f"plan written to {out}")
+    return 0
