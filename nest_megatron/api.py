@@ -38,7 +38,7 @@ def plan_loaded(loaded: Loaded) -> Plan:
     search = {"solver": cfg.solver.name, "time_s": result.time_s, "configs_evaluated": result.configs_evaluated,
               "configs_in_space": result.configs_in_space}
     return build_plan(problem, result.best, model_name=cfg.model.name, cluster_name=cfg.cluster.name,
-                      search=search, runners_up=result.runners_up)
+                      overrides=loaded.overrides, search=search, runners_up=result.runners_up)
 
 
 def evaluate_loaded(loaded: Loaded) -> Plan:
@@ -52,5 +52,6 @@ def evaluate_loaded(loaded: Loaded) -> Plan:
             f"{est.capacity / GIB:.1f} GiB on {problem.accelerator.name}; try plan.recompute=full, a higher "
             "plan.zero, or more plan.pp / plan.tp"
         )
-    return build_plan(problem, est, model_name=cfg.model.name, cluster_name=cfg.cluster.name)
+    return build_plan(problem, est, model_name=cfg.model.name, cluster_name=cfg.cluster.name,
+                      overrides=loaded.overrides)
 

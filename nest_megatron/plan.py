@@ -35,6 +35,7 @@ class Plan:
     group_levels: dict  # group kind -> name of the highest network level it crosses
     predicted: dict
     megatron_args: list[str]
+    overrides: list[str] = field(default_factory=list)  # the Hydra overrides that rebuild this problem
     search: dict = field(default_factory=lambda: {"solver": "evaluate", "time_s": 0.0, "configs_evaluated": 1})
     runners_up: list[dict] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
@@ -76,7 +77,7 @@ def summary(est: Estimate) -> dict:
     }
 
 
-def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name: str,
+def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name: str, overrides: list[str] = (),
                search: dict | None = None, runners_up: list[Estimate] = ()) -> Plan:
     c, model = est.config, problem.model
     level_names = [lv.name for lv in problem.topology.levels]
@@ -108,6 +109,7 @@ def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name
             overlap_param_gather=problem.overlap_param_gather,
             layers_per_stage=est.layers_per_stage,
         ),
+        overrides=list(overrides),
         search=search or {"solver": "evaluate", "time_s": 0.0, "configs_evaluated": 1},
         runners_up=[summary(e) for e in runners_up],
     )

@@ -49,6 +49,7 @@ SECTIONS = {
 class Loaded:
     problem: Problem
     config: RootConfig
+    overrides: tuple[str, ...] = ()  # as given, so that a Plan can be rebuilt (explain, every SLURM node)
 
 
 ConfigStore.instance().store(name="base_config", node=RootConfig)
@@ -62,7 +63,7 @@ def load(overrides: list[str]) -> Loaded:
     cfg = _compose(overrides)
     root = RootConfig(**{name: _typed(name, schema, cfg.get(name)) for name, schema in SECTIONS.items()}, out=cfg.get("out"))
     _check(root)
-    return Loaded(problem=_problem(root), config=root)
+    return Loaded(problem=_problem(root), config=root, overrides=tuple(o for o in overrides if not o.startswith("out=")))
 
 
 def _compose(overrides: list[str]):
