@@ -12,6 +12,7 @@ from nest_megatron.cost.evaluate import estimate
 from nest_megatron.errors import InfeasibleError
 from nest_megatron.hardware.accelerator import GIB
 from nest_megatron.plan import Plan, build_plan
+from nest_megatron.profile.for_plan import profiled_problem
 from nest_megatron.solver.registry import SOLVERS
 from nest_megatron.solver.space import evaluate_config
 
@@ -27,7 +28,8 @@ def evaluate(overrides: list[str]) -> Plan:
 
 
 def plan_loaded(loaded: Loaded) -> Plan:
-    cfg, problem = loaded.config, loaded.problem
+    cfg = loaded.config
+    problem, compute = profiled_problem(loaded.problem, cfg)
     result = SOLVERS[cfg.solver.name](problem, cfg.solver, cfg.plan, micro_batch_size=cfg.train.micro_batch_size)
     if result.best is None:
         raise InfeasibleError(
@@ -36,13 +38,14 @@ def plan_loaded(loaded: Loaded) -> Plan:
             "add devices, shorten model.seq_length or relax the plan.* pins"
         )
     search = {"solver": cfg.solver.name, "time_s": result.time_s, "configs_evaluated": result.configs_evaluated,
-              "configs_in_space": result.configs_in_space}
+              "configs_in_space": result.configs_in_space, "compute": compute}
     return build_plan(problem, result.best, model_name=cfg.model.name, cluster_name=cfg.cluster.name,
                       overrides=loaded.overrides, search=search, runners_up=result.runners_up)
 
 
 def evaluate_loaded(loaded: Loaded) -> Plan:
-    cfg, problem = loaded.config, loaded.problem
+    cfg = loaded.config
+    problem, compute = profiled_problem(loaded.problem, cfg)
     parallel = evaluate_config(problem, cfg.plan, default_mbs=cfg.train.micro_batch_size)
     est = estimate(problem, parallel)
     if not est.fits:
@@ -53,5 +56,6 @@ def evaluate_loaded(loaded: Loaded) -> Plan:
             "plan.zero, or more plan.pp / plan.tp"
         )
     return build_plan(problem, est, model_name=cfg.model.name, cluster_name=cfg.cluster.name,
-                      overrides=loaded.overrides)
+                      overrides=loaded.overrides,
+                      search={"solver": "evaluate", "time_s": 0.0, "configs_evaluated": 1, "compute": compute})
 

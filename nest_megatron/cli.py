@@ -10,6 +10,13 @@ import sys
 COMMANDS = {
     "plan": "plan",
     "evaluate": "plan",
+    "nemo": "nemo",
+    "bridge": "nemo",
+    "explain": "explain",
+    "launch": "launch",
+    "sbatch": "sbatch",
+    "trace": "trace",
+    "profile": "profile",
 }
 
 USAGE = "nest-megatron COMMAND [overrides] [options]   (nest-megatron COMMAND --help for each)"

@@ -90,6 +90,8 @@ MODEL_KEYS = {
     "attention_softmax_in_fp32": ("true", True), "bias_swiglu_fusion": ("false", False), "num_experts": ("8", 8),
     "moe_router_topk": ("1", 1), "moe_ffn_hidden_size": ("4096", 4096),
     "moe_shared_expert_intermediate_size": ("2048", 2048), "moe_layer_freq": ("2", 2),
+    # model.source and its paths: tests/test_trace.py loads the traced sources and their errors.
+    "source": ("analytic", "analytic"), "hf_config": ("null", None), "module": ("null", None),
 }
 ACCELERATOR_KEYS = {
     "name": ("acc", "acc"), "peak_bf16_tflops": ("500", 500.0), "memory_gib": ("40", 40.0),

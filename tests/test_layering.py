@@ -8,7 +8,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "nest_megatron"
 
 LAYERS = [
-    ["errors", "config.schema"],
+    ["errors", "config.schema", "config.megatron_argv"],
     ["model", "hardware"],
     ["parallel"],
     ["cost"],

@@ -1,4 +1,4 @@
-"""`nest-megatron plan|evaluate [overrides]`: search (or score) a configuration, print it, write out=."""
+"""`nest-megatron plan|evaluate [overrides]`: search (or score) a configuration, print it, write out= (and report=)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 from nest_megatron import api
 from nest_megatron.commands.common import fail, stdout_console, write_atomically
+from nest_megatron.commands.explain import explain, progress_bar
 from nest_megatron.config.load import load
 from nest_megatron.errors import NestError
 from nest_megatron.report.table import render
@@ -21,17 +22,22 @@ HELP = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: model=llama3_70b cluster.num_devices=1024 ...")
     parser.add_argument("--json", action="store_true", help="print the Plan JSON instead of tables")
-    parser.add_argument("--quiet", action="store_true", help="print nothing; write out= only")
+    parser.add_argument("--quiet", action="store_true", help="print nothing; write out= / report= only")
 
 
 def run(args: argparse.Namespace) -> int:
     console = stdout_console()
     try:
         loaded = load(args.overrides)
-        plan = api.plan_loaded(loaded) if args.command == "plan" else api.evaluate_loaded(loaded)
-        out = loaded.config.out
-        if out:
-            write_atomically(Path(out), plan.to_json())
+        with progress_bar(quiet=args.quiet) as progress:
+            task = progress.add_task("searching" if args.command == "plan" else "pricing", total=None)
+            plan = api.plan_loaded(loaded) if args.command == "plan" else api.evaluate_loaded(loaded)
+            progress.update(task, total=1, completed=1)
+            out, report = loaded.config.out, loaded.config.report
+            if report:  # before out=, so that a report that cannot be written leaves no plan file either
+                report = explain(loaded, plan, Path(report), baselines=True, progress=progress)
+            if out:
+                write_atomically(Path(out), plan.to_json())
     except (NestError, OSError) as e:
         return fail(args.command, e)
     if args.json:
@@ -40,4 +46,6 @@ def run(args: argparse.Namespace) -> int:
         render(plan, console)
         if out:
             console.print(f"plan written to {out}")
+        if report:
+            console.print(f"report written to {report}", highlight=False, soft_wrap=True)
     return 0

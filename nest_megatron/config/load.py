@@ -22,6 +22,7 @@ from nest_megatron.config.schema import (
     ClusterConfig,
     ModelConfig,
     PlanChoice,
+    ProfileConfig,
     RootConfig,
     SolverConfig,
     TrainConfig,
@@ -32,6 +33,7 @@ from nest_megatron.hardware.accelerator import accelerator_from_config
 from nest_megatron.hardware.topology import BUILDERS
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.solver.registry import SOLVERS
+from nest_megatron.trace.source import resolve as resolve_model_source
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "hydra_configs"
 GROUPS = ("model", "accelerator", "cluster", "train", "solver")
@@ -42,6 +44,7 @@ SECTIONS = {
     "train": TrainConfig,
     "solver": SolverConfig,
     "plan": PlanChoice,
+    "profile": ProfileConfig,
 }
 
 
@@ -61,9 +64,12 @@ def options(group: str) -> list[str]:
 
 def load(overrides: list[str]) -> Loaded:
     cfg = _compose(overrides)
-    root = RootConfig(**{name: _typed(name, schema, cfg.get(name)) for name, schema in SECTIONS.items()}, out=cfg.get("out"))
+    root = RootConfig(**{name: _typed(name, schema, cfg.get(name)) for name, schema in SECTIONS.items()}, out=cfg.get("out"),
+                      cache=cfg.get("cache"), report=cfg.get("report"))
+    root.model, tracer = resolve_model_source(root.model)  # model.source: analytic, or a traced model
     _check(root)
-    return Loaded(problem=_problem(root), config=root, overrides=tuple(o for o in overrides if not o.startswith("out=")))
+    return Loaded(problem=_problem(root, tracer), config=root,
+                  overrides=tuple(o for o in overrides if not o.startswith(("out=", "report="))))
 
 
 def _compose(overrides: list[str]):
@@ -106,7 +112,7 @@ def _unknown_key_message(dotted: str) -> str:
         close = difflib.get_close_matches(key.split(".")[0], allowed, n=1)
         hint = f"did you mean {section}.{close[0]}? " if close else ""
         return f"{dotted}: no such key; {hint}keys of {section}: {', '.join(allowed)}"
-    allowed = list(SECTIONS) + ["out"]
+    allowed = list(SECTIONS) + ["out", "cache", "report"]
     return f"{dotted}: no such key; top-level keys: {', '.join(allowed)}"
 
 
@@ -180,14 +186,17 @@ def _check(root: RootConfig) -> None:
         raise NestError(f"solver.name={s.name}: allowed are {', '.join(SOLVERS)}")
     if not s.micro_batch_sizes or any(x <= 0 for x in s.micro_batch_sizes):
         raise NestError(f"solver.micro_batch_sizes={s.micro_batch_sizes}: a list of positive integers")
+    _positive("profile", root.profile, "repeats", "local_devices")
+    if root.profile.warmup < 0:
+        raise NestError(f"profile.warmup={root.profile.warmup}: must be >= 0")
 
 
-def _problem(root: RootConfig) -> Problem:
+def _problem(root: RootConfig, tracer=None) -> Problem:
     topology = BUILDERS[root.cluster.topology](root.cluster)
     if root.cluster.num_devices is not None:
         topology = topology.rescaled(root.cluster.num_devices)
     return Problem(
-        model=ModelSpec(root.model),
+        model=ModelSpec(root.model, tracer=tracer),
         accelerator=accelerator_from_config(root.accelerator, memory_gib=root.cluster.device_memory_gib),
         topology=topology,
         global_batch_size=root.train.global_batch_size,

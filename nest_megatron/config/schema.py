@@ -47,6 +47,14 @@ class ModelConfig:
     moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
     moe_layer_freq: int = 1  # layer i has a MoE MLP when i % moe_layer_freq == 0, a dense one otherwise
     moe_shared_expert_intermediate_size: Optional[int] = None
+    # Where the per-layer costs come from: analytic (the formulas of model/spec.py and cost/), or a
+    # traced model whose parameters, GEMMs, attention FLOPs and saved activations replace them:
+    # megatron (megatron-core's GPTModel of these keys, on the meta device), hf (the shape read from
+    # the Hugging Face config.json at hf_config, then traced as megatron), module (the nn.Module that
+    # the factory `pkg.mod:function` returns; see nest_megatron/trace/module.py).
+    source: str = "analytic"
+    hf_config: Optional[str] = None  # path of a Hugging Face config.json (source=hf)
+    module: Optional[str] = None  # pkg.mod:factory (source=module)
 
 
 @dataclass
@@ -149,6 +157,20 @@ class PlanChoice:
 
 
 @dataclass
+class ProfileConfig:
+    """What `nest-megatron profile` measures, and whether `plan` uses what it measured."""
+
+    warmup: int = 3  # untimed runs before each measurement
+    repeats: int = 10  # timed runs; the median is kept
+    # Devices a TP / EP group may span with real processes (torchrun): None = the visible GPUs
+    # (1 on a CPU-only machine; 2 there launches two gloo processes). Wider groups are timed as
+    # one rank's shard plus the modelled collective.
+    local_devices: Optional[int] = None
+    layers: bool = True  # also time whole megatron-core layers, not only their GEMMs / attention / memory ops
+    use: bool = True  # plan and evaluate use the compute model fitted from the cache when it has profiles
+
+
+@dataclass
 class RootConfig:
     model: ModelConfig = MISSING
     accelerator: AcceleratorConfig = MISSING
@@ -156,4 +178,7 @@ class RootConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     solver: SolverConfig = field(default_factory=SolverConfig)
     plan: PlanChoice = field(default_factory=PlanChoice)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     out: Optional[str] = None  # where the Plan JSON is written
+    report: Optional[str] = None  # `plan` also writes the explain report (index.html + PNGs) into this folder
+    cache: Optional[str] = None  # the profile cache file (None: $XDG_CACHE_HOME/nest-megatron/profiles.json)

@@ -73,19 +73,24 @@ def layer_activation_terms(
         terms["softmax_lse"] = FP32 * heads * tokens
     else:
         terms["softmax"] = (FP32 if m.attention_softmax_in_fp32 else BF16) * heads * tokens * s
-        dropped = MASK + BF16 if m.attention_dropout > 0 else BF16
-        terms["attention_dropout"] = dropped * heads * tokens * s
+        # What attention-over-values keeps: the dropped probabilities and the 1-byte mask; without
+        # dropout, the bf16 cast of an fp32 softmax, or nothing more (the softmax output itself).
+        dropped = MASK + BF16 if m.attention_dropout > 0 else BF16 if m.attention_softmax_in_fp32 else 0
+        if dropped:
+            terms["attention_dropout"] = dropped * heads * tokens * s
     if m.hidden_dropout > 0:
         terms["hidden_dropout_masks"] = 2 * MASK * h * tokens_sp
     if moe:
         # Each routed copy of a token goes through its expert's FC1, activation and FC2.
-        rows, f, width = tokens * m.moe_router_topk, model.moe_ffn, etp
+        rows, f, width = model.routed_rows(tokens=tokens, tp=tp, etp=etp), model.moe_ffn, etp
         terms["expert_input"] = BF16 * h * rows
     else:
         rows, f, width = tokens, m.ffn_hidden_size, tp
     terms["fc1_output"] = BF16 * rows * f * model.fc1_factor / width
     if m.swiglu and not m.bias_swiglu_fusion:
         terms["swiglu_unfused"] = 2 * BF16 * rows * f / width
+        if moe:  # the routing weights multiply the activation's output, which that product keeps
+            terms["expert_probs_input"] = BF16 * rows * f / width
     terms["fc2_input"] = BF16 * rows * f / width
     if selective:
         for name in CORE_ATTENTION_TERMS:
@@ -99,11 +104,26 @@ def layer_activation_bytes(
     """Bytes kept per layer and micro-batch under each recompute setting.
 
     none / selective: what the layer keeps; full: the checkpointed layer input only.
+
+    A traced model (ModelSpec.tracer) supplies what its layer really saves and hands on, traced at
+    one sequence without context parallelism: both scale with the tokens (b s / cp; the few tensors
+    that do not -- RoPE's cos/sin, the unfused softmax's [s, s] mask -- are then overcounted, by
+    under 1 % in the shipped models). What differs between sequence parallel on and off (when the
+    trace's setting is not `sp`), and what selective recompute drops, come from the analytic terms.
     """
     args = dict(mbs=mbs, tp=tp, sp=sp, cp=cp, moe=moe, etp=etp)
     none = layer_activation_terms(model, **args)
     selective = layer_activation_terms(model, **args, selective=True)
-    return {"none": sum(none.values()), "selective": sum(selective.values()), "full": none["norm1_input"]}
+    analytic = {"none": sum(none.values()), "selective": sum(selective.values()), "full": none["norm1_input"]}
+    traced = model.traced_layer(tp=tp, etp=etp, moe=moe)
+    if not traced:
+        return analytic
+    graph, layer = traced
+    scale = mbs / (graph.micro_batch_size * cp)
+    sp_change = analytic["none"] - sum(layer_activation_terms(model, **{**args, "sp": graph.sequence_parallel}).values())
+    kept = layer.saved_bytes * scale + sp_change
+    boundary = layer.boundary_bytes * scale * (tp if graph.sequence_parallel else 1) / (tp if sp else 1)
+    return {"none": kept, "selective": kept - (analytic["none"] - analytic["selective"]), "full": boundary}
 
 
 def logits_bytes(model: ModelSpec, *, mbs: int, tp: int, cp: int) -> float:

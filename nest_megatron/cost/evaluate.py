@@ -21,7 +21,7 @@ from nest_megatron.cost.collectives import (
     reduce_scatter_time,
     worst,
 )
-from nest_megatron.cost.compute import BF16, ComputeModel, RooflineCompute
+from nest_megatron.cost.compute import BF16, ComputeModel
 from nest_megatron.cost.flops import megatron_model_flops
 from nest_megatron.cost.memory import GRAD_FP32, StageMemory, memory_per_stage
 from nest_megatron.cost.placement import Spans, spans_for
@@ -88,7 +88,7 @@ def groups_and_network(problem: Problem, cfg: ParallelConfig, rank_to_device: np
 
 def context(problem: Problem, cfg: ParallelConfig, *, rank_to_device: np.ndarray | None = None,
             compute: ComputeModel | None = None) -> Context:
-    compute = compute or RooflineCompute(problem.accelerator)
+    compute = compute or problem.compute_model
     spans, net = groups_and_network(problem, cfg, rank_to_device)
     costs = layer_costs(problem.model, cfg, spans=spans, net=net, compute=compute)
     return Context(problem, cfg, spans, net, compute, costs, num_microbatches(cfg, problem.global_batch_size),
@@ -130,8 +130,7 @@ def estimate_in(ctx: Context, split: tuple[int, ...]) -> Estimate:
     breakdown["pipeline_bubble"] = (cfg.pp - 1) / cfg.vpp * stage_times[slowest]
     breakdown.update({k: float(v) for k, v in finish[last].items()})
 
-    memory = memory_per_stage(model, cfg, sums, num_microbatches=m, reserved_bytes=acc.reserved_memory_bytes,
-                              act_rebuilt=ctx.costs.act_rebuilt)
+    memory = _memory_in(ctx, sums)
     tokens = problem.global_batch_size * model.cfg.seq_length
     tflops = megatron_model_flops(model, batch_size=problem.global_batch_size, tp=cfg.tp) / step / cfg.world / 1e12
     return Estimate(
@@ -152,6 +151,17 @@ def estimate_in(ctx: Context, split: tuple[int, ...]) -> Estimate:
     )
 
 
+def fits_in(ctx: Context, split: tuple[int, ...]) -> bool:
+    """Whether every stage of `split` fits: the memory half of `estimate_in`, which no placement changes."""
+    sums = [stage_sums(ctx.costs, ctx.cfg, tuple(split), i) for i in range(ctx.cfg.pp)]
+    return max(m.total for m in _memory_in(ctx, sums)) <= ctx.problem.accelerator.memory_bytes
+
+
+def _memory_in(ctx: Context, sums: list[StageSums]) -> tuple:
+    return memory_per_stage(ctx.problem.model, ctx.cfg, sums, num_microbatches=ctx.num_microbatches,
+                            reserved_bytes=ctx.problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt)
+
+
 def stage_parts(ctx: Context, sums: StageSums, *, stage: int) -> dict:
     """Seconds one micro-batch spends on pipeline rank `stage`, by kind (all its chunks)."""
     parts = stage_body(ctx, sums, first=stage == 0, last=stage == ctx.cfg.pp - 1)
@@ -162,21 +172,24 @@ def stage_parts(ctx: Context, sums: StageSums, *, stage: int) -> dict:
 def pipeline_p2p(ctx: Context, *, stage: int) -> float:
     """Point-to-point time of one micro-batch on `stage`: its activation forward and its gradient
     backward, each at the network level of that boundary."""
+    return sum(pipeline_sends(ctx, stage=stage))
+
+
+def pipeline_sends(ctx: Context, *, stage: int) -> tuple[float, float]:
+    """(send of the activation to the next stage, send of the gradient to the previous one) of one
+    micro-batch on `stage`, over all its chunks; the schedule timeline draws them apart."""
     model, cfg, spans, net = ctx.problem.model, ctx.cfg, ctx.spans, ctx.net
     if cfg.pp == 1:
-        return 0.0
+        return 0.0, 0.0
     tokens = cfg.mbs * model.cfg.seq_length // cfg.cp
     boundary = BF16 * tokens * model.h / (cfg.tp if cfg.sp else 1)
     levels = spans.pp_boundary_level
     if cfg.vpp > 1:
         # Every chunk boundary is crossed, including the wrap from the last rank to the first.
-        return 2 * cfg.vpp * p2p_time(max(levels), boundary, net)
-    p2p = 0.0
-    if stage < cfg.pp - 1:
-        p2p += p2p_time(levels[stage], boundary, net)
-    if stage > 0:
-        p2p += p2p_time(levels[stage - 1], boundary, net)
-    return p2p
+        return (cfg.vpp * p2p_time(max(levels), boundary, net),) * 2
+    forward = p2p_time(levels[stage], boundary, net) if stage < cfg.pp - 1 else 0.0
+    backward = p2p_time(levels[stage - 1], boundary, net) if stage > 0 else 0.0
+    return forward, backward
 
 
 def stage_body(ctx: Context, sums: StageSums, *, first: bool, last: bool) -> dict:

@@ -60,7 +60,7 @@ def elementwise_bytes(model: ModelSpec, *, tokens: int, cfg: ParallelConfig, moe
     nbytes += 2 * (3 * h * tokens_sp)  # residual adds: two reads, one write
     if m.position_embedding_type == "rope":
         nbytes += 2 * tokens * (model.q_size + model.kv_size) / t
-    rows, f, width = (tokens * m.moe_router_topk, model.moe_ffn, cfg.etp) if moe else (tokens, m.ffn_hidden_size, t)
+    rows, f, width = (model.routed_rows(tokens=tokens, tp=t, etp=cfg.etp), model.moe_ffn, cfg.etp) if moe else (tokens, m.ffn_hidden_size, t)
     nbytes += rows * f / width * (model.fc1_factor + 1)  # read FC1's output, write FC2's input
     if m.hidden_dropout > 0:
         nbytes += 2 * (2 * h * tokens_sp)

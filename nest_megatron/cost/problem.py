@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nest_megatron.cost.compute import ComputeModel, RooflineCompute
 from nest_megatron.hardware.accelerator import Accelerator
 from nest_megatron.hardware.topology import Topology
 from nest_megatron.model.spec import ModelSpec
@@ -17,6 +18,11 @@ class Problem:
     global_batch_size: int  # sequences per iteration
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
+    compute: ComputeModel | None = None  # None: the accelerator's roofline; a profile's fitted model otherwise
+
+    @property
+    def compute_model(self) -> ComputeModel:
+        return self.compute or RooflineCompute(self.accelerator)
 
     @property
     def num_devices(self) -> int:

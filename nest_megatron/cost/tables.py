@@ -10,6 +10,7 @@ array, so that the DP solver prices every candidate stage from one call with the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -31,7 +32,7 @@ def _prefix(values: np.ndarray) -> np.ndarray:
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: stage_sums memoises per LayerCosts object
 class LayerCosts:
     """Prefix sums over layers (entry l = sum over layers < l) of per-micro-batch costs."""
 
@@ -149,7 +150,15 @@ def chunk_ranges(cfg: ParallelConfig, layers_per_stage: tuple[int, ...], stage: 
 
 
 def stage_sums(c: LayerCosts, cfg: ParallelConfig, layers_per_stage: tuple[int, ...], stage: int) -> StageSums:
-    """Sums over every chunk of pipeline rank `stage`; the activations of its largest chunk."""
+    """Sums over every chunk of pipeline rank `stage`; the activations of its largest chunk.
+    Memoised: the configurations that differ in ZeRO stage share their LayerCosts and their sums."""
+    return _stage_sums(c, cfg.pp, cfg.vpp, cfg.recompute, cfg.recompute_num_layers, tuple(layers_per_stage), stage)
+
+
+@lru_cache(maxsize=65536)
+def _stage_sums(c: LayerCosts, pp: int, vpp: int, recompute: str, recompute_num_layers: int | None,
+                layers_per_stage: tuple[int, ...], stage: int) -> StageSums:
+    cfg = ParallelConfig(pp=pp, vpp=vpp, recompute=recompute, recompute_num_layers=recompute_num_layers)
     parts = [range_sums(c, cfg, a, b) for a, b in chunk_ranges(cfg, layers_per_stage, stage)]
     total = StageSums(*(sum(values) for values in zip(*parts)))
     return total._replace(

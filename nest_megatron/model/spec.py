@@ -8,10 +8,12 @@ layer), so that per-rank parameter counts match a model built on the meta device
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from functools import cached_property
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
 
 from nest_megatron.config.schema import ModelConfig
+from nest_megatron.model.layer_graph import LayerGraph, LayerTrace
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,21 @@ class Gemm:
 @dataclass(frozen=True, eq=False)  # hashed by identity: per-layer costs are cached per model
 class ModelSpec:
     cfg: ModelConfig
+    # A traced model (model.source=megatron|hf|module): tracer(tp, ep, etp) is this rank's layer
+    # graph at one sequence, or None where the source cannot trace that width. Its per-layer-kind
+    # parameters, GEMMs, attention FLOPs and saved bytes replace the analytic ones (`traced_layer`).
+    tracer: Callable[[int, int, int], LayerGraph | None] | None = field(default=None, repr=False)
+
+    def traced_layer(self, *, tp: int, ep: int = 1, etp: int = 1, moe: bool | None = None) -> tuple[LayerGraph, LayerTrace] | None:
+        """The traced graph at (tp, ep, etp) and its first layer of this kind, or None (analytic)."""
+        if self.tracer is None:
+            return None
+        graph = _traced_graph(self, tp, ep if self.is_moe else 1, etp if self.is_moe else 1)
+        if graph is None:
+            return None
+        moe = self.is_moe if moe is None else moe
+        layer = graph.first_of_kind("moe" if moe else "dense") or graph.first_of_kind("block")
+        return (graph, layer) if layer is not None else None
 
     # --- shape -----------------------------------------------------------------------------
     @property
@@ -114,6 +131,9 @@ class ModelSpec:
         Dense parameters are averaged over the data-parallel group; expert parameters over the
         expert-data-parallel group, which is why the two are kept apart.
         """
+        traced = self.traced_layer(tp=tp, ep=ep, etp=etp, moe=moe)
+        if traced:
+            return traced[1].dense_params, traced[1].expert_params
         dense = self.attention_params(tp)
         if not (self.is_moe if moe is None else moe):
             return dense + self.dense_mlp_params(tp) + self.norm_params, 0
@@ -145,10 +165,13 @@ class ModelSpec:
     def layer_gemms(self, *, tokens: int, tp: int, etp: int = 1, moe: bool | None = None) -> list[Gemm]:
         """GEMMs of one layer's forward pass for `tokens` tokens on one device (after CP).
 
-        With EP, each device runs its experts on the tokens routed to them: in expectation
-        tokens * topk rows in total, whatever ep is, because each of the ep devices receives
-        1/ep of the group's routed tokens. `moe` overrides whether this layer's MLP is MoE.
+        Experts compute `routed_rows` rows; under TP the router sees this rank's sequence shard.
+        `moe` overrides whether this layer's MLP is MoE.
         """
+        traced = self.traced_layer(tp=tp, etp=etp, moe=moe)
+        if traced:  # the traced GEMMs, their rows (tokens, or routed tokens) scaled to `tokens`
+            graph, layer = traced
+            return [Gemm(g.name, g.m * tokens / graph.tokens, g.n, g.k) for g in layer.gemms]
         h = self.h
         gemms = [
             Gemm("qkv", tokens, (self.q_size + 2 * self.kv_size) // tp, h),
@@ -160,10 +183,10 @@ class ModelSpec:
                 Gemm("fc1", tokens, f * self.fc1_factor // tp, h),
                 Gemm("fc2", tokens, h, f // tp),
             ]
-        routed = tokens * self.cfg.moe_router_topk
+        routed = self.routed_rows(tokens=tokens, tp=tp, etp=etp)
         f = self.moe_ffn
         gemms += [
-            Gemm("router", tokens, self.cfg.num_experts, h),
+            Gemm("router", tokens // tp, self.cfg.num_experts, h),
             Gemm("expert_fc1", routed, f * self.fc1_factor // etp, h),
             Gemm("expert_fc2", routed, h, f // etp),
         ]
@@ -175,6 +198,14 @@ class ModelSpec:
             ]
         return gemms
 
+    def routed_rows(self, *, tokens: float, tp: int, etp: int) -> float:
+        """Rows one device's experts compute in expectation (balanced routing). Megatron runs MoE
+        with TP under sequence parallelism: each rank routes its tokens / tp, and the dispatcher's
+        all-gather over the expert-TP x EP group brings etp x ep ranks' shares to experts of which
+        this device holds 1/ep, so ep cancels: tokens x topk x etp / tp (checked against a traced
+        megatron-core layer, tests/test_trace.py)."""
+        return tokens * self.cfg.moe_router_topk * etp / tp
+
     def attention_flops(self, *, micro_batch: int, tp: int, cp: int) -> float:
         """Forward FLOPs of QK^T and attention-over-values on one device.
 
@@ -182,6 +213,15 @@ class ModelSpec:
         causal kernel skips the masked half: 2 GEMMs x 2 FLOP x b x (s/cp) x s x q_size / tp x 1/2.
         Megatron's MFU formula counts the full square instead (cost/flops.py).
         """
+        traced = self.traced_layer(tp=tp)
+        if traced:  # what the traced kernels compute (the local spec's unfused attention: the full square)
+            graph, layer = traced
+            return layer.attention_flops * micro_batch / (graph.micro_batch_size * cp)
         s = self.cfg.seq_length
         causal = 0.5 if self.cfg.family == "gpt" else 1.0
         return 4.0 * micro_batch * (s // cp) * s * self.q_size / tp * causal
+
+
+@lru_cache(maxsize=256)
+def _traced_graph(model: ModelSpec, tp: int, ep: int, etp: int) -> LayerGraph | None:
+    return model.tracer(tp, ep, etp)

@@ -32,6 +32,8 @@ def render(plan: Plan, console: Console) -> None:
         head.add_row("idle devices", str(plan.idle_devices))
     head.add_row("search", f"{plan.search['solver']}: {plan.search['configs_evaluated']} configurations in "
                            f"{plan.search['time_s']:.2f} s")
+    if "compute" in plan.search:
+        head.add_row("compute model", plan.search["compute"])
     console.print(head)
 
     mem = Table(title="memory per pipeline stage (GiB)")

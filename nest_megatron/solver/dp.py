@@ -23,19 +23,20 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from dataclasses import replace
 from typing import NamedTuple
 
 import numba
 import numpy as np
 
 from nest_megatron.config.schema import PlanChoice, SolverConfig
-from nest_megatron.cost.compute import RooflineCompute
 from nest_megatron.cost.evaluate import (
     Context,
     Estimate,
     after_pipeline,
     context,
     estimate_in,
+    fits_in,
     groups_and_network,
     pipeline_p2p,
     stage_body,
@@ -233,7 +234,7 @@ def lower_bound(problem: Problem, cfg: ParallelConfig) -> float:
     """A step time no split can beat: the slowest stage is at least the mean of the stages, and a
     stage is at least its layers' computation, recomputation and communication."""
     spans, net = groups_and_network(problem, cfg, None)
-    compute = RooflineCompute(problem.accelerator)
+    compute = problem.compute_model
     kinds = problem.model.layer_is_moe
     per_microbatch = 0.0
     for moe in set(kinds):
@@ -283,31 +284,55 @@ def placements(problem: Problem, cfg: ParallelConfig) -> list[np.ndarray | None]
     return [None, *maps[1:]]
 
 
+def shared_context(problem: Problem, cfg: ParallelConfig, mapping: np.ndarray | None, placement: int,
+                   contexts: dict) -> Context:
+    """`context(problem, cfg, rank_to_device=mapping)`, built once for the configurations that
+    differ only in what the per-layer costs do not see: ZeRO, and full recompute against none
+    (both keep the same columns; only selective changes the activations a layer keeps)."""
+    key = (replace(cfg, zero=0, recompute="selective" if cfg.recompute == "selective" else "none",
+                   recompute_num_layers=None), placement)
+    base = contexts.get(key)
+    if base is None:
+        base = contexts[key] = context(problem, cfg, rank_to_device=mapping)
+    return base if base.cfg == cfg else replace(base, cfg=cfg)
+
+
 def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None) -> SearchResult:
     """Every configuration of the search space under every realisable node order, each with its
     best layer split. Configurations are visited by increasing lower bound (which no placement
     changes) and skipped once the bound cannot beat the kept plans."""
     start = time.perf_counter()
-    space = candidates(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=True)
-    pending = sorted((lower_bound(problem, cfg), i, cfg) for i, cfg in enumerate(space))
+    space = list(candidates(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=True))
+    bounds: dict[ParallelConfig, float] = {}  # ZeRO does not change the bound
+    for cfg in space:
+        key = replace(cfg, zero=0)
+        if key not in bounds:
+            bounds[key] = lower_bound(problem, cfg)
+    pending = sorted((bounds[replace(cfg, zero=0)], i, cfg) for i, cfg in enumerate(space))
     layers = problem.model.cfg.num_layers
     fastest: list[tuple[float, int, Context, tuple[int, ...]]] = []  # max-heap of the top_k + 1
     tiebreak = itertools.count()  # equal step times: the earlier found ranks first
     too_big: list[Estimate] = []
+    contexts: dict = {}
     solved = 0
     for bound, _, cfg in pending:
         if len(fastest) > solver.top_k and bound >= -fastest[0][0]:
             break
         solved += 1
-        for mapping in placements(problem, cfg):
-            ctx = context(problem, cfg, rank_to_device=mapping)
+        for i, mapping in enumerate(placements(problem, cfg)):
+            ctx = shared_context(problem, cfg, mapping, i, contexts)
             cutoff = -fastest[0][0] if len(fastest) > solver.top_k else np.inf
-            if context_bound(ctx) >= cutoff:  # priced on its placement, it cannot make the kept plans
+            # No placement changes memory: when the even split of virtual stages does not fit under
+            # the first, it fits under none.
+            fits = not (i == 0 and cfg.vpp > 1) or fits_in(ctx, uniform_split(layers, cfg.pp))
+            if fits and context_bound(ctx) >= cutoff:  # priced on its placement, it cannot make the kept plans
                 continue
-            found = best_for(ctx, cutoff=cutoff)
+            found = best_for(ctx, cutoff=cutoff) if fits else None
             if found is None:
                 if cutoff == np.inf and len(too_big) < 3:  # nothing fits (rather than nothing beats the kept)
                     too_big.append(estimate_in(ctx, balanced_split(layers, cfg.pp)))
+                if not fits:
+                    break
                 continue
             heapq.heappush(fastest, (-found[1], next(tiebreak), ctx, found[0]))
             if len(fastest) > solver.top_k + 1:

@@ -53,6 +53,8 @@ CPU-only caveats (see ``measure_layer_saved_bytes`` docstring for the list).
 
 from __future__ import annotations
 
+import copy
+import sys
 import warnings
 from collections import defaultdict
 from typing import Any, Dict, List, Optional
@@ -84,13 +86,36 @@ def prepare_cpu_megatron() -> None:
     warnings.filterwarnings("ignore", message=".*Apex.*")
     warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
+    # Patch 0: megatron-core decorates its fused kernels with torch.compile when
+    # it is imported (megatron.core.jit.jit_fuser), which loads TorchInductor:
+    # ~10 s of a 2-core CPU.  None of those kernels runs here (every fusion is
+    # off, trace/transformer_config.py), so import megatron-core with
+    # torch.compile as the identity (jit_fuser keeps it: later imports too).
+    # Only when this process has not imported megatron-core yet.
+    if "megatron.core" not in sys.modules:
+        compile_ = torch.compile
+
+        def _no_compile(model=None, **_options):
+            return model if model is not None else (lambda fn: fn)
+
+        torch.compile = _no_compile
+        try:
+            import megatron.core  # noqa: F401
+            import megatron.core.models.gpt  # noqa: F401
+            import megatron.core.transformer.moe.moe_layer  # noqa: F401
+        finally:
+            torch.compile = compile_
+
     # Patch 1: torch.cuda.current_device() is used as the `device=` argument
     # when megatron allocates tensors (GlobalMemoryBuffer.get_tensor, which
-    # DotProductAttention uses for the baddbmm output; parameter allocation
-    # when use_cpu_initialization is off).  Returning "cpu" puts them on CPU.
-    # Applied even if a GPU is visible: this module measures on CPU tensors, and
-    # a CUDA buffer would not mix with them (so don't import it in a GPU job).
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # DotProductAttention uses for the baddbmm output; RotaryEmbedding's
+    # inv_freq at the first forward; parameter allocation when
+    # use_cpu_initialization is off).  Returning torch's default device puts them
+    # on CPU, or on the meta device inside a `with torch.device("meta")` block.
+    # Applied even if a GPU is visible: this module measures on CPU and meta
+    # tensors, and a CUDA buffer would not mix with them (so don't import it in
+    # a GPU job).
+    torch.cuda.current_device = torch.get_default_device  # type: ignore[assignment]
 
     from megatron.core import parallel_state
     from megatron.core.fusions import fused_softmax
@@ -100,10 +125,11 @@ def prepare_cpu_megatron() -> None:
     # Patch 2: the unfused softmax path builds the causal mask with
     # `get_default_causal_mask`, which hard-codes device="cuda".  Replace it
     # (in both the defining module and fused_softmax, which imported the name)
-    # with an identical CPU version (uncached, like upstream: a fresh [s, s]
-    # bool tensor per call, which masked_fill_ then saves).
+    # with an identical version on torch's default device (CPU, or meta while
+    # tracing; uncached, like upstream: a fresh [s, s] bool tensor per call,
+    # which masked_fill_ then saves).
     def _cpu_causal_mask(sq: int) -> torch.Tensor:
-        return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
 
     tr_utils.get_default_causal_mask = _cpu_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
@@ -140,6 +166,53 @@ def prepare_cpu_megatron() -> None:
     # Signature (0.16.1): initialize_rng_tracker(use_te_rng_tracker=False,
     #   inference_rng_tracker=False, use_cudagraphable_rng=False, force_reset=False)
     mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+    # Patch 7: on the meta device a router's choice has no data, and the all-gather dispatcher
+    # sizes its permutation from it (routing_map.sum().cpu(), masked_select). Route tokens as in
+    # expectation instead -- balanced, tokens x topk / experts to each expert, what the cost model
+    # assumes -- through megatron's own shape-static permute (its drop-and-pad path at exactly
+    # that capacity). Real tensors take megatron's path unchanged.
+    try:
+        from megatron.core.transformer.moe import token_dispatcher
+        from megatron.core.transformer.moe.moe_utils import permute
+
+        allgather = token_dispatcher.MoEAllGatherTokenDispatcher
+        data_postprocess = allgather.dispatch_postprocess
+
+        def dispatch_postprocess(self, hidden_states, probs):
+            if not hidden_states.is_meta:
+                return data_postprocess(self, hidden_states, probs)
+            self.hidden_shape_before_permute = hidden_states.shape
+            local = slice(self.local_expert_indices[0], self.local_expert_indices[-1] + 1)
+            self.local_map = self.routing_map[:, local].contiguous()
+            per_expert = hidden_states.shape[0] * self.router_topk // self.config.num_moe_experts
+            tokens_per_expert = torch.full((self.num_local_experts,), per_expert, dtype=torch.long, device="cpu")
+            permuted, self.local_probs, self.reversed_local_input_permutation_mapping = permute(
+                hidden_states, self.local_map, probs=probs[:, local].contiguous(),
+                num_out_tokens=per_expert * self.num_local_experts, drop_and_pad=True)
+            self.routing_map = None
+            return permuted, tokens_per_expert, self.local_probs
+
+        allgather.dispatch_postprocess = dispatch_postprocess
+    except ImportError:  # pragma: no cover - MoE module layout changed
+        pass
+
+    # Patch 8: the local spec's torch norms (WrappedTorchNorm, used without Apex) refuse
+    # sequence_parallel, because they do not tag their weights for the SP gradient all-reduce --
+    # which matters for training numerics, not for shapes, FLOPs or saved bytes. Build them from
+    # a copy of the config with SP off; the rest of the layer (the scatter after the embedding,
+    # the all-gathers and reduce-scatters of the linears) runs sequence-parallel as on a GPU.
+    from megatron.core.transformer import torch_norm
+
+    build_norm = torch_norm.WrappedTorchNorm.__new__
+
+    def wrapped_torch_norm(cls, config, *args, **kwargs):
+        if config.sequence_parallel:
+            config = copy.copy(config)
+            config.sequence_parallel = False
+        return build_norm(cls, config, *args, **kwargs)
+
+    torch_norm.WrappedTorchNorm.__new__ = wrapped_torch_norm
 
     _PREPARED = True
 

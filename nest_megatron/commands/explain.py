@@ -1,0 +1,123 @@
+"""`nest-megatron explain PLAN.json [out=DIR]`: an HTML report of a plan (schedule, memory, placement,
+runners-up, baselines) with its PNGs, under DIR (default: PLAN_report/ beside the plan file)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from nest_megatron.commands.common import fail, stdout_console
+from nest_megatron.config.load import Loaded, load
+from nest_megatron.errors import NestError
+from nest_megatron.plan import Plan
+from nest_megatron.report.explain import FIGURES, report_data, write_report
+from nest_megatron.solver.baselines import flat_network, manual
+from nest_megatron.solver.registry import SOLVERS
+
+HELP = "write an HTML report of a plan: schedule, memory, placement, runners-up, baselines"
+EPILOG = """examples:
+  nest-megatron plan model=llama3_70b cluster.num_devices=1024 out=plan.json
+  nest-megatron explain plan.json out=report/      # then open report/index.html
+  nest-megatron plan model=tiny_gpt cluster.num_devices=16 report=report/   # both in one go"""
+BASELINE_STEPS = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan", help="a Plan JSON, as `nest-megatron plan ... out=PLAN.json` writes it")
+    parser.add_argument("options", nargs="*", help="out=DIR: where index.html and the PNGs go (default: PLAN_report/)")
+    parser.add_argument("--no-baselines", action="store_true",
+                        help="leave out the Manual and flat-network baselines (the flat one repeats the search)")
+    parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
+
+
+def progress_bar(*, quiet: bool) -> Progress:
+    """A progress bar on stderr, shown only on a terminal; plain (no colour) when NO_COLOR is set."""
+    console = Console(stderr=True, no_color="NO_COLOR" in os.environ or not sys.stderr.isatty())
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console, transient=True, disable=quiet or not console.is_terminal)
+
+
+def read_plan(path: str) -> Plan:
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise NestError(f"{path}: cannot read it ({err.strerror}); give the file `plan ... out=PLAN.json` wrote")
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise NestError(f"{path}: not JSON ({err}); give the file `plan ... out=PLAN.json` wrote")
+    if not isinstance(data, dict):
+        raise NestError(f"{path}: not a plan (a JSON object with schema_version, parallel, ...)")
+    known = {f.name for f in fields(Plan)}
+    required = {f.name for f in fields(Plan) if f.default is MISSING and f.default_factory is MISSING}
+    if required - set(data) or set(data) - known:
+        wrong = [f"missing {k}" for k in sorted(required - set(data))] + [f"unknown {k}" for k in sorted(set(data) - known)]
+        raise NestError(f"{path}: not a plan ({', '.join(wrong[:4])}{', ...' if len(wrong) > 4 else ''})")
+    try:
+        return Plan.from_dict(data)
+    except ValueError as err:
+        raise NestError(f"{path}: {err}") from None
+
+
+def output_dir(plan_path: str, options: list[str]) -> Path:
+    out = None
+    for option in options:
+        key, sep, value = option.partition("=")
+        if key != "out" or not sep or not value:
+            raise NestError(f"'{option}': explain takes one option, out=DIR")
+        out = Path(value)
+    return out or Path(plan_path).with_suffix("").with_name(Path(plan_path).stem + "_report")
+
+
+def explain(loaded: Loaded, plan: Plan, out: Path, *, baselines: bool, progress: Progress) -> Path:
+    """Run the baselines on `loaded`'s problem, render the report of `plan` and move it into `out`
+    (index.html last, so a report is either whole or absent); return index.html's path."""
+    problem, cfg = loaded.problem, loaded.config
+    if plan.num_devices != problem.num_devices or len(plan.rank_to_device) > problem.num_devices:
+        raise NestError(f"the plan is for {plan.num_devices} devices but its overrides build {problem.num_devices}")
+    if out.exists() and not out.is_dir():
+        raise NestError(f"{out}: exists and is not a folder; give the report a folder of its own")
+    steps = (BASELINE_STEPS if baselines else 0) + len(FIGURES) + 1
+    task = progress.add_task("report", total=steps)
+    done = iter(range(steps + 1))
+
+    def step(name: str) -> None:
+        progress.update(task, description=name, completed=next(done))
+
+    found = {}
+    if baselines:
+        step("Manual baseline")
+        found["Manual (recipe habits)"] = manual(problem)
+        step("flat-network search")
+        found["best flat-network plan"] = flat_network(problem, SOLVERS[cfg.solver.name], solver_cfg=cfg.solver,
+                                                       pins=cfg.plan, micro_batch_size=cfg.train.micro_batch_size)
+    data = report_data(problem, plan, baselines=found)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out, prefix=".explain-") as tmp:
+        write_report(data, Path(tmp), step=step)
+        for name in (*FIGURES, "index.html"):
+            shutil.move(Path(tmp) / name, out / name)
+    progress.update(task, completed=steps)
+    return out / "index.html"
+
+
+def run(args: argparse.Namespace) -> int:
+    console = stdout_console()
+    try:
+        out = output_dir(args.plan, args.options)
+        plan = read_plan(args.plan)
+        loaded = load(plan.overrides)
+        with progress_bar(quiet=args.quiet) as progress:
+            index = explain(loaded, plan, out, baselines=not args.no_baselines, progress=progress)
+    except (NestError, OSError) as err:
+        return fail(args.command, err)
+    if not args.quiet:
+        console.print(f"report written to {index}", highlight=False, soft_wrap=True)
+    return 0

@@ -1,0 +1,173 @@
+"""`nest-megatron launch [overrides] [options] -- SCRIPT ARGS...` and `nest-torchrun [torchrun flags] SCRIPT ARGS...`.
+
+Both read the model, batch and precision from the Megatron ARGS, the devices from torchrun's flags or
+SLURM, plan, rewrite the planner's flags and exec torchrun (this process becomes torchrun: same pid,
+signals go straight to it, its exit status is the job's). --dry-run prints the plan and the final
+command line(s) and starts nothing; so does any error, as one line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from nest_megatron.commands.common import fail, stdout_console
+from nest_megatron.errors import NestError
+from nest_megatron.launch.devices import resolve
+from nest_megatron.launch.prepare import Prepared, prepare
+from nest_megatron.launch.torchrun import exec_command
+from nest_megatron.report.table import render
+
+HELP = "plan a Megatron launch line, rewrite its parallel flags and exec torchrun"
+EPILOG = """examples:
+  nest-megatron launch cluster=dgx_h100_superpod --nnodes 16 --nproc-per-node 8 --master-addr n1 --dry-run \\
+      -- pretrain_gpt.py --num-layers 80 --hidden-size 8192 ... --bf16
+  srun --ntasks-per-node=1 nest-megatron launch cluster=dgx_h100_superpod -- pretrain_gpt.py ...
+  nest-megatron launch model=tiny_gpt cluster.num_devices=2 --nproc-per-node 2 -- scripts/pretrain_gpt.py --train-iters 5
+pin what you chose by hand: --pin tp,pp (or solver.keep_user_parallelism=[tp,pp]) keeps the argv's
+--tensor-model-parallel-size / --pipeline-model-parallel-size as constraints of the plan."""
+# A trailing `-- SCRIPT ARGS` cannot be an argparse positional after the overrides (cli.py).
+INTERMIXED = False
+PROG = "nest-megatron launch"
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and the torchrun command(s); start nothing")
+    parser.add_argument("--pin", default="", help="comma-separated: keep these of the argv as plan constraints "
+                        "(tp, pp, cp, ep, etp, vpp, sp, mbs, zero, recompute, order)")
+    torchrun = parser.add_argument_group("devices (torchrun's flags; otherwise from SLURM)")
+    torchrun.add_argument("--nnodes")
+    torchrun.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node")
+    torchrun.add_argument("--node-rank", "--node_rank", dest="node_rank")
+    torchrun.add_argument("--master-addr", "--master_addr", dest="master_addr")
+    torchrun.add_argument("--master-port", "--master_port", dest="master_port")
+    torchrun.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _options(parser)
+    parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="[overrides] -- SCRIPT ARGS",
+                        help="Hydra overrides (cluster=..., model=..., solver.keep_user_parallelism=[tp]), then -- and "
+                             "the training script with its Megatron arguments")
+
+
+class _QuietParser(argparse.ArgumentParser):
+    """Its errors are one NestError line, not a usage text and exit."""
+
+    def error(self, message: str):
+        raise NestError(f"{message} (options go before --; see nest-megatron launch --help)")
+
+
+def _split(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str], str, list[str]]:
+    """Options given before the overrides were parsed by cli.py; those among the overrides are parsed here."""
+    rest = list(args.rest)
+    if "--" not in rest:
+        raise NestError("no training script: give it after --, e.g. nest-megatron launch cluster=... -- pretrain_gpt.py ARGS")
+    cut = rest.index("--")
+    inner = _QuietParser(prog=PROG, add_help=False)
+    _options(inner)
+    inner.add_argument("overrides", nargs="*")
+    more = inner.parse_intermixed_args(rest[:cut])
+    for key, value in vars(more).items():
+        if key != "overrides" and value not in (None, False, ""):
+            setattr(args, key, value)
+    script = rest[cut + 1:]
+    if not script:
+        raise NestError("no training script after --")
+    return args, more.overrides, script[0], script[1:]
+
+
+def show(prepared: Prepared, *, dry_run: bool) -> None:
+    """The plan (tables) and each node's command line: on stdout for --dry-run, one line on stderr otherwise."""
+    p = prepared.plan.parallel
+    summary = (f"nest-megatron: tp={p['tp']} pp={p['pp']} dp={p['dp']} cp={p['cp']} ep={p['ep']} vpp={p['vpp']} "
+               f"mbs={prepared.plan.micro_batch_size} zero={prepared.plan.zero_stage} on {prepared.world_size} ranks")
+    if not dry_run:
+        print(summary, file=sys.stderr, flush=True)
+        return
+    console = stdout_console()
+    render(prepared.plan, console)
+    print(summary)
+    for command in prepared.commands:
+        label = f"node rank {command.node_rank}" if len(prepared.commands) > 1 else "command"
+        print(f"# {label}:")
+        print(command.render())
+
+
+def execute(prepared: Prepared, *, dry_run: bool, command: str) -> int:
+    show(prepared, dry_run=dry_run)
+    if dry_run:
+        return 0
+    if prepared.devices.node_rank is None:
+        return fail(command, f"this node's rank is unknown among {prepared.devices.num_nodes} nodes: give --node-rank "
+                             "or run under srun (SLURM_NODEID)")
+    if prepared.this_node is None:
+        print(f"nest-megatron: node {prepared.devices.node_rank} runs no rank of this plan (its devices stay idle)",
+              file=sys.stderr)
+        return 0
+    exec_command(prepared.this_node)  # does not return
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        args, overrides, script, script_args = _split(args)
+        devices = resolve(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
+                          master_addr=args.master_addr, master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint)
+        prepared = prepare(overrides=overrides, script=script, script_args=script_args, devices=devices,
+                           pins=args.pin.split(",") if args.pin else [])
+        return execute(prepared, dry_run=args.dry_run, command="launch")
+    except (NestError, OSError) as err:
+        return fail("launch", err)
+
+
+# --- nest-torchrun --------------------------------------------------------------------------------------------
+
+TORCHRUN_DEVICE_FLAGS = ("nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port", "rdzv_endpoint")
+
+
+def _leading_options(argv: list[str]) -> tuple[list[str], bool, list[str], list[str]]:
+    """nest-torchrun's own leading tokens: Hydra overrides (key=value), --dry-run, --pin X; then torchrun's."""
+    overrides, pins, dry_run, i = [], [], False, 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--dry-run":
+            dry_run = True
+        elif token == "--pin" and i + 1 < len(argv):
+            pins.append(argv[i + 1])
+            i += 1
+        elif token.startswith("--pin="):
+            pins.append(token.partition("=")[2])
+        elif not token.startswith("-") and "=" in token:
+            overrides.append(token)
+        else:
+            break
+        i += 1
+    return overrides, dry_run, ",".join(pins).split(",") if pins else [], argv[i:]
+
+
+def torchrun_main(argv: list[str] | None = None) -> int:
+    """`nest-torchrun [overrides] [--dry-run] [--pin tp,pp] [torchrun flags] SCRIPT ARGS...`: torchrun's own
+    command line, planned; torchrun's flags are kept as typed, the script's arguments are rewritten."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    overrides, dry_run, pins, argv = _leading_options(argv)
+    try:
+        from torch.distributed.run import get_args_parser  # torchrun's own parser: its flags, exactly
+
+        parser = get_args_parser()
+        for action in parser._actions:
+            if action.dest in TORCHRUN_DEVICE_FLAGS:
+                action.default = None  # tell "given" from torchrun's default
+        try:
+            parsed = parser.parse_args(argv)
+        except SystemExit as exit_:
+            return int(exit_.code or 0) and 2
+        flags = argv[: len(argv) - len(parsed.training_script_args) - 1]
+        devices = resolve(nnodes=parsed.nnodes, nproc_per_node=parsed.nproc_per_node, node_rank=parsed.node_rank,
+                          master_addr=parsed.master_addr, master_port=parsed.master_port,
+                          rdzv_endpoint=parsed.rdzv_endpoint or None, standalone=parsed.standalone)
+        prepared = prepare(overrides=overrides, script=parsed.training_script, script_args=parsed.training_script_args,
+                           devices=devices, pins=pins, user_torchrun_flags=flags)
+        return execute(prepared, dry_run=dry_run, command="torchrun")
+    except (NestError, OSError) as err:
+        return fail("torchrun", err)

@@ -1,0 +1,118 @@
+"""`nest-megatron sbatch [overrides] [--nodes N --gpus-per-node G ...] -- SCRIPT ARGS...`: a ready sbatch script.
+
+The launch is planned now, on the nodes asked for, so that a model that does not fit or a cluster that does not
+match fails here, as one line, and no script is written; the plan goes into the script as comments. At run
+time every node plans again (the same plan) under `srun nest-megatron launch`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from nest_megatron.commands.common import fail, write_atomically
+from nest_megatron.config.load import load
+from nest_megatron.errors import NestError
+from nest_megatron.launch.devices import Devices
+from nest_megatron.launch.prepare import Prepared, prepare, problem_overrides, split_keep
+from nest_megatron.launch.sbatch import SbatchOptions, sbatch_script
+
+HELP = "plan a Megatron launch for N nodes and write the sbatch script that runs it (out=PATH or stdout)"
+EPILOG = """example:
+  nest-megatron sbatch cluster=dgx_h100_superpod --nodes 16 --partition batch --time 4:00:00 out=job.sh \\
+      -- pretrain_gpt.py --num-layers 80 --hidden-size 8192 ... --bf16
+  sbatch job.sh"""
+INTERMIXED = False  # a trailing `-- SCRIPT ARGS` (see cli.py)
+PROG = "nest-megatron sbatch"
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, help="nodes to book (required)")
+    parser.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the node size of cluster=...)")
+    parser.add_argument("--partition")
+    parser.add_argument("--time", help="time limit in SLURM's form, e.g. 4:00:00 or 2-00:00:00")
+    parser.add_argument("--account")
+    parser.add_argument("--job-name")
+    parser.add_argument("--output", help="SLURM's --output pattern, e.g. logs/%%x-%%j.out")
+    parser.add_argument("--no-exclusive", action="store_true", help="omit #SBATCH --exclusive")
+    parser.add_argument("--sbatch", action="append", default=None, metavar="OPTION",
+                        help="one more #SBATCH option, e.g. --sbatch=--qos=high (repeatable)")
+    parser.add_argument("--pin", help="passed to launch: keep these of the argv as plan constraints (tp,pp,...)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _options(parser)
+    parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="[overrides] -- SCRIPT ARGS",
+                        help="Hydra overrides (cluster=..., out=job.sh), then -- and the training script with its "
+                             "Megatron arguments")
+
+
+def _split(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str], list[str]]:
+    """Options before the first override were parsed by cli.py; the ones among the overrides are parsed here."""
+    rest = list(args.rest)
+    if "--" not in rest:
+        raise NestError("no training script: give it after --, e.g. nest-megatron sbatch --nodes 2 -- pretrain_gpt.py ARGS")
+    cut = rest.index("--")
+    inner = argparse.ArgumentParser(prog=PROG, add_help=False)
+    _options(inner)
+    inner.add_argument("overrides", nargs="*")
+    try:
+        more = inner.parse_intermixed_args(rest[:cut])
+    except SystemExit:
+        raise NestError(f"cannot read the options before --: {' '.join(rest[:cut])}") from None
+    for key, value in vars(more).items():
+        if key != "overrides" and value is not None and value is not False:
+            setattr(args, key, value)
+    if not rest[cut + 1:]:
+        raise NestError("no training script after --")
+    return args, more.overrides, rest[cut + 1:]
+
+
+def _plan_lines(prepared: Prepared) -> list[str]:
+    plan, p = prepared.plan, prepared.plan.parallel
+    lines = [f"plan when written: tp={p['tp']} pp={p['pp']} dp={p['dp']} cp={p['cp']} ep={p['ep']} vpp={p['vpp']} "
+             f"mbs={plan.micro_batch_size} zero={plan.zero_stage}, predicted step "
+             f"{plan.predicted['step_time_s']:.3g} s, peak memory {plan.predicted['peak_memory_gib']:.1f} GiB"]
+    order = [c.node_rank for c in prepared.commands]
+    if order != sorted(order):
+        lines.append(f"node ranks by allocation order (the plan's placement): {order}")
+    return lines
+
+
+def build(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(script text, out path or None): everything checked, nothing written."""
+    args, overrides, script_argv = _split(args)
+    out = next((item.partition("=")[2] for item in overrides if item.startswith("out=")), None)
+    forwarded = [item for item in overrides if not item.startswith("out=")]
+    if args.nodes is None:
+        raise NestError("--nodes is required: the number of nodes to book")
+    gpus = args.gpus_per_node
+    if gpus is None:  # the node size of the cluster the launch plans on
+        user, _ = split_keep(forwarded)
+        gpus = load(problem_overrides(script_argv[0], script_argv[1:], user)).problem.topology.devices_per_node
+    options = SbatchOptions(nodes=args.nodes, gpus_per_node=gpus, job_name=args.job_name or "nest-megatron",
+                            partition=args.partition, time=args.time, account=args.account, output=args.output,
+                            exclusive=not args.no_exclusive, extra=list(args.sbatch or []))
+    options.validate()
+    # Host names are known only once SLURM allocates; the placement depends only on their order.
+    devices = Devices(num_nodes=args.nodes, per_node=gpus, hosts=tuple(f"node{i}" for i in range(args.nodes)),
+                      master_addr="node0", source="sbatch")
+    prepared = prepare(overrides=forwarded, script=script_argv[0], script_args=script_argv[1:], devices=devices,
+                       pins=args.pin.split(",") if args.pin else [])
+    launch_options = ["--pin", args.pin] if args.pin else []
+    return sbatch_script(options, launch_options + forwarded, script_argv, plan_lines=_plan_lines(prepared)), out
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        text, out = build(args)
+        if out:
+            write_atomically(Path(out), text)
+            Path(out).chmod(0o755)
+    except (NestError, OSError) as err:
+        return fail("sbatch", err)
+    if out:
+        print(f"sbatch script written to {out}")
+    else:
+        print(text, end="")
+    return 0

@@ -1,0 +1,332 @@
+"""Megatron-LM's command-line flags, and the schema fields they set.
+
+A Megatron launch line already says what the model is: `--num-layers 80 --hidden-size 8192 ...`.
+This module reads such an argv (pure: no torch, no environment) and gives
+
+- `scan(argv)`: every token classified, the values of the flags this project knows, and where they
+  sit, so that `launch/rewrite.py` can drop the planner's flags and keep the rest in order;
+- `model_overrides(argv)` / `overrides_from_argv(argv)`: Hydra overrides (`model.*`, `train.*`)
+  that make `config.load.load()` build the same problem. Every model field is written, with
+  Megatron's own default where the flag is absent, so nothing is inherited from another model;
+- `FLAG_OF_KEY`: schema key -> the flag that sets it, to name the flag in an error.
+
+Unknown flags are not this module's business: they pass through. Flags that contradict each other,
+or values the planner cannot price (multi-latent attention, a per-layer MoE pattern, ...), raise
+one NestError line naming the flag.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nest_megatron.errors import NestError
+
+# Model-shape flags: flag -> (schema key under `model.`, value kind, Megatron's default).
+# Kinds: int, float, str take one value; "true" is a store_true flag, "false" a store_false one.
+MODEL_FLAGS: dict[str, tuple[str, str, object]] = {
+    "--num-layers": ("num_layers", "int", None),
+    "--hidden-size": ("hidden_size", "int", None),
+    "--ffn-hidden-size": ("ffn_hidden_size", "int", None),
+    "--num-attention-heads": ("num_attention_heads", "int", None),
+    "--num-query-groups": ("num_query_groups", "int", None),
+    "--kv-channels": ("kv_channels", "int", None),
+    "--seq-length": ("seq_length", "int", None),
+    "--vocab-size": ("vocab_size", "int", None),
+    "--make-vocab-size-divisible-by": ("make_vocab_size_divisible_by", "int", 128),
+    "--swiglu": ("swiglu", "true", False),
+    "--untie-embeddings-and-output-weights": ("untie_embeddings_and_output_weights", "true", False),
+    "--position-embedding-type": ("position_embedding_type", "str", "learned_absolute"),
+    "--normalization": ("normalization", "str", "LayerNorm"),
+    "--disable-bias-linear": ("add_bias_linear", "false", True),
+    "--hidden-dropout": ("hidden_dropout", "float", 0.1),
+    "--attention-dropout": ("attention_dropout", "float", 0.1),
+    "--attention-backend": ("attention_backend", "str", "auto"),
+    "--attention-softmax-in-fp32": ("attention_softmax_in_fp32", "true", False),
+    "--no-bias-swiglu-fusion": ("bias_swiglu_fusion", "false", True),
+    "--num-experts": ("num_experts", "int", None),
+    "--moe-router-topk": ("moe_router_topk", "int", 2),
+    "--moe-ffn-hidden-size": ("moe_ffn_hidden_size", "int", None),
+    "--moe-layer-freq": ("moe_layer_freq", "str", "1"),
+    "--moe-shared-expert-intermediate-size": ("moe_shared_expert_intermediate_size", "int", None),
+}
+
+# Flags read to complete the model but that set no schema field of their own.
+HINT_FLAGS: dict[str, str] = {
+    "--group-query-attention": "true",
+    "--use-rotary-position-embeddings": "true",
+    "--max-position-embeddings": "int",
+    "--padded-vocab-size": "int",
+    "--tokenizer-type": "str",
+    "--tokenizer-model": "str",
+    "--vocab-file": "str",
+    "--bf16": "true",
+    "--fp16": "true",
+}
+
+# Flags the planner decides (launch/rewrite.py removes them and inserts the plan's), with their arity.
+PLANNER_FLAGS: dict[str, str] = {
+    "--tensor-model-parallel-size": "int",
+    "--pipeline-model-parallel-size": "int",
+    "--context-parallel-size": "int",
+    "--expert-model-parallel-size": "int",
+    "--expert-tensor-parallel-size": "int",
+    "--sequence-parallel": "true",
+    "--num-layers-per-virtual-pipeline-stage": "int",
+    "--num-virtual-stages-per-pipeline-rank": "int",
+    "--pipeline-model-parallel-layout": "str",
+    "--decoder-first-pipeline-num-layers": "int",
+    "--decoder-last-pipeline-num-layers": "int",
+    "--account-for-embedding-in-pipeline-split": "true",
+    "--account-for-loss-in-pipeline-split": "true",
+    "--micro-batch-size": "int",
+    "--global-batch-size": "int",
+    "--use-distributed-optimizer": "true",
+    "--use-megatron-fsdp": "true",
+    "--data-parallel-sharding-strategy": "str",
+    "--use-torch-fsdp2": "true",
+    "--overlap-grad-reduce": "true",
+    "--overlap-param-gather": "true",
+    "--use-tp-pp-dp-mapping": "true",
+    "--recompute-granularity": "str",
+    "--recompute-method": "str",
+    "--recompute-num-layers": "int",
+    "--recompute-activations": "true",
+    "--ckpt-format": "str",  # planner-owned only with Megatron-FSDP (fsdp_dtensor); see launch/rewrite.py
+}
+
+KNOWN_FLAGS: dict[str, str] = {
+    **{flag: kind for flag, (_, kind, _) in MODEL_FLAGS.items()},
+    **HINT_FLAGS,
+    **PLANNER_FLAGS,
+}
+
+# What the planner cannot price, each with why: these stop the launch instead of a silently wrong plan.
+UNPLANNABLE: dict[str, str] = {
+    "--multi-latent-attention": "multi-latent attention is not in the cost model",
+    "--hybrid-layer-pattern": "hybrid (Mamba) layer patterns are not in the cost model",
+    "--mtp-num-layers": "multi-token-prediction layers are not in the cost model",
+    "--encoder-num-layers": "encoder-decoder models are not in the cost model; use --num-layers",
+    "--decoder-num-layers": "encoder-decoder models are not in the cost model; use --num-layers",
+}
+
+# Vocabulary sizes of the tokenizers whose size is fixed by their type.
+TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257}
+
+FLAG_OF_KEY: dict[str, str] = {f"model.{key}": flag for flag, (key, _, _) in MODEL_FLAGS.items()}
+FLAG_OF_KEY["train.global_batch_size"] = "--global-batch-size"
+
+
+@dataclass
+class Scanned:
+    """An argv split into what this project reads and what passes through.
+
+    `values[flag]` is the flag's last value (True for a present store_true flag); `spans` lists every
+    occurrence of a known flag as (flag, start, stop) token indices, so a rewrite can drop exactly
+    those tokens; everything else is left where it is.
+    """
+
+    argv: list[str]
+    values: dict[str, object] = field(default_factory=dict)
+    spans: list[tuple[str, int, int]] = field(default_factory=list)
+
+    def has(self, flag: str) -> bool:
+        return flag in self.values
+
+    def get(self, flag: str, default=None):
+        return self.values.get(flag, default)
+
+
+def _convert(flag: str, kind: str, text: str):
+    try:
+        return {"int": int, "float": float, "str": str}[kind](text)
+    except ValueError:
+        raise NestError(f"{flag} {text}: expected {'an integer' if kind == 'int' else 'a number'}") from None
+
+
+def scan(argv: list[str]) -> Scanned:
+    """Classify `argv`: the known flags' values and token spans (`--flag v` and `--flag=v` forms).
+
+    A known flag given twice with different values is a contradiction (argparse would silently keep
+    the last one); a known flag missing its value is an error.
+    """
+    out = Scanned(argv=list(argv))
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name, eq, inline = token.partition("=")
+        if token.startswith("--") and name in UNPLANNABLE:
+            raise NestError(f"{name}: {UNPLANNABLE[name]}")
+        kind = KNOWN_FLAGS.get(name) if token.startswith("--") else None
+        if kind is None:
+            i += 1
+            continue
+        if kind in ("true", "false"):
+            if eq:
+                raise NestError(f"{token}: {name} takes no value")
+            value, stop = True, i + 1
+        elif eq:
+            value, stop = _convert(name, kind, inline), i + 1
+        else:
+            if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and argv[i + 1] != "--"):
+                raise NestError(f"{name}: expects a value")
+            value, stop = _convert(name, kind, argv[i + 1]), i + 2
+        if name in out.values and out.values[name] != value:
+            raise NestError(f"{name} is given twice with different values ({out.values[name]} and {value})")
+        out.values[name] = value
+        out.spans.append((name, i, stop))
+        i = stop
+    return out
+
+
+def has_model(argv: list[str] | Scanned) -> bool:
+    """Whether the argv describes a model (it has --num-layers), so the model comes from it."""
+    scanned = argv if isinstance(argv, Scanned) else scan(argv)
+    return scanned.has("--num-layers")
+
+
+def _vocab_size(s: Scanned) -> int | None:
+    """The vocabulary size from --vocab-size, --padded-vocab-size or what the tokenizer flags tell."""
+    if s.has("--vocab-size"):
+        return s.get("--vocab-size")
+    if s.has("--padded-vocab-size"):
+        return s.get("--padded-vocab-size")
+    tokenizer = s.get("--tokenizer-type")
+    if tokenizer in TOKENIZER_VOCAB:
+        return TOKENIZER_VOCAB[tokenizer]
+    vocab_file = s.get("--vocab-file")
+    if tokenizer and tokenizer.startswith("BertWordPiece") and vocab_file and Path(vocab_file).is_file():
+        return sum(1 for line in Path(vocab_file).read_text().splitlines() if line)  # one token per line
+    model_dir = s.get("--tokenizer-model")
+    if model_dir and (Path(model_dir) / "config.json").is_file():  # a Hugging Face model folder
+        size = json.loads((Path(model_dir) / "config.json").read_text()).get("vocab_size")
+        return int(size) if size else None
+    return None
+
+
+def _moe_layer_freq(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise NestError(
+            f"--moe-layer-freq {text}: the planner models a MoE layer every k layers; give an integer k"
+        ) from None
+
+
+def _required(s: Scanned, flag: str):
+    if not s.has(flag):
+        raise NestError(f"{flag}: required to describe the model (the script arguments have --num-layers but not {flag})")
+    return s.get(flag)
+
+
+def model_values(argv: list[str] | Scanned, *, name: str = "megatron_argv", family: str = "gpt",
+                 vocab_size: int | None = None) -> dict:
+    """Every ModelConfig field for the model the argv describes, Megatron's default where a flag is
+    absent (`ModelConfig(**model_values(argv))` builds it). `vocab_size` is used when neither
+    --vocab-size nor the tokenizer flags tell it; with neither, an error names --vocab-size."""
+    s = argv if isinstance(argv, Scanned) else scan(argv)
+    _required(s, "--num-attention-heads")
+    hidden = _required(s, "--hidden-size")
+    values = {key: (s.has(flag) if kind == "true" else not s.has(flag) if kind == "false" else s.get(flag, default))
+              for flag, (key, kind, default) in MODEL_FLAGS.items()}
+    values.update(num_layers=_required(s, "--num-layers"), seq_length=_required(s, "--seq-length"), name=name, family=family)
+
+    gqa = s.has("--group-query-attention")
+    if s.has("--num-query-groups") and not gqa:
+        raise NestError(
+            f"--num-query-groups {s.get('--num-query-groups')} without --group-query-attention: Megatron ignores it "
+            "(multi-head attention); add --group-query-attention"
+        )
+    # Megatron's --num-query-groups defaults to 1 (multi-query attention) under --group-query-attention.
+    values["num_query_groups"] = s.get("--num-query-groups", 1) if gqa else None
+
+    if values["ffn_hidden_size"] is None:  # Megatron's default (validate_args)
+        values["ffn_hidden_size"] = int((4 * hidden * 2 / 3) / 64) * 64 if values["swiglu"] else 4 * hidden
+
+    rotary = s.has("--use-rotary-position-embeddings")
+    pos = values["position_embedding_type"]
+    if rotary and s.has("--position-embedding-type") and pos != "rope":
+        raise NestError(f"--use-rotary-position-embeddings and --position-embedding-type {pos}: choose one")
+    if rotary or pos in ("rope", "yarn", "mrope", "none"):
+        pos = "rope"  # no position-embedding parameters; the rotary variants cost the same
+    elif pos != "learned_absolute":
+        raise NestError(f"--position-embedding-type {pos}: the planner models learned_absolute, rope, yarn, mrope, none")
+    values["position_embedding_type"] = pos
+
+    max_pos = s.get("--max-position-embeddings")
+    if max_pos is not None and max_pos < values["seq_length"]:
+        raise NestError(f"--max-position-embeddings {max_pos}: must be at least --seq-length {values['seq_length']}")
+
+    backend = values["attention_backend"]
+    if backend not in ("auto", "flash", "fused", "unfused", "local"):
+        raise NestError(f"--attention-backend {backend}: allowed are flash, fused, unfused, local, auto")
+    # flash / fused / auto run a fused kernel that keeps no s^2 tensor; unfused / local keep it.
+    values["attention_backend"] = "unfused" if backend in ("unfused", "local") else "flash"
+
+    values["moe_layer_freq"] = _moe_layer_freq(str(values["moe_layer_freq"]))
+    if values["num_experts"] is None:
+        for flag in ("--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size"):
+            if s.has(flag):
+                raise NestError(f"{flag} without --num-experts: a dense model has no experts")
+
+    size = _vocab_size(s) or vocab_size
+    if size is None:
+        raise NestError(
+            f"--vocab-size: the vocabulary size is not known from the arguments (--tokenizer-type "
+            f"{s.get('--tokenizer-type')}); add --vocab-size N or the override model.vocab_size=N"
+        )
+    values["vocab_size"] = size
+    if s.has("--padded-vocab-size") and not s.has("--vocab-size"):
+        values["make_vocab_size_divisible_by"] = 1  # already padded: Megatron uses it as it is
+    return values
+
+
+def check_precision(argv: list[str] | Scanned, *, required: bool = True) -> None:
+    """The planner prices 2-byte (bf16 / fp16) mixed-precision training: one of the two flags (or none, when
+    not `required`: the model and its --bf16 then come from the plan)."""
+    s = argv if isinstance(argv, Scanned) else scan(argv)
+    if s.has("--bf16") and s.has("--fp16"):
+        raise NestError("--bf16 and --fp16: choose one")
+    if required and not (s.has("--bf16") or s.has("--fp16")):
+        raise NestError("no --bf16 or --fp16: the planner prices 2-byte mixed-precision training; add --bf16 (or --fp16)")
+
+
+def model_overrides(argv: list[str] | Scanned, **kwargs) -> list[str]:
+    """Hydra `model.*` overrides for the model the argv describes (see `model_values`); checks the precision."""
+    check_precision(argv)
+    return [f"model.{key}={_hydra(value)}" for key, value in model_values(argv, **kwargs).items()]
+
+
+def train_overrides(argv: list[str] | Scanned) -> list[str]:
+    """Hydra `train.*` overrides: the global batch and the overlap options the user asked for."""
+    s = argv if isinstance(argv, Scanned) else scan(argv)
+    if s.has("--overlap-param-gather") and not s.has("--overlap-grad-reduce"):
+        raise NestError("--overlap-param-gather without --overlap-grad-reduce: Megatron needs both")
+    out = []
+    if s.has("--global-batch-size"):
+        out.append(f"train.global_batch_size={s.get('--global-batch-size')}")
+    out.append(f"train.overlap_grad_reduce={_hydra(s.has('--overlap-grad-reduce'))}")
+    out.append(f"train.overlap_param_gather={_hydra(s.has('--overlap-param-gather'))}")
+    return out
+
+
+def overrides_from_argv(argv: list[str], *, name: str = "megatron_argv", family: str = "gpt",
+                        vocab_size: int | None = None) -> list[str]:
+    """Hydra overrides (model.*, train.*) so that `load()` builds the problem the argv describes.
+
+    Without --num-layers the argv describes no model and only train.* overrides come back (the
+    model then comes from `model=...`).
+    """
+    s = scan(argv)
+    check_precision(s, required=has_model(s))
+    model = model_overrides(s, name=name, family=family, vocab_size=vocab_size) if has_model(s) else []
+    return model + train_overrides(s)
+
+
+def _hydra(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

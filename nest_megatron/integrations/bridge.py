@@ -1,0 +1,59 @@
+"""A plan as Megatron-Bridge overrides on its ConfigContainer (Hydra override words, Python, or applied).
+
+Field names follow megatron-bridge 0.3.1 (PyPI), megatron/bridge/training/config.py:
+- ConfigContainer: model, train, optimizer, ddp, checkpoint, dist;
+- model.*: the GPTModelProvider, a megatron.core TransformerConfig (tensor_/pipeline_/virtual_pipeline_/
+  context_/expert_model_parallel_size, expert_tensor_parallel_size, sequence_parallel,
+  pipeline_model_parallel_layout, recompute_granularity / method / num_layers), as
+  recipes/llama/llama3.py sets them (cfg.model.tensor_model_parallel_size = 1);
+- train.micro_batch_size / global_batch_size: TrainingConfig;
+- optimizer.use_distributed_optimizer and ddp.use_distributed_optimizer: Bridge turns both on when either is
+  on (_validate_and_sync_distributed_optimizer_settings), so ZeRO-0 sets both off;
+- ddp.use_megatron_fsdp, ddp.data_parallel_sharding_strategy ("no_shard" in recipes/llama/llama3.py),
+  checkpoint.ckpt_format ("fsdp_dtensor" is required with Megatron-FSDP), dist.use_tp_pp_dp_mapping.
+Bridge reads these words with Hydra's override parser (training/utils/omegaconf_utils.py,
+parse_hydra_overrides), hence the Hydra literals of the CLI form.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nest_megatron.integrations.nemo import FSDP_SHARDING
+from nest_megatron.integrations.overrides import Overrides, apply_overrides, flag_value, is_moe
+from nest_megatron.plan import Plan
+
+
+def bridge_overrides(plan: Plan) -> Overrides:
+    p, rc = plan.parallel, plan.recompute
+    out: Overrides = {
+        "model.tensor_model_parallel_size": p["tp"],
+        "model.pipeline_model_parallel_size": p["pp"],
+        "model.virtual_pipeline_model_parallel_size": p["vpp"] if p["vpp"] > 1 else None,
+        "model.context_parallel_size": p["cp"],
+        "model.expert_model_parallel_size": p["ep"],
+    }
+    if is_moe(plan):
+        out["model.expert_tensor_parallel_size"] = p["etp"]
+    out |= {
+        "model.sequence_parallel": bool(p["sp"]),
+        "model.pipeline_model_parallel_layout": flag_value(plan, "--pipeline-model-parallel-layout"),
+        "model.recompute_granularity": rc["granularity"],
+        "model.recompute_method": rc["method"],
+        "model.recompute_num_layers": rc["num_layers"],
+        "train.micro_batch_size": plan.micro_batch_size,
+        "train.global_batch_size": plan.global_batch_size,
+        "optimizer.use_distributed_optimizer": plan.zero_stage >= 1,
+        "ddp.use_distributed_optimizer": plan.zero_stage >= 1,
+        "ddp.use_megatron_fsdp": plan.zero_stage >= 2,
+        "ddp.data_parallel_sharding_strategy": FSDP_SHARDING.get(plan.zero_stage, "no_shard"),
+        "dist.use_tp_pp_dp_mapping": "--use-tp-pp-dp-mapping" in plan.megatron_args,
+    }
+    if plan.zero_stage >= 2:
+        out["checkpoint.ckpt_format"] = "fsdp_dtensor"
+    return out
+
+
+def apply_to_config(container: Any, plan: Plan) -> Any:
+    """Set the plan on a Megatron-Bridge ConfigContainer (e.g. llama3_8b_pretrain_config()) in place."""
+    return apply_overrides(container, bridge_overrides(plan), root_name="config")

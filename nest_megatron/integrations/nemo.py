@@ -1,0 +1,80 @@
+"""A plan as NeMo 2 recipe overrides (nemo-run CLI words, Python lines, or set on a recipe object).
+
+Field names follow NeMo 2.7.3 (nemo_toolkit 2.7.3 on PyPI; NVIDIA/NeMo at 8cfedd72 has the same ones):
+- trainer.strategy.*: nemo/lightning/pytorch/strategies/megatron_strategy.py, MegatronStrategy.__init__
+  (tensor_/pipeline_/virtual_pipeline_/context_/expert_model_parallel_size, expert_tensor_parallel_size,
+  sequence_parallel, pipeline_model_parallel_layout, use_tp_pp_dp_mapping, fsdp, save_ckpt_format, ddp);
+- trainer.strategy.ddp: a megatron.core DistributedDataParallelConfig (recipes/llama3_8b.py, trainer());
+- data.*: nemo/collections/llm/gpt/data/mock.py, MockDataModule(micro_batch_size, global_batch_size);
+- model.config.*: megatron.core TransformerConfig (recompute_granularity / method / num_layers), as the
+  recipes set them (recipes/qwen3_32b.py: recipe.model.config.recompute_granularity = "full");
+- optim.config.use_distributed_optimizer: megatron.core OptimizerConfig (recipes/optim/adam.py).
+NeMo copies optim.config.use_distributed_optimizer into the DDP config itself (MegatronStrategy.setup).
+NeMo 3.0 dropped nemo.collections.llm, hence the [nemo] extra's <2.8 bound.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nest_megatron.errors import NestError
+from nest_megatron.integrations.overrides import Overrides, apply_overrides, flag_value, is_moe
+from nest_megatron.plan import Plan
+
+# Megatron-FSDP's sharding strategy for ZeRO-2 / ZeRO-3 (the --data-parallel-sharding-strategy of the argv)
+FSDP_SHARDING = {2: "optim_grads", 3: "optim_grads_params"}
+
+
+def trainer_shape(plan: Plan, devices_per_node: int) -> tuple[int, int]:
+    """(trainer.num_nodes, trainer.devices) whose product is the plan's world size."""
+    world = plan.num_devices - plan.idle_devices
+    if world <= devices_per_node:
+        return 1, world
+    if world % devices_per_node:
+        raise NestError(f"the plan uses {world} devices, not whole nodes of {devices_per_node}: NeMo's trainer "
+                        "needs num_nodes x devices; pick cluster.num_devices as a multiple of the node size")
+    return world // devices_per_node, devices_per_node
+
+
+def nemo_overrides(plan: Plan, devices_per_node: int | None = None) -> Overrides:
+    p, rc = plan.parallel, plan.recompute
+    s = "trainer.strategy"
+    out: Overrides = {}
+    if devices_per_node is not None:
+        out["trainer.num_nodes"], out["trainer.devices"] = trainer_shape(plan, devices_per_node)
+    out |= {
+        f"{s}.tensor_model_parallel_size": p["tp"],
+        f"{s}.pipeline_model_parallel_size": p["pp"],
+        f"{s}.virtual_pipeline_model_parallel_size": p["vpp"] if p["vpp"] > 1 else None,
+        f"{s}.context_parallel_size": p["cp"],
+        f"{s}.expert_model_parallel_size": p["ep"],
+    }
+    if is_moe(plan):
+        out[f"{s}.expert_tensor_parallel_size"] = p["etp"]
+    out |= {
+        f"{s}.sequence_parallel": bool(p["sp"]),
+        f"{s}.pipeline_model_parallel_layout": flag_value(plan, "--pipeline-model-parallel-layout"),
+        f"{s}.use_tp_pp_dp_mapping": "--use-tp-pp-dp-mapping" in plan.megatron_args,
+        "data.micro_batch_size": plan.micro_batch_size,
+        "data.global_batch_size": plan.global_batch_size,
+        "model.config.recompute_granularity": rc["granularity"],
+        "model.config.recompute_method": rc["method"],
+        "model.config.recompute_num_layers": rc["num_layers"],
+        "optim.config.use_distributed_optimizer": plan.zero_stage >= 1,
+    }
+    if plan.zero_stage >= 2:
+        out |= {
+            f"{s}.fsdp": "megatron",
+            f"{s}.ddp.data_parallel_sharding_strategy": FSDP_SHARDING[plan.zero_stage],
+            f"{s}.ddp.average_in_collective": False,  # not supported with Megatron-FSDP (recipes/llama3_8b.py)
+            f"{s}.save_ckpt_format": "fsdp_dtensor",  # the only format MegatronStrategy accepts with it
+        }
+    else:
+        out[f"{s}.fsdp"] = None
+    return out
+
+
+def apply_to_recipe(recipe: Any, plan: Plan, devices_per_node: int | None = None) -> Any:
+    """Set the plan on a NeMo 2 recipe (e.g. `llm.llama3_8b.pretrain_recipe(...)`) in place and return it.
+    Works on any object with these attribute paths; a missing one is a NestError naming it, set nothing."""
+    return apply_overrides(recipe, nemo_overrides(plan, devices_per_node), root_name="recipe")

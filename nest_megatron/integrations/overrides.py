@@ -1,0 +1,84 @@
+"""Dotted-path overrides (`trainer.strategy.tensor_model_parallel_size` -> 2): render them, apply them.
+
+NeMo 2 recipes (nemo-run `Config` / `Partial` trees) and Megatron-Bridge `ConfigContainer`s are both
+trees of objects reached by attribute; the same setter serves both. It never creates a missing
+attribute: a recipe without the path is not the recipe the overrides were written for.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from nest_megatron.errors import NestError
+from nest_megatron.plan import Plan
+
+Overrides = dict[str, Any]  # dotted path -> value, in the order they are printed and applied
+
+
+def flag_value(plan: Plan, flag: str) -> str | None:
+    """The value the plan's Megatron argv gives a flag, so that every target says what that argv says."""
+    args = plan.megatron_args
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def is_moe(plan: Plan) -> bool:
+    return "--num-experts" in plan.megatron_args
+
+
+def apply_overrides(root: Any, overrides: Overrides, *, root_name: str = "recipe") -> Any:
+    """Set every path on root; raise NestError naming the first path root does not have. Checks all paths
+    before setting any, so a recipe is never left half-changed."""
+    targets = []
+    for path, value in overrides.items():
+        *parents, leaf = path.split(".")
+        node, walked = root, root_name
+        for part in parents:
+            if not hasattr(node, part):
+                raise NestError(f"{root_name} has no {walked}.{part} (needed for {path}); is it a NeMo 2 / "
+                                "Megatron-Bridge config of the kind these overrides target?")
+            node, walked = getattr(node, part), f"{walked}.{part}"
+        if not hasattr(node, leaf):
+            raise NestError(f"{walked} ({type(node).__name__}) has no attribute {leaf!r} (override {path})")
+        targets.append((node, leaf, value))
+    for node, leaf, value in targets:
+        setattr(node, leaf, value)
+    return root
+
+
+def python_literal(value: Any) -> str:
+    return repr(value)
+
+
+def hydra_literal(value: Any) -> str:
+    """Hydra's override grammar: null, true/false, numbers, quoted strings."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return str(value)
+
+
+def cli_tokens(overrides: Overrides, literal=python_literal) -> list[str]:
+    return [f"{path}={literal(value)}" for path, value in overrides.items()]
+
+
+def shell_word(token: str) -> str:
+    """The token as one shell word: bare when safe, in double quotes around inner single quotes
+    (key='value' reads better than shlex's '"'"' splicing), else shlex's quoting."""
+    if shlex.quote(token) == token:
+        return token
+    if not any(c in token for c in '"$`\\!'):
+        return f'"{token}"'
+    return shlex.quote(token)
+
+
+def cli_line(overrides: Overrides, literal=python_literal) -> str:
+    """One shell-ready line of key=value words (quoted where the shell would split or expand them)."""
+    return " ".join(shell_word(token) for token in cli_tokens(overrides, literal))
+
+
+def python_lines(overrides: Overrides, root_name: str) -> list[str]:
+    return [f"{root_name}.{path} = {value!r}" for path, value in overrides.items()]

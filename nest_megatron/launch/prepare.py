@@ -1,0 +1,187 @@
+"""From a launch line to what each node runs: argv -> problem -> plan -> rewritten argv -> torchrun commands.
+
+Every node of a job calls `prepare` with the same inputs and gets the same plan (the planner is
+deterministic), so no node has to tell another what was chosen.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from nest_megatron import api
+from nest_megatron.config.load import Loaded, load
+from nest_megatron.config.megatron_argv import (
+    FLAG_OF_KEY,
+    MODEL_FLAGS,
+    check_precision,
+    has_model,
+    model_overrides,
+    scan,
+    train_overrides,
+)
+from nest_megatron.errors import NestError
+from nest_megatron.launch.devices import Devices
+from nest_megatron.launch.megatron_rules import violations
+from nest_megatron.launch.placement import HostAssignment, host_assignments, master_host
+from nest_megatron.launch.rewrite import model_part, parse_pins, pin_overrides, rewrite
+from nest_megatron.launch.torchrun import NodeCommand, node_command, torchrun_flags
+from nest_megatron.plan import Plan
+
+KEEP_KEY = "solver.keep_user_parallelism"
+
+
+@dataclass
+class Prepared:
+    plan: Plan
+    loaded: Loaded
+    devices: Devices
+    script_args: list[str]  # the final Megatron argv
+    commands: list[NodeCommand]  # one per node that runs ranks, in node-index order
+    this_node: NodeCommand | None  # the command of the node this process runs on; None: known only per node
+
+    @property
+    def world_size(self) -> int:
+        p = self.plan.parallel
+        return p["tp"] * p["pp"] * p["cp"] * p["dp"]
+
+
+def split_keep(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """`solver.keep_user_parallelism=[tp,pp]` is a launch option (it reads the argv): (other overrides, names)."""
+    rest, names = [], []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key == KEEP_KEY:
+            names += parse_pins(value.strip("[]").replace("'", "").replace('"', ""))
+        else:
+            rest.append(item)
+    return rest, names
+
+
+def problem_overrides(script: str, script_args: list[str], user: list[str]) -> list[str]:
+    """The Hydra overrides of the launch: the argv's model and train settings, then the user's (which win)."""
+    s = scan(script_args)
+    keys = {item.partition("=")[0]: item.partition("=")[2] for item in user}
+    if has_model(s):
+        if "model" in keys:
+            raise NestError(f"model={keys['model']} and a model in the script arguments (--num-layers ...): give one")
+        vocab = keys.get("model.vocab_size")
+        family = "bert" if Path(script).name.startswith("pretrain_bert") else "gpt"
+        out = model_overrides(s, name=Path(script).stem, family=family,
+                              vocab_size=int(vocab) if vocab and vocab.isdigit() else None)
+    else:
+        check_precision(s, required=False)
+        stray = [flag for flag in MODEL_FLAGS if s.has(flag)]
+        if stray:
+            raise NestError(f"{stray[0]} without --num-layers: give the whole model in the script arguments, or none "
+                            "of it and model=NAME")
+        out = []
+    return out + train_overrides(s) + list(user)
+
+
+def _with_flags(err: NestError, flags_given: bool) -> NestError:
+    """A config error about a model.* key the argv set, naming the flag too."""
+    if not flags_given:
+        return err
+    text = re.sub(r"\b(model\.\w+|train\.global_batch_size)\b",
+                  lambda m: f"{FLAG_OF_KEY[m.group(1)]} ({m.group(1)})" if m.group(1) in FLAG_OF_KEY else m.group(1), str(err))
+    return type(err)(text)
+
+
+def _check_topology(loaded: Loaded, devices: Devices) -> None:
+    topo = loaded.problem.topology
+    if loaded.problem.num_devices != devices.num_devices:
+        raise NestError(f"cluster {topo.name} has {loaded.problem.num_devices} devices, but the launch starts "
+                        f"{devices.num_nodes} x {devices.per_node} = {devices.num_devices}")
+    if topo.devices_per_node != devices.per_node:
+        raise NestError(f"cluster {topo.name} has {topo.devices_per_node} devices per node, but the launch starts "
+                        f"{devices.per_node} per node; choose a matching cluster=... or cluster.levels")
+
+
+def prepare(*, overrides: list[str], script: str, script_args: list[str], devices: Devices, pins: list[str] = (),
+            user_torchrun_flags: list[str] | None = None) -> Prepared:
+    """Plan the launch and build its torchrun command(s). Raises NestError (one line) and starts nothing when
+    the input is wrong, the plan does not fit, or the cluster does not match the devices."""
+    user, kept = split_keep(list(overrides))
+    names = list(dict.fromkeys([*parse_pins(pins), *kept]))
+    flags_given = has_model(scan(script_args))
+    problem = problem_overrides(script, script_args, user)
+    if not any(item.startswith("cluster.num_devices=") for item in user):
+        problem.append(f"cluster.num_devices={devices.num_devices}")
+    try:
+        loaded = load(problem)
+        _check_topology(loaded, devices)
+        pinned = pin_overrides(script_args, names, model=loaded.config.model)
+        if pinned:
+            loaded = load(problem + pinned)
+        plan = api.plan_loaded(loaded)
+    except NestError as err:
+        raise _with_flags(err, flags_given) from None
+
+    model_args = []
+    if not flags_given:  # the model came from model=...: the script needs its shape too
+        present = scan(script_args)
+        model_args = [a for a in model_part(plan.megatron_args)
+                      if not (a == "--bf16" and (present.has("--bf16") or present.has("--fp16")))]
+        model_args += ["--vocab-size", str(loaded.config.model.vocab_size)]
+    final = rewrite(script_args, plan, model_args=model_args)
+    world = plan.parallel["tp"] * plan.parallel["pp"] * plan.parallel["cp"] * plan.parallel["dp"]
+    broken = violations(final, world_size=world)
+    if broken:
+        raise NestError(f"the rewritten argv breaks a Megatron rule (a planner bug, please report): {broken[0]}")
+
+    commands, this_node = _commands(plan, devices, script, final, user_torchrun_flags)
+    return Prepared(plan=plan, loaded=loaded, devices=devices, script_args=final, commands=commands, this_node=this_node)
+
+
+def megatron_env(plan: Plan) -> dict[str, str | None]:
+    """The environment Megatron-LM asserts at start (validate_args, on Hopper and earlier GPUs): with TP or CP
+    it needs CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue, so that its communication kernels are issued in
+    order); Megatron-FSDP needs it not to be 1 (None: removed)."""
+    if plan.zero_stage >= 2:
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": None}
+    if plan.parallel["tp"] > 1 or plan.parallel["cp"] > 1:
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    return {}
+
+
+def _hosts(devices: Devices) -> list[str]:
+    return list(devices.hosts) or [f"node{i}" for i in range(devices.num_nodes)]
+
+
+def _commands(plan: Plan, devices: Devices, script: str, final: list[str],
+              user_flags: list[str] | None) -> tuple[list[NodeCommand], NodeCommand | None]:
+    """One torchrun command per node that runs ranks; the plan's placement gives each node its --node-rank and
+    CUDA_VISIBLE_DEVICES (launch/placement.py)."""
+    assignments: list[HostAssignment] = host_assignments(plan, _hosts(devices))
+    running = [a for a in assignments if not a.idle]
+    if user_flags is not None:
+        # nest-torchrun: the user's torchrun flags stay as typed, so the placement must keep torchrun's node order.
+        if plan.idle_devices or any(a.node_rank != i for i, a in enumerate(assignments)):
+            raise NestError("the plan leaves devices idle or reorders the nodes, which torchrun flags as typed cannot "
+                            "realise; launch it with `nest-megatron launch` (or srun nest-megatron launch)")
+        commands = [node_command(user_flags, script, final, node_rank=a.node_rank, env={**a.env(), **megatron_env(plan)})
+                    for a in assignments]
+    else:
+        if devices.num_nodes > 1 and not devices.hosts and assignments[0].node_rank != 0:
+            raise NestError(f"the plan puts node rank 0 on node index {[a.node_rank for a in assignments].index(0)}; "
+                            "without SLURM host names, start it with --master-addr of that node")
+        placed = devices if not devices.hosts else _with_master(devices, master_host(assignments))
+        commands = []
+        for a in running:
+            one = Devices(num_nodes=a.nnodes, per_node=a.nproc_per_node, master_addr=placed.master_addr,
+                          master_port=placed.master_port)
+            commands.append(node_command(torchrun_flags(one, node_rank=a.node_rank), script, final,
+                                         node_rank=a.node_rank, env={**a.env(), **megatron_env(plan)}))
+    by_index = dict(zip(range(len(assignments)), assignments))
+    this = None
+    if devices.node_rank is not None:
+        mine = by_index[devices.node_rank]
+        this = next((c for c in commands if c.node_rank == mine.node_rank), None) if not mine.idle else None
+    return commands, this
+
+
+def _with_master(devices: Devices, host: str) -> Devices:
+    return Devices(num_nodes=devices.num_nodes, per_node=devices.per_node, node_rank=devices.node_rank,
+                   hosts=devices.hosts, master_addr=host, master_port=devices.master_port, source=devices.source)

@@ -1,0 +1,151 @@
+"""A Megatron argv in, the planned Megatron argv out.
+
+The flags the planner decides (parallel sizes, virtual stages and layer split, micro and global batch,
+ZeRO / distributed optimizer / FSDP, recompute, rank order; `config.megatron_argv.PLANNER_FLAGS`)
+are removed wherever they stand and the plan's are appended; every other token stays, in order.
+What the user pins (`--pin tp,pp` or `solver.keep_user_parallelism=[tp,pp]`) is read from the argv
+and becomes a `plan.*` constraint for the planner instead of being overwritten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from nest_megatron.config.megatron_argv import PLANNER_FLAGS, Scanned, scan
+from nest_megatron.config.schema import ModelConfig
+from nest_megatron.errors import NestError
+from nest_megatron.launch.megatron_rules import FSDP_ZERO, name_flags
+from nest_megatron.model.spec import ModelSpec
+from nest_megatron.parallel.config import ParallelConfig
+from nest_megatron.parallel.rules import violation
+from nest_megatron.plan import Plan
+
+# What can be pinned, and the flag (or flags) the pinned value is read from.
+PIN_FLAGS = {
+    "tp": "--tensor-model-parallel-size",
+    "pp": "--pipeline-model-parallel-size",
+    "cp": "--context-parallel-size",
+    "ep": "--expert-model-parallel-size",
+    "etp": "--expert-tensor-parallel-size",
+    "vpp": "--num-virtual-stages-per-pipeline-rank",
+    "sp": "--sequence-parallel",
+    "mbs": "--micro-batch-size",
+    "zero": "--use-distributed-optimizer / --use-megatron-fsdp",
+    "recompute": "--recompute-granularity",
+    "order": "--use-tp-pp-dp-mapping",
+}
+
+
+def parse_pins(text: str | list[str]) -> list[str]:
+    """`tp,pp` (or ['tp', 'pp']) -> ['tp', 'pp']; an unknown name is an error naming the allowed ones."""
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
+    for name in names:
+        if name not in PIN_FLAGS:
+            hint = " (dp follows from the others: pin tp, pp, cp)" if name == "dp" else ""
+            raise NestError(f"pin {name}: allowed are {', '.join(PIN_FLAGS)}{hint}")
+    return names
+
+
+def _pinned_value(s: Scanned, name: str, num_layers: int | None):
+    """The value the argv gives for `name`, Megatron's default when its flag is absent."""
+    if name in ("tp", "pp", "cp", "ep"):
+        return s.get(PIN_FLAGS[name], 1)
+    if name == "etp":
+        return s.get("--expert-tensor-parallel-size", s.get("--tensor-model-parallel-size", 1))
+    if name == "vpp":
+        if s.has("--pipeline-model-parallel-layout"):
+            raise NestError("--pipeline-model-parallel-layout cannot be pinned: pin pp (and vpp) and let the planner split")
+        if s.has("--num-layers-per-virtual-pipeline-stage"):
+            pp, per = s.get("--pipeline-model-parallel-size", 1), s.get("--num-layers-per-virtual-pipeline-stage")
+            if num_layers is None or num_layers % (pp * per):
+                raise NestError(f"--num-layers-per-virtual-pipeline-stage {per}: must divide num_layers/pp to be pinned")
+            return num_layers // (pp * per)
+        return s.get("--num-virtual-stages-per-pipeline-rank", 1)
+    if name == "sp":
+        return s.has("--sequence-parallel")
+    if name == "mbs":
+        if not s.has("--micro-batch-size"):
+            raise NestError("pin mbs: the script arguments have no --micro-batch-size")
+        return s.get("--micro-batch-size")
+    if name == "zero":
+        if s.has("--use-torch-fsdp2"):
+            raise NestError("--use-torch-fsdp2 cannot be pinned: the planner realises ZeRO with the distributed "
+                            "optimizer (1) and Megatron-FSDP (2, 3)")
+        if s.has("--use-megatron-fsdp"):
+            strategy = s.get("--data-parallel-sharding-strategy", "optim_grads_params")
+            if strategy not in ("optim_grads", "optim_grads_params"):
+                raise NestError(f"--data-parallel-sharding-strategy {strategy} cannot be pinned: "
+                                "the planner models optim_grads and optim_grads_params")
+            return FSDP_ZERO[strategy]
+        return 1 if s.has("--use-distributed-optimizer") else 0
+    if name == "recompute":
+        if s.has("--recompute-activations"):
+            return "selective"
+        return s.get("--recompute-granularity") or "none"
+    if name == "order":
+        return "tp-cp-ep-pp-dp" if s.has("--use-tp-pp-dp-mapping") else "tp-cp-ep-dp-pp"
+    raise AssertionError(name)
+
+
+def pin_overrides(argv: list[str], names: list[str], *, model: ModelConfig | None = None) -> list[str]:
+    """`plan.*` overrides holding the pinned names at the argv's values.
+
+    With the model, each pinned value is checked against it alone (heads vs tp, layers vs pp, ...),
+    so that a value the model cannot satisfy is an error naming the flag, not "nothing fits".
+    """
+    s = scan(argv)
+    out = []
+    for name in names:
+        value = _pinned_value(s, name, model.num_layers if model else s.get("--num-layers"))
+        if model is not None and name in ("tp", "pp", "cp", "ep", "etp"):
+            problem = _alone(name, value, model)
+            if problem:
+                raise NestError(f"pinned {PIN_FLAGS[name]} {value}: {problem}")
+        out.append(f"plan.{name}={str(value).lower() if isinstance(value, bool) else value}")
+        if name == "recompute" and value == "full" and s.get("--recompute-method") == "block":
+            out.append(f"plan.recompute_num_layers={s.get('--recompute-num-layers')}")
+    return out
+
+
+def _alone(name: str, value: int, model: ModelConfig) -> str | None:
+    """Megatron's rule for a pinned size on its own (the other sizes at their smallest that let it
+    stand: dp = ep for the expert grid, sequence parallel with TP on a MoE model), when it names it."""
+    fields = {name: value, "dp": value if name == "ep" else 1}
+    if name == "etp":
+        fields["tp"] = value
+    cfg = ParallelConfig(**fields)
+    if model.num_experts and cfg.tp > 1:
+        cfg = replace(cfg, sp=True)
+    line = violation(cfg, model=ModelSpec(model), num_devices=cfg.world, global_batch_size=2 * cfg.dp * cfg.pp,
+                     any_split=True)
+    return name_flags(line).split(": ", 1)[-1] if line and line.startswith(f"plan.{name}=") else None
+
+
+def planner_part(args: list[str]) -> list[str]:
+    """The tokens of the planner's flags in `args` (a plan's megatron_args), in their order."""
+    s = scan(args)
+    return [token for flag, start, stop in s.spans if flag in PLANNER_FLAGS for token in args[start:stop]]
+
+
+def model_part(args: list[str]) -> list[str]:
+    """The tokens of `args` that are not the planner's flags (the plan's model-shape flags)."""
+    dropped = {i for flag, start, stop in scan(args).spans if flag in PLANNER_FLAGS for i in range(start, stop)}
+    return [token for i, token in enumerate(args) if i not in dropped]
+
+
+def rewrite(argv: list[str], plan: Plan, *, model_args: list[str] = ()) -> list[str]:
+    """The user's argv without the planner's flags, then `model_args` (when the argv has no model), then
+    the plan's parallel flags. --ckpt-format belongs to the planner only when the plan uses Megatron-FSDP
+    (it sets fsdp_dtensor) or the user's value is fsdp_dtensor (only Megatron-FSDP reads it)."""
+    s = scan(argv)
+    plan_args = planner_part(plan.megatron_args)
+    fsdp = "--use-megatron-fsdp" in plan_args
+
+    def owned(flag: str) -> bool:
+        if flag == "--ckpt-format":
+            return fsdp or s.get("--ckpt-format") == "fsdp_dtensor"
+        return flag in PLANNER_FLAGS
+
+    dropped = {i for flag, start, stop in s.spans if owned(flag) for i in range(start, stop)}
+    kept = [token for i, token in enumerate(argv) if i not in dropped]
+    return kept + list(model_args) + plan_args

@@ -1,0 +1,80 @@
+"""A ready sbatch script: one task per node, each running `nest-megatron launch` under srun.
+
+Every node plans again at run time from the same overrides and the same Megatron arguments (the plan is
+deterministic), takes its node rank from the plan's placement and starts its torchrun agent; the script
+only books the nodes and starts those agents. `exec srun` makes the job's exit status the training's.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+
+from nest_megatron.errors import NestError
+
+# SLURM's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
+TIME_FORMAT = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})$")
+# a value on an #SBATCH line (a comment to bash, read by sbatch)
+PLAIN_VALUE = re.compile(r"^[!-~]+$")  # printable, no blanks: a blank would end the value
+
+
+@dataclass(frozen=True)
+class SbatchOptions:
+    nodes: int
+    gpus_per_node: int
+    job_name: str = "nest-megatron"
+    partition: str | None = None
+    time: str | None = None
+    account: str | None = None
+    output: str | None = None  # SLURM's --output pattern; None: SLURM's slurm-%j.out
+    exclusive: bool = True
+    extra: list[str] = field(default_factory=list)  # further sbatch options, e.g. --qos=high
+
+    def validate(self) -> None:
+        if self.nodes < 1:
+            raise NestError(f"--nodes {self.nodes}: a job needs at least one node")
+        if self.gpus_per_node < 1:
+            raise NestError(f"--gpus-per-node {self.gpus_per_node}: each node runs at least one GPU's process")
+        for flag, value in (("--job-name", self.job_name), ("--partition", self.partition),
+                            ("--account", self.account), ("--output", self.output)):
+            if value is not None and not PLAIN_VALUE.match(value):
+                raise NestError(f"{flag} {value!r}: one word of printable characters, no blanks or line breaks")
+        if self.time is not None and not TIME_FORMAT.match(self.time):
+            raise NestError(f"--time {self.time!r}: give minutes, [hours:]minutes:seconds or "
+                            "days-hours[:minutes[:seconds]], e.g. 4:00:00")
+        for option in self.extra:
+            if not option.startswith("--") or not PLAIN_VALUE.match(option):
+                raise NestError(f"--sbatch {option!r}: give one long sbatch option such as --qos=high")
+
+    def directives(self) -> list[str]:
+        lines = [f"--job-name={self.job_name}", f"--nodes={self.nodes}", "--ntasks-per-node=1",
+                 f"--gpus-per-node={self.gpus_per_node}"]
+        if self.exclusive:
+            lines.append("--exclusive")
+        for flag, value in (("partition", self.partition), ("time", self.time), ("account", self.account),
+                            ("output", self.output)):
+            if value is not None:
+                lines.append(f"--{flag}={value}")
+        return [f"#SBATCH {line}" for line in lines + list(self.extra)]
+
+
+def launch_command(overrides: list[str], script_argv: list[str], launcher: str = "nest-megatron") -> list[str]:
+    """What srun starts on every node: the same launch line a user would type inside an allocation."""
+    return [launcher, "launch", *overrides, "--", *script_argv]
+
+
+def sbatch_script(options: SbatchOptions, overrides: list[str], script_argv: list[str], *,
+                  plan_lines: list[str] = ()) -> str:
+    """The script text. plan_lines: the plan made when the script was written, kept as comments."""
+    options.validate()
+    if not script_argv:
+        raise NestError("no training script: give it after --, e.g. -- pretrain_gpt.py --num-layers 32 ...")
+    header = ["#!/bin/bash"] + options.directives()
+    comments = [
+        "# Each node plans again at run time (deterministically, the same plan), takes its node rank from the",
+        "# plan's placement and starts its torchrun agent; SLURM_GPUS_ON_NODE gives the processes per node.",
+    ]
+    comments += [f"# {line}" for line in plan_lines]
+    srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *launch_command(overrides, script_argv)]
+    return "\n".join(header + [""] + comments + ["", "exec " + shlex.join(srun), ""])

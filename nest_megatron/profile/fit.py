@@ -1,0 +1,174 @@
+"""The compute model fitted from a profile cache, and the fitter.
+
+`FittedCompute` is the cost model's roofline (`RooflineCompute`, the one formula) with the
+efficiencies fitted to the measurements of one device, plus a fixed time per call for each op
+class: what a kernel launch, a tile tail or a small shape costs beyond its FLOPs or bytes. The
+overheads make the efficiency depend on the shape: a small GEMM reaches a smaller fraction of the
+peak than a large one, as measured.
+
+The fit, per op class, minimises the squared relative error of the predicted times:
+- memory: elementwise ops of known bytes -> memory_bound_efficiency (the intercept is per kernel);
+- gemm: the profiled GEMM shapes -> gemm_efficiency and gemm_overhead_s (with the fitted memory
+  efficiency in the roofline's memory branch);
+- attention: the profiled attention kernels -> attention_efficiency and attention_overhead_s;
+- layers: whole megatron-core layers timed without communication -> memory_overhead_s, the fixed
+  time of a layer pass beyond its GEMMs, attention and memory-bound bytes (norms, activation,
+  dropout and residual kernels are many small launches). `memory_time` is called once per layer
+  pass by the cost model, so this is where that time belongs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from nest_megatron.cost.compute import RooflineCompute
+from nest_megatron.hardware.accelerator import Accelerator
+from nest_megatron.model.spec import Gemm
+from nest_megatron.profile.cache import Entry
+
+ETA_RANGE = (1e-10, 1.0)  # a CPU timed against a GPU's peak lands near 1e-7
+
+
+@dataclass(frozen=True)
+class FittedCompute:
+    """A ComputeModel: the roofline with fitted efficiencies, plus a fitted time per call."""
+
+    roofline: RooflineCompute
+    gemm_overhead_s: float = 0.0
+    attention_overhead_s: float = 0.0
+    memory_overhead_s: float = 0.0
+
+    def gemm_time(self, gemm: Gemm) -> float:
+        return self.roofline.gemm_time(gemm) + self.gemm_overhead_s
+
+    def attention_time(self, flops: float) -> float:
+        return self.roofline.attention_time(flops) + self.attention_overhead_s
+
+    def memory_time(self, nbytes: float) -> float:
+        return self.roofline.memory_time(nbytes) + self.memory_overhead_s
+
+    @property
+    def accelerator(self) -> Accelerator:
+        return self.roofline.accelerator
+
+
+@dataclass(frozen=True)
+class Fit:
+    compute: FittedCompute
+    samples: dict  # op class -> number of measurements used
+    rms_relative_error: dict  # op class -> sqrt(mean((predicted - measured) / measured)^2)
+    devices: tuple[str, ...]  # the device names the measurements came from
+
+    def summary(self) -> str:
+        a, c = self.compute.accelerator, self.compute
+        return (f"gemm {a.gemm_efficiency:.3g} + {c.gemm_overhead_s * 1e6:.3g} us, "
+                f"attention {a.attention_efficiency:.3g} + {c.attention_overhead_s * 1e6:.3g} us, "
+                f"memory {a.memory_bound_efficiency:.3g} + {c.memory_overhead_s * 1e6:.3g} us per layer pass "
+                f"({', '.join(f'{k} {n}' for k, n in self.samples.items())} samples of {', '.join(self.devices)})")
+
+
+def _roofline(accelerator: Accelerator, **efficiencies) -> RooflineCompute:
+    return RooflineCompute(replace(accelerator, **efficiencies))
+
+
+def _overhead(predicted: np.ndarray, measured: np.ndarray) -> float:
+    """The constant c >= 0 minimising sum(((predicted + c - measured) / measured)^2)."""
+    w = 1.0 / measured**2
+    return max(0.0, float(np.sum((measured - predicted) * w) / np.sum(w)))
+
+
+def _relative_rms(predicted: np.ndarray, measured: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(((predicted - measured) / measured) ** 2)))
+
+
+def _fit_rate(roof, measured: np.ndarray, *, with_overhead: bool) -> tuple[float, float]:
+    """(efficiency, overhead) minimising the relative error of roof(efficiency) + overhead.
+
+    A log-spaced grid over ETA_RANGE finds the basin, golden-section search refines it."""
+
+    def loss(log_eta: float) -> float:
+        predicted = roof(math.exp(log_eta))
+        c = _overhead(predicted, measured) if with_overhead else 0.0
+        return float(np.sum(((predicted + c - measured) / measured) ** 2))
+
+    lo, hi = math.log(ETA_RANGE[0]), math.log(ETA_RANGE[1])
+    grid = np.linspace(lo, hi, 401)
+    best = int(np.argmin([loss(x) for x in grid]))
+    a, b = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(80):
+        x1, x2 = b - ratio * (b - a), a + ratio * (b - a)
+        if loss(x1) < loss(x2):
+            b = x2
+        else:
+            a = x1
+    eta = math.exp((a + b) / 2)
+    predicted = roof(eta)
+    return eta, _overhead(predicted, measured) if with_overhead else 0.0
+
+
+def _layer_roof(entry: Entry, compute: FittedCompute) -> float:
+    """One layer pass of `entry` under `compute`, without the per-pass memory overhead."""
+    w = entry.work
+    gemms = sum(compute.gemm_time(Gemm("g", *shape)) for shape in w["gemms"])
+    return gemms + compute.attention_time(w["attention_flops"]) + compute.roofline.memory_time(w["memory_bytes"])
+
+
+def layer_pass_time(entry: Entry, compute: FittedCompute) -> float:
+    """One forward pass of a profiled dense / MoE layer as `compute` prices it (the cost model
+    charges the backward pass twice this)."""
+    return _layer_roof(entry, compute) + compute.memory_overhead_s
+
+
+def fit(entries: list[Entry], accelerator: Accelerator) -> Fit:
+    """Fit the compute model of `accelerator` (its peak FLOP/s and HBM bandwidth stay; its
+    efficiencies and the overheads are fitted) to `entries`. A class with fewer than two
+    measurements keeps the accelerator's efficiency and no overhead."""
+    by_kind: dict[str, list[Entry]] = {}
+    for e in entries:
+        by_kind.setdefault(e.kind, []).append(e)
+    samples, errors, eff = {}, {}, {}
+
+    def measured(kind):
+        return np.array([e.seconds for e in by_kind[kind]])
+
+    memory_overhead = 0.0
+    if len(by_kind.get("memory", [])) >= 2:
+        nbytes = [e.shape["bytes"] for e in by_kind["memory"]]
+        roof = lambda eta: np.array([_roofline(accelerator, memory_bound_efficiency=eta).memory_time(b) for b in nbytes])  # noqa: E731
+        eff["memory_bound_efficiency"], memory_overhead = _fit_rate(roof, measured("memory"), with_overhead=True)
+        samples["memory"] = len(nbytes)
+        errors["memory"] = _relative_rms(roof(eff["memory_bound_efficiency"]) + memory_overhead, measured("memory"))
+
+    gemm_overhead = 0.0
+    if len(by_kind.get("gemm", [])) >= 2:
+        gemms = [Gemm("g", e.shape["m"], e.shape["n"], e.shape["k"]) for e in by_kind["gemm"]]
+        mem_eff = eff.get("memory_bound_efficiency", accelerator.memory_bound_efficiency)
+        roof = lambda eta: np.array([  # noqa: E731
+            _roofline(accelerator, gemm_efficiency=eta, memory_bound_efficiency=mem_eff).gemm_time(g) for g in gemms])
+        eff["gemm_efficiency"], gemm_overhead = _fit_rate(roof, measured("gemm"), with_overhead=True)
+        samples["gemm"] = len(gemms)
+        errors["gemm"] = _relative_rms(roof(eff["gemm_efficiency"]) + gemm_overhead, measured("gemm"))
+
+    attention_overhead = 0.0
+    if len(by_kind.get("attention", [])) >= 2:
+        flops = [e.work["flops"] for e in by_kind["attention"]]
+        roof = lambda eta: np.array([_roofline(accelerator, attention_efficiency=eta).attention_time(f) for f in flops])  # noqa: E731
+        eff["attention_efficiency"], attention_overhead = _fit_rate(roof, measured("attention"), with_overhead=True)
+        samples["attention"] = len(flops)
+        errors["attention"] = _relative_rms(roof(eff["attention_efficiency"]) + attention_overhead, measured("attention"))
+
+    compute = FittedCompute(_roofline(accelerator, **eff), gemm_overhead, attention_overhead, memory_overhead)
+    layers = [e for kind in ("dense", "moe") for e in by_kind.get(kind, []) if not e.includes_comm]
+    if layers:
+        # The model's layer time is forward + backward = 3 x one pass (backward: two GEMMs per
+        # forward GEMM, twice the attention and the memory-bound bytes).
+        per_pass = np.array([e.seconds / 3 for e in layers])
+        roofs = np.array([_layer_roof(e, compute) for e in layers])
+        compute = replace(compute, memory_overhead_s=_overhead(roofs, per_pass))
+        samples["layers"] = len(layers)
+        errors["layers"] = _relative_rms(roofs + compute.memory_overhead_s, per_pass)
+    return Fit(compute, samples, errors, tuple(sorted({e.device for e in entries})))

@@ -1,0 +1,173 @@
+"""A megatron-core GPTModel built on the meta device (no memory, no GPU), as one rank of a TP x PP
+x EP job, and its layer graph from one forward pass.
+
+One process poses as any rank: a `fake` process group (collectives return at once, nothing is
+sent) and megatron's own initialize_model_parallel, so megatron computes this rank's coordinates,
+group sizes and shard shapes itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import warnings
+
+from nest_megatron.config.schema import ModelConfig
+from nest_megatron.errors import NestError
+from nest_megatron.model.layer_graph import LayerGraph
+from nest_megatron.model.spec import ModelSpec
+from nest_megatron.trace.cpu_megatron import prepare_cpu_megatron
+from nest_megatron.trace.record import record_layers
+from nest_megatron.trace.transformer_config import transformer_config
+
+LAYER_SPECS = ("local", "te")
+
+
+def have_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def teardown_distributed() -> None:
+    """Forget megatron's parallel state and the process group, whatever set them up."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def as_rank(rank: int, world: int, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+            order: str = "tp-cp-ep-dp-pp"):
+    """Make this process rank `rank` of a `world`-rank job (fake process group)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    prepare_cpu_megatron()
+    teardown_distributed()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+            order=order,
+            create_gloo_process_groups=False,
+        )
+        yield
+    finally:
+        teardown_distributed()
+
+
+@contextlib.contextmanager
+def meta_cuda_is_identity():
+    """With tied embeddings and PP > 1, LanguageModule.setup_embeddings_and_output_layer moves
+    the word-embedding copy to CUDA (`weight.data.cuda()`) before all-reducing it over the
+    embedding group. A meta tensor has no data to move: let `.cuda()` return it unchanged."""
+    import torch
+
+    original = torch.Tensor.cuda
+
+    def cuda(self, *args, **kwargs):
+        return self if self.is_meta else original(self, *args, **kwargs)
+
+    torch.Tensor.cuda = cuda
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def decoder_spec(cfg: ModelConfig, config, spec: str = "local"):
+    """megatron-core's decoder block spec with `local` (plain torch) or `te` (Transformer Engine)
+    layers: dense and MoE layers as model.moe_layer_freq says, this pipeline stage's share."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if spec not in LAYER_SPECS:
+        raise NestError(f"layer spec {spec}: allowed are {', '.join(LAYER_SPECS)}")
+    if spec == "te" and not have_transformer_engine():
+        raise NestError("layer spec te: transformer_engine does not import here; use the local spec")
+    return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=spec == "te",
+                                                      normalization=cfg.normalization)
+
+
+def build_meta_gpt(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+                   num_layers: int | None = None, spec: str = "local", sequence_parallel: bool = False):
+    """This rank's GPTModel on the meta device, in bf16 as Megatron trains it (Float16Module casts
+    every parameter, the norms' too); call inside `as_rank`. Returns (model, TransformerConfig).
+
+    The vocabulary is padded as Megatron-LM's training code does before it builds the model
+    (megatron/training/tokenizer: multiple of make_vocab_size_divisible_by x TP; that function
+    is not part of megatron-core), i.e. ModelSpec.padded_vocab(tp)."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(cfg, tp=tp, pp=pp, ep=ep, etp=etp, num_layers=num_layers,
+                                sequence_parallel=sequence_parallel)
+    with meta_cuda_is_identity(), torch.device("meta"):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=decoder_spec(cfg, config, spec),
+            vocab_size=ModelSpec(cfg).padded_vocab(tp),
+            max_sequence_length=cfg.seq_length,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
+            position_embedding_type=cfg.position_embedding_type,
+        )
+    return model.to(torch.bfloat16), config
+
+
+def trace_megatron(cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int | None = None,
+                   num_layers: int | None = None, micro_batch_size: int = 1, spec: str = "local",
+                   sequence_parallel: bool | None = None, source: str = "megatron") -> LayerGraph:
+    """The layer graph of rank 0 of a TP x EP job (PP = 1: every layer on this rank) for one
+    forward pass of `micro_batch_size` sequences; `num_layers` builds fewer layers than the model
+    has (one of each kind is enough for the cost model). Sequence parallel defaults to on with
+    TP > 1, as Megatron-LM requires for MoE and the planner chooses by default."""
+    import torch
+
+    etp = etp or 1
+    sp = tp > 1 if sequence_parallel is None else sequence_parallel and tp > 1
+    # Silenced: megatron's advice for GPU runs (environment variables, fusions, SP) and its imports' notes.
+    with warnings.catch_warnings(action="ignore"), as_rank(0, _world(tp, ep, etp), tp=tp, ep=ep, etp=etp):
+        model, _ = build_meta_gpt(cfg, tp=tp, ep=ep, etp=etp, num_layers=num_layers, spec=spec, sequence_parallel=sp)
+        model.train()
+        for layer in model.decoder.layers:
+            if type(layer.mlp).__name__ == "MoELayer" and tp > 1 and not sp:
+                # megatron refuses MoE + TP without sequence parallel in training (MoELayer.forward);
+                # with the default router (top-k, no aux or z loss) eval mode runs the same ops.
+                layer.mlp.eval()
+        s, b = cfg.seq_length, micro_batch_size
+        with torch.device("meta"):
+            tokens = torch.zeros(b, s, dtype=torch.long)
+            positions = torch.arange(s).unsqueeze(0).expand(b, s)
+
+        def run():
+            with torch.device("meta"):
+                return model(tokens, positions, attention_mask=None)
+
+        blocks = [(f"decoder.layers.{i}", "moe" if type(layer.mlp).__name__ == "MoELayer" else "dense")
+                  for i, layer in enumerate(model.decoder.layers)]
+        layers = record_layers(model, run, blocks)
+    return LayerGraph(source=source, model=cfg.name, seq_length=s, micro_batch_size=b, tp=tp, ep=ep, etp=etp,
+                      sequence_parallel=sp, layers=layers)
+
+
+def _world(tp: int, ep: int, etp: int) -> int:
+    """The smallest world (one pipeline stage) in which TP x DP ranks regroup as ETP x EP x
+    expert-DP: a multiple of both tp and ep x etp."""
+    import math
+
+    return math.lcm(tp, ep * etp)
+
+
+def trace_for_cost(cfg: ModelConfig, *, tp: int, ep: int, etp: int, source: str = "megatron") -> LayerGraph:
+    """One layer of each kind the model has (what the cost model reads), traced at (tp, ep, etp)."""
+    layers = 1 if not cfg.num_experts or cfg.moe_layer_freq == 1 else min(2, cfg.num_layers)
+    return trace_megatron(cfg, tp=tp, ep=ep, etp=etp, num_layers=layers, source=source)

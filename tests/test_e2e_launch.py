@@ -1,0 +1,111 @@
+"""End to end on CPU: `nest-megatron launch` plans, rewrites the argv and execs torchrun, which runs
+scripts/pretrain_gpt.py (megatron-core, gloo) in 2 processes; a tiny GPT trains a few iterations
+with the plan's TP=2, PP=2 or DP=2, its loss falls, and the log shows the sizes megatron-core built."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# The training runs in subprocesses; this process only needs to know that megatron-core is there.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = [sys.executable, "-m", "nest_megatron.cli", "launch"]
+# A 2-device "cluster" of one node with 2 GPUs: the launch starts --nproc-per-node 2 on this host.
+CLUSTER = ["cluster=dgx_h100_superpod", "cluster.levels.0.fan_out=2"]
+VOCAB = 128
+MEGATRON_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                 "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+                 "--vocab-size", str(VOCAB), "--bf16", "--train-iters", "6", "--lr", "3e-3", "--hidden-dropout", "0",
+                 "--attention-dropout", "0"]
+BUILT = re.compile(r"^pretrain_gpt parallel: (.*) order=(\S+)$", re.M)
+PLANNED = re.compile(r"^nest-megatron: tp=(\d+) pp=(\d+) dp=(\d+) cp=(\d+)", re.M)
+ITERATION = re.compile(r"^iteration (\d+)/(\d+) \| lm loss: (\S+) \|", re.M)
+
+
+def launch(overrides: list[str], script_args: list[str], timeout_s: float = 300) -> subprocess.CompletedProcess:
+    cmd = [*LAUNCH, *CLUSTER, *overrides, "--nproc-per-node", "2", "--", "scripts/pretrain_gpt.py", *script_args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:  # timed out (or the test was interrupted): the whole torchrun tree goes
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pins, sizes", [
+    # The pins fix one size at 2; with 2 ranks the others are 1 (tp x pp x dp = 2).
+    (["plan.tp=2", "plan.sp=false"], {"tp": 2, "pp": 1, "dp": 1}),
+    (["plan.pp=2"], {"tp": 1, "pp": 2, "dp": 1}),
+    (["plan.dp=2", "plan.tp=1", "plan.pp=1"], {"tp": 1, "pp": 1, "dp": 2}),
+], ids=["tp2", "pp2", "dp2"])
+def test_launch_trains_a_tiny_gpt_with_the_planned_sizes(pins, sizes):
+    result = launch(pins, MEGATRON_ARGS)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-4000:]
+
+    planned = PLANNED.search(log)
+    assert planned and dict(zip(("tp", "pp", "dp"), map(int, planned.groups()[:3]))) == sizes, log[-2000:]
+    built = BUILT.search(log)
+    assert built, log[-2000:]
+    built_sizes = dict(item.split("=") for item in built.group(1).split())
+    assert {k: int(built_sizes[k]) for k in sizes} == sizes
+    assert int(built_sizes["world"]) == 2 and int(built_sizes["cp"]) == 1
+
+    losses = [float(m.group(3)) for m in ITERATION.finditer(log)]
+    assert len(losses) == 6, log[-2000:]
+    # At initialisation (weights ~ N(0, 0.02)) the logits are ~0: the loss is ln(padded vocab), by hand
+    # ln(128) = 4.852 (ln(256) = 5.545 at TP=2, where the vocabulary pads to a multiple of 128 x 2).
+    padded = 128 * sizes["tp"]
+    assert abs(losses[0] - math.log(padded)) < 0.15, losses
+    # Every sequence cycles through 8 of the tokens: the model learns that within a few steps.
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.parametrize("extra, env, message", [
+    # One rank (DP = 1): a global batch of 7 does not split into micro-batches of 2.
+    (["--global-batch-size", "7"], {}, "--global-batch-size 7 is not a multiple of --micro-batch-size 2 x data parallel 1"),
+    (["--tensor-model-parallel-size", "2"], {"WORLD_SIZE": "3"},
+     "world size 3 is not a multiple of tensor x pipeline x context parallel = 2"),
+    (["--fp16"], {}, "--bf16 and --fp16 are exclusive"),
+    (["--pipeline-model-parallel-layout", "Ex*3|t"], {}, "--pipeline-model-parallel-layout 'Ex*3|t' is not a layout"),
+    # argparse's own message (its quoting of the choices varies between Python versions).
+    (["--recompute-granularity", "some"], {}, "argument --recompute-granularity: invalid choice: 'some'"),
+])
+def test_bad_script_arguments_are_one_line_and_exit_2(extra, env, message):
+    # Checked before any process group or model exists, so nothing starts.
+    result = subprocess.run([sys.executable, "scripts/pretrain_gpt.py", *MEGATRON_ARGS, *extra], cwd=ROOT,
+                            env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pretrain_gpt: error: {message}"), lines
+
+
+def test_cpu_runtime_sends_cuda_requests_to_the_cpu():
+    # What megatron-core's schedules and optimizers ask of CUDA, answered on the CPU (torch here is
+    # the CPU build: each of these would raise "Torch not compiled with CUDA enabled" without it).
+    import torch
+
+    from nest_megatron.launch.cpu_runtime import CudaToCpu
+
+    with CudaToCpu():
+        counter = torch.zeros([], dtype=torch.int, device="cuda")
+        weight = torch.ones(3, device=torch.device("cuda", 0))
+        assert counter.device.type == "cpu" and weight.device.type == "cpu"
+        assert weight.cuda() is weight
+        assert weight.type() == "torch.cuda.FloatTensor" and weight.bfloat16().type() == "torch.cuda.BFloat16Tensor"
+        assert weight.type(torch.float64).dtype == torch.float64  # a conversion is not a query: untouched
+    assert torch.ones(1).type() == "torch.FloatTensor"  # outside the mode, nothing changed

@@ -1,0 +1,51 @@
+"""Megatron-LM's own checks accept every rewritten argv of the paper grid at its planned world size.
+
+Runs only with a Megatron-LM checkout (MEGATRON_LM_ROOT; Megatron-LM is not on PyPI): its
+`parse_args` + `validate_args`, then megatron-core's `initialize_model_parallel` on torch's fake
+process-group backend (tests/megatron_lm_check.py, in a fresh process), with the environment the
+launcher gives torchrun (launch/prepare.py megatron_env).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from paper_grid_plans import grid_plans
+
+from nest_megatron.launch.prepare import megatron_env
+
+ROOT = os.environ.get("MEGATRON_LM_ROOT")
+pytestmark = [
+    pytest.mark.skipif(not ROOT, reason="MEGATRON_LM_ROOT is not set (a Megatron-LM checkout; it is not on PyPI)"),
+    pytest.mark.skipif(ROOT is not None and importlib.util.find_spec("triton") is None,
+                       reason="Megatron-LM main imports triton at module level: pip install triton"),
+    pytest.mark.slow,
+]
+CHECK = Path(__file__).with_name("megatron_lm_check.py")
+
+
+def run_megatron(cases: list[dict], tmp_path: Path) -> dict:
+    path = tmp_path / "cases.json"
+    path.write_text(json.dumps(cases))
+    proc = subprocess.run([sys.executable, str(CHECK), str(path)], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_megatron_lm_accepts_every_paper_grid_plan(tmp_path):
+    plans = grid_plans()
+    cases = [{"name": p.name, "argv": p.argv, "world_size": p.world_size, "env": megatron_env(p.plan)} for p in plans]
+    # Megatron-LM's checks can fail: a line it must reject, with the same environment
+    bad = dict(cases[0], name="bad: tp 3", argv=[*cases[0]["argv"], "--tensor-model-parallel-size", "3"])
+    out = run_megatron([*cases, bad], tmp_path)
+    results = out["results"]
+    assert results.pop("bad: tp 3") is not None
+    failed = {name: error for name, error in results.items() if error}
+    print(f"Megatron-LM {out['commit']}: {len(results) - len(failed)} of {len(results)} paper-grid argvs accepted")
+    assert failed == {}

@@ -1,0 +1,149 @@
+"""launch/megatron_rules.py: each rule of Megatron-LM's validate_args / initialize_model_parallel that it models,
+with an argv that keeps it and one that breaks it; and every plan of the paper grid, rewritten, keeps them all."""
+
+from __future__ import annotations
+
+import pytest
+from paper_grid_plans import grid_plans
+
+from nest_megatron.errors import NestError
+from nest_megatron.launch.megatron_rules import check, layout_stages, violations
+
+# 8 layers, 8 heads in 4 query groups, sequence 128; micro-batch 1, global batch 64 unless a case sets it.
+BASE = ("--num-layers 8 --hidden-size 256 --num-attention-heads 8 --group-query-attention --num-query-groups 4 "
+        "--seq-length 128 --max-position-embeddings 128 --vocab-size 1000 --bf16 --micro-batch-size 1").split()
+MOE = [*BASE, "--num-experts", "8", "--moe-router-topk", "2"]
+
+
+def problems(extra: str, *, world: int, base=BASE) -> list[str]:
+    batch = [] if "--global-batch-size" in extra else ["--global-batch-size", "64"]
+    return violations([*base, *batch, *extra.split()], world_size=world)
+
+
+# (rule, argv that keeps it + world size, argv that breaks it + world size, the line expected for the break)
+CASES = [
+    ("world size divisible by tp*pp*cp",
+     ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", 8),
+     ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", 6),
+     "world size 6 is not divisible by tp*pp*cp = 2*2*1"),
+    ("tp divides the attention heads",
+     ("--tensor-model-parallel-size 4", 8),
+     ("--tensor-model-parallel-size 16", 16),
+     "--tensor-model-parallel-size=16: must divide num_attention_heads=8"),
+    ("tp divides the query groups",
+     ("--tensor-model-parallel-size 4", 8),
+     ("--tensor-model-parallel-size 8", 8),
+     "--tensor-model-parallel-size=8: must divide num_query_groups=4"),
+    ("pp splits the layers evenly without a layout",
+     ("--pipeline-model-parallel-size 4", 8),
+     ("--pipeline-model-parallel-size 3", 6),
+     "--pipeline-model-parallel-size=3 x virtual pipeline stages=1: must divide num_layers=8 for an even split"),
+    ("a layout gives an uneven split (3 + 3 + 2 layers)",
+     ("--pipeline-model-parallel-size 3 --pipeline-model-parallel-layout Et*3|t*3|t*2L", 6),
+     ("--pipeline-model-parallel-size 3 --pipeline-model-parallel-layout Et*3|t*3|t*3L", 6),
+     "--pipeline-model-parallel-layout Et*3|t*3|t*3L: 9 transformer layers, but --num-layers is 8"),
+    ("virtual stages: pp x vpp divides the layers",
+     ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2", 8),
+     ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 3", 8),
+     "--pipeline-model-parallel-size=2 x virtual pipeline stages=3: must divide num_layers=8 for an even split"),
+    ("layers per virtual stage divide the layers per stage",
+     ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2", 8),
+     ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3", 8),
+     "--num-layers-per-virtual-pipeline-stage 3: must divide num_layers/pp = 8/2"),
+    ("the three virtual-pipeline flags exclude each other",
+     ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2", 8),
+     ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --num-layers-per-virtual-pipeline-stage 2", 8),
+     "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank: at most one of"),
+    ("global batch is a multiple of micro-batch x dp",
+     ("--global-batch-size 64", 8),
+     ("--global-batch-size 60", 8),
+     "--global-batch-size=60: must be a multiple of micro_batch_size*dp = 1*8"),
+    ("enough micro-batches to fill the pipeline",
+     ("--pipeline-model-parallel-size 8 --global-batch-size 8", 8),
+     ("--pipeline-model-parallel-size 8 --global-batch-size 4", 8),
+     "4 micro-batches per iteration: need at least pp=8 to fill the pipeline"),
+    ("selective recompute takes no method",
+     ("--recompute-granularity selective", 8),
+     ("--recompute-granularity selective --recompute-method uniform", 8),
+     "--recompute-granularity selective takes no --recompute-method / --recompute-num-layers"),
+    ("full recompute needs a method",
+     ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", 8),
+     ("--recompute-granularity full --recompute-num-layers 1", 8),
+     "--recompute-granularity full needs --recompute-method uniform or block"),
+    ("--overlap-param-gather needs the distributed optimizer",
+     ("--overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer", 8),
+     ("--overlap-grad-reduce --overlap-param-gather", 8),
+     "--overlap-param-gather needs --use-distributed-optimizer (or --use-megatron-fsdp)"),
+    ("--overlap-param-gather needs --overlap-grad-reduce",
+     ("--overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer", 8),
+     ("--overlap-param-gather --use-distributed-optimizer", 8),
+     "--overlap-param-gather needs --overlap-grad-reduce"),
+    ("sequence parallel needs tp > 1",
+     ("--tensor-model-parallel-size 2 --sequence-parallel", 8),
+     ("--sequence-parallel", 8),
+     "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    ("context parallel: the sequence is a multiple of 2*cp",
+     ("--context-parallel-size 2", 8),
+     ("--context-parallel-size 3", 6),
+     "--context-parallel-size=3: seq_length=128 must be a multiple of 2*cp"),
+    ("Megatron-FSDP checkpoints as fsdp_dtensor",
+     ("--use-megatron-fsdp --ckpt-format fsdp_dtensor", 8),
+     ("--use-megatron-fsdp", 8),
+     "--use-megatron-fsdp needs --ckpt-format fsdp_dtensor"),
+    ("Megatron-FSDP does not take the tp-pp-dp rank order",
+     ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --pipeline-model-parallel-size 2", 8),
+     ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --pipeline-model-parallel-size 2 --use-tp-pp-dp-mapping", 8),
+     "ZeRO stage=3 (Megatron-FSDP) with --use-tp-pp-dp-mapping: Megatron-FSDP does not support --use-tp-pp-dp-mapping"),
+    ("--micro-batch-size is required",
+     ("", 8),
+     ("", 8),
+     None),  # the break is built below (it removes a flag)
+]
+
+
+@pytest.mark.parametrize("rule, good, bad, line", CASES, ids=[c[0] for c in CASES])
+def test_rule(rule, good, bad, line):
+    assert problems(good[0], world=good[1]) == []
+    if line is None:
+        argv = [t for t in BASE if t not in ("--micro-batch-size",)]
+        argv.remove("1")  # its value
+        assert violations(argv, world_size=8)[0] == "--micro-batch-size: Megatron requires it"
+        return
+    found = problems(bad[0], world=bad[1])
+    assert any(f.startswith(line) for f in found), found
+
+
+def test_expert_grid():
+    # 8 experts: ep must divide them
+    assert problems("--expert-model-parallel-size 4", world=8, base=MOE) == []
+    assert problems("--expert-model-parallel-size 3", world=6, base=MOE) == [
+        "--expert-model-parallel-size=3: must divide num_experts=8"]
+    # tp 2 x dp 4 = 8 non-expert ranks per stage: etp 1 x ep 8 fits, etp 2 x ep 8 = 16 does not
+    ok = "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1 --expert-model-parallel-size 8"
+    assert problems(ok, world=8, base=MOE) == []
+    bad = "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 8"  # etp defaults to tp = 2
+    assert problems(bad, world=8, base=MOE)[0].startswith(
+        "--expert-model-parallel-size=8 x --expert-tensor-parallel-size=2: must divide tp*cp*dp = 8")
+    # MoE with tp > 1 needs sequence parallel (megatron-core)
+    assert problems("--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1", world=8, base=MOE)[0].startswith(
+        "--tensor-model-parallel-size=2 with MoE: Megatron requires sequence parallel")
+
+
+def test_layout_is_unrolled_as_megatron_core_does():
+    # megatron-core's docstring example: "Ettt|(tt|)*29,m|L" -> [E t t t] + [t t] * 29 + [m] + [L]
+    stages = layout_stages("Ettt|(tt|)*29,m|L")
+    assert stages == ["Ettt"] + ["tt"] * 29 + ["m", "L"]
+    assert layout_stages("Et*19|t*21|t*21|t*19L") == ["E" + "t" * 19, "t" * 21, "t" * 21, "t" * 19 + "L"]
+
+
+def test_check_raises_one_line():
+    with pytest.raises(NestError, match="^Megatron would reject the launch line: --sequence-parallel needs"):
+        check([*BASE, "--sequence-parallel"], world_size=8)
+
+
+@pytest.mark.slow
+def test_every_paper_grid_plan_keeps_the_rules():
+    plans = grid_plans()
+    assert len([p for p in plans if p.name.endswith("/dp")]) == 50  # 5 models x 5 sizes x 2 clusters
+    broken = {p.name: violations(p.argv, world_size=p.world_size) for p in plans}
+    assert {k: v for k, v in broken.items() if v} == {}

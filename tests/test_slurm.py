@@ -1,0 +1,273 @@
+"""SLURM: `srun nest-megatron launch` and the script `nest-megatron sbatch` writes, on a real two-node cluster.
+
+The cluster (tests/slurm_cluster.py) is Debian's slurmctld + four slurmd + munged on this host, started
+here for the module and stopped after it; its nodes are 127.0.0.1 .. 127.0.0.4 with 2 "GPUs" each (a
+GRES count, no device: the processes run on CPU with gloo). Most jobs take two of them. Jobs run scripts/pretrain_gpt.py
+(megatron-core) through tests/slurm_probe.py, which records the SLURM node and torchrun node rank of
+every rank, since both test nodes share one host name.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from slurm_cluster import SlurmCluster, SlurmClusterError, clean_environment
+
+from nest_megatron import api, cli
+from nest_megatron.config.load import load
+from nest_megatron.launch.prepare import problem_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = str(ROOT / "tests" / "slurm_probe.py")
+GPUS_PER_NODE = 2
+# the DGX H100 fabric with 2 devices a node, as the test nodes have
+CLUSTER = ["cluster=dgx_h100_superpod", f"cluster.levels.0.fan_out={GPUS_PER_NODE}"]
+MEGATRON_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                 "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+                 "--vocab-size", "128", "--bf16", "--train-iters", "3", "--lr", "3e-3", "--hidden-dropout", "0",
+                 "--attention-dropout", "0"]
+ITERATION = re.compile(r"^iteration (\d+)/\d+ \| lm loss: (\S+) \|", re.M)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    slurm = SlurmCluster(num_nodes=4, gpus_per_node=GPUS_PER_NODE)
+    try:
+        slurm.start()
+    except SlurmClusterError as e:
+        pytest.fail(f"the test SLURM cluster did not start: {e}", pytrace=False)
+    yield slurm
+    slurm.stop()
+
+
+def job_env(cluster: SlurmCluster, probe_dir: Path, **extra: str) -> dict[str, str]:
+    return cluster.env(NEST_PROBE_DIR=str(probe_dir), OMP_NUM_THREADS="1", **extra)
+
+
+def expected_placement(overrides: list[str], script_args: list[str], hosts: list[str]) -> dict[int, tuple[str, int]]:
+    """rank -> (SLURM node, torchrun node rank), worked out from the plan's rank_to_device by hand:
+    device d sits on host d // devices_per_node (hosts in SLURM's order); a host whose ranks start at r
+    is torchrun node r // ranks_per_node."""
+    devices = [f"cluster.num_devices={len(hosts) * GPUS_PER_NODE}"]
+    plan = api.plan_loaded(load(problem_overrides(PROBE, script_args, overrides) + devices))
+    host_of_rank = {rank: hosts[device // GPUS_PER_NODE] for rank, device in enumerate(plan.rank_to_device)}
+    first_rank = {host: min(r for r, h in host_of_rank.items() if h == host) for host in set(host_of_rank.values())}
+    return {rank: (host, first_rank[host] // GPUS_PER_NODE) for rank, host in host_of_rank.items()}
+
+
+def ran(cluster: SlurmCluster, probe_dir: Path) -> tuple[dict[int, tuple[str, int]], list[str]]:
+    """rank -> (SLURM node, torchrun node rank) as the ranks saw them, and the job's hosts in SLURM's order
+    (SLURM's own expansion of SLURM_JOB_NODELIST)."""
+    records = [json.loads(p.read_text()) for p in sorted(probe_dir.glob("rank*.json"))]
+    nodelists = {r["SLURM_JOB_NODELIST"] for r in records}
+    assert len(nodelists) == 1, nodelists
+    hosts = cluster.run(["scontrol", "show", "hostnames", nodelists.pop()], timeout_s=30).stdout.split()
+    return {int(r["RANK"]): (r["SLURMD_NODENAME"], int(r["GROUP_RANK"])) for r in records}, hosts
+
+
+def losses(log: str) -> list[float]:
+    return [float(m.group(2)) for m in ITERATION.finditer(log)]
+
+
+# -- the cluster itself ------------------------------------------------------------------------------------
+
+def test_cluster_runs_one_task_per_node_and_passes_exit_status(cluster):
+    step = cluster.run(["srun", "-N2", "-w", "127.0.0.[1-2]", "--ntasks-per-node=1", f"--gpus-per-node={GPUS_PER_NODE}",
+                        "bash", "-c",
+                        "echo $SLURMD_NODENAME $SLURM_NODEID $SLURM_GPUS_ON_NODE $SLURM_JOB_NODELIST"], timeout_s=60)
+    assert step.returncode == 0, step.stderr + cluster.logs()
+    assert sorted(step.stdout.split("\n")[:2]) == ["127.0.0.1 0 2 127.0.0.[1-2]", "127.0.0.2 1 2 127.0.0.[1-2]"]
+    failed = cluster.run(["srun", "-N2", "bash", "-c", "exit 3"], timeout_s=60)
+    assert failed.returncode == 3
+
+
+# -- srun nest-megatron launch ------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_srun_launch_takes_node_ranks_from_the_plan(cluster, tmp_path):
+    overrides = [*CLUSTER, "plan.pp=2"]
+    step = cluster.run(["srun", "-N2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                        f"--gpus-per-node={GPUS_PER_NODE}", "nest-megatron", "launch", *overrides, "--", PROBE,
+                        *MEGATRON_ARGS], env=job_env(cluster, tmp_path / "probe"), cwd=ROOT, timeout_s=420)
+    log = step.stdout + step.stderr
+    assert step.returncode == 0, log[-4000:] + cluster.logs()
+    placement, hosts = ran(cluster, tmp_path / "probe")
+    assert len(hosts) == 2 and placement == expected_placement(overrides, MEGATRON_ARGS, hosts)
+    # both nodes planned the same: one summary line each, identical
+    summaries = [line for line in step.stderr.splitlines() if line.startswith("nest-megatron: tp=")]
+    assert len(summaries) == 2 and summaries[0] == summaries[1] and " pp=2 " in summaries[0], log[-2000:]
+    trained = losses(log)
+    assert len(trained) == 3 and trained[-1] < trained[0], log[-2000:]
+
+
+@pytest.mark.slow
+def test_srun_launch_on_four_nodes_follows_a_permuted_placement(cluster, tmp_path):
+    """4 nodes of 2, 2 nodes a rack, TP=2 x PP=2 x DP=2: the planner swaps the second and third node so
+    that both pipeline stages of a DP replica share a rack (tests/test_placement_realised.py), so SLURM's
+    node 1 must run torchrun node rank 2 and node 2 node rank 1. Only the rendezvous is needed to see the
+    node ranks: the ranks stop after recording them (NEST_PROBE_ONLY)."""
+    overrides = ["model=tiny_gpt", "cluster=h100_spine_leaf", "cluster.levels.0.fan_out=2",
+                 "cluster.levels.1.fan_out=2", "train.global_batch_size=8", "plan.tp=2", "plan.pp=2"]
+    step = cluster.run(["srun", "-N4", "--ntasks-per-node=1", "--kill-on-bad-exit=1", f"--gpus-per-node={GPUS_PER_NODE}",
+                        "nest-megatron", "launch", *overrides, "--", PROBE, "--bf16"],
+                       env=job_env(cluster, tmp_path / "probe", NEST_PROBE_ONLY="1"), cwd=ROOT, timeout_s=300)
+    assert step.returncode == 0, step.stderr[-4000:] + cluster.logs()
+    placement, hosts = ran(cluster, tmp_path / "probe")
+    assert hosts == cluster.node_names
+    expected = expected_placement(overrides, ["--bf16"], hosts)
+    assert placement == expected
+    node_rank_of_host = {host: node_rank for host, node_rank in expected.values()}
+    assert [node_rank_of_host[h] for h in hosts] == [0, 2, 1, 3]  # by hand, as in the docstring
+
+
+# -- the sbatch script ---------------------------------------------------------------------------------------
+
+def write_script(tmp_path: Path, *extra: str) -> Path:
+    script = tmp_path / "job.sh"
+    status = cli.main(["sbatch", "--nodes", "2", "--gpus-per-node", str(GPUS_PER_NODE),
+                       f"--output={tmp_path}/job-%j.out", *CLUSTER, *extra, f"out={script}", "--", PROBE,
+                       *MEGATRON_ARGS])
+    assert status == 0 and script.exists()
+    return script
+
+
+@pytest.mark.slow
+def test_sbatch_script_trains_on_two_nodes(cluster, tmp_path):
+    script = write_script(tmp_path)
+    job = cluster.run(["sbatch", "--wait", "--parsable", str(script)], env=job_env(cluster, tmp_path / "probe"),
+                      cwd=ROOT, timeout_s=420)
+    job_id = job.stdout.strip().split(";")[0]
+    log = (tmp_path / f"job-{job_id}.out").read_text() if (tmp_path / f"job-{job_id}.out").exists() else ""
+    assert job.returncode == 0, job.stderr + log[-4000:] + cluster.logs()
+    placement, hosts = ran(cluster, tmp_path / "probe")
+    assert len(hosts) == 2 and placement == expected_placement(CLUSTER, MEGATRON_ARGS, hosts)
+    assert "pretrain_gpt done: iterations=3" in log
+    trained = losses(log)
+    assert len(trained) == 3 and trained[-1] < trained[0], log[-2000:]
+
+
+@pytest.mark.slow
+def test_failed_training_fails_the_job(cluster, tmp_path):
+    """Rank 1 exits 3: its torchrun agent reports it and exits 1 (torchrun's status for a failed worker),
+    srun --kill-on-bad-exit stops the other node, and the job (exec srun) ends with that status."""
+    script = write_script(tmp_path)
+    job = cluster.run(["sbatch", "--wait", "--parsable", str(script)],
+                      env=job_env(cluster, tmp_path / "probe", NEST_PROBE_EXIT="3"), cwd=ROOT, timeout_s=300)
+    job_id = job.stdout.strip().split(";")[0]
+    log = (tmp_path / f"job-{job_id}.out").read_text()
+    assert job.returncode == 1, log[-3000:]
+    assert re.search(r"exitcode\s*:\s*3", log), log[-3000:]  # torchrun's failure report names the rank's status
+    state = cluster.run(["scontrol", "show", "job", job_id], timeout_s=30).stdout
+    assert "JobState=FAILED" in state and "ExitCode=1:0" in state, state
+
+
+# -- bad SLURM input: one line per node, nothing launched -------------------------------------------------
+
+@pytest.mark.parametrize("srun_options, wrapper, message", [
+    # no --gpus-per-node: SLURM sets no SLURM_GPUS_ON_NODE, the devices per node are unknown
+    ([], "", "devices per node unknown: SLURM_GPUS_ON_NODE is not set; give --nproc-per-node"),
+    # a job environment that contradicts itself (3 nodes claimed, 2 listed)
+    ([f"--gpus-per-node={GPUS_PER_NODE}"], "SLURM_NNODES=3",
+     "SLURM_NNODES=3, but SLURM_JOB_NODELIST=127.0.0.[1-2] names 2 hosts"),
+], ids=["no-gpus-on-node", "nnodes-vs-nodelist"])
+def test_bad_slurm_environment_launches_nothing(cluster, tmp_path, srun_options, wrapper, message):
+    launch = ["nest-megatron", "launch", *CLUSTER, "--", PROBE, *MEGATRON_ARGS]
+    command = ["bash", "-c", f"{wrapper} exec \"$@\"", "-", *launch] if wrapper else launch
+    step = cluster.run(["srun", "-N2", "-w", "127.0.0.[1-2]", "--ntasks-per-node=1", *srun_options, *command],
+                       env=job_env(cluster, tmp_path / "probe"), cwd=ROOT, timeout_s=120)
+    assert step.returncode == 2
+    errors = [line for line in step.stderr.splitlines() if line.startswith("nest-megatron")]
+    assert errors == [f"nest-megatron launch: error: {message}"] * 2, step.stderr
+    assert not (tmp_path / "probe").exists()  # no rank started anywhere
+
+
+def test_slurm_nodelist_missing_outside_srun(tmp_path):
+    env = clean_environment() | {"SLURM_NNODES": "2", "NEST_PROBE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "nest_megatron.cli", "launch", *CLUSTER, "--", PROBE,
+                             *MEGATRON_ARGS], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "nest-megatron launch: error: SLURM_NNODES=2 but SLURM_JOB_NODELIST is not set"
+    assert not list(tmp_path.iterdir())
+
+
+# -- the script's text ---------------------------------------------------------------------------------------
+
+def test_sbatch_script_text(tmp_path, capsys):
+    status = cli.main(["sbatch", "--nodes", "2", "--gpus-per-node", "2", "--partition", "batch", "--time", "4:00:00",
+                       "--account", "proj", "--sbatch=--qos=high", *CLUSTER, "plan.pp=2", "--", "pretrain_gpt.py",
+                       "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                       "--max-position-embeddings", "32", "--global-batch-size", "8", "--vocab-size", "128", "--bf16",
+                       "--data-path", "my data"])
+    out = capsys.readouterr().out
+    assert status == 0
+    lines = out.splitlines()
+    assert lines[:10] == [
+        "#!/bin/bash",
+        "#SBATCH --job-name=nest-megatron",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=2",
+        "#SBATCH --exclusive",
+        "#SBATCH --partition=batch",
+        "#SBATCH --time=4:00:00",
+        "#SBATCH --account=proj",
+        "#SBATCH --qos=high",
+    ]
+    assert any(line.startswith("# plan when written: tp=1 pp=2 dp=2 ") for line in lines)
+    assert lines[-1] == (
+        "exec srun --ntasks-per-node=1 --kill-on-bad-exit=1 nest-megatron launch cluster=dgx_h100_superpod "
+        "cluster.levels.0.fan_out=2 plan.pp=2 -- pretrain_gpt.py --num-layers 2 --hidden-size 64 "
+        "--num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 --global-batch-size 8 "
+        "--vocab-size 128 --bf16 --data-path 'my data'")
+    # bash reads the line back into the same words (what srun receives)
+    printed = subprocess.run(["bash", "-c", lines[-1].replace("exec srun ", "printf '%s\\n' ", 1)],
+                             capture_output=True, text=True).stdout.splitlines()
+    assert printed[-2:] == ["--data-path", "my data"]
+
+
+def test_sbatch_defaults_gpus_per_node_to_the_clusters_node_size(tmp_path, capsys):
+    script = tmp_path / "job.sh"
+    status = cli.main(["sbatch", "--nodes", "1", "model=tiny_gpt", "cluster=dgx_h100_superpod",
+                       "train.global_batch_size=64", f"out={script}", "--", "pretrain_gpt.py"])
+    assert status == 0, capsys.readouterr().err
+    text = script.read_text()
+    assert "#SBATCH --gpus-per-node=8\n" in text  # a DGX H100 node holds 8
+    assert f"out={script}" not in text and "nest-megatron launch model=tiny_gpt" in text
+    assert script.stat().st_mode & 0o111  # executable
+    assert capsys.readouterr().out == f"sbatch script written to {script}\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nodes", "2", "--time", "4h"], "--time '4h': give minutes, [hours:]minutes:seconds or days-hours"),
+    (["--nodes", "0"], "--nodes 0: a job needs at least one node"),
+    ([], "--nodes is required: the number of nodes to book"),
+    (["--nodes", "2", "--partition", "a b"], "--partition 'a b': one word of printable characters"),
+    (["--nodes", "2", "--sbatch=qos=high"], "--sbatch 'qos=high': give one long sbatch option such as --qos=high"),
+    # 2 nodes x 4 = 8 devices, but the cluster's nodes hold 2
+    (["--nodes", "2", "--gpus-per-node", "4"], "cluster dgx_h100_superpod has 2 devices per node, but the launch "
+                                               "starts 4 per node"),
+    # 80 layers of 8192 on 4 x 80 GB cannot hold weights + optimizer state in any split
+    (["--nodes", "2", "--", "pretrain_gpt.py", "--num-layers", "80", "--hidden-size", "8192",
+      "--num-attention-heads", "64", "--seq-length", "4096", "--max-position-embeddings", "4096",
+      "--global-batch-size", "8", "--vocab-size", "32000", "--bf16"], "no configuration of pretrain_gpt fits"),
+], ids=["time", "nodes0", "nodes-missing", "partition", "sbatch-option", "node-size", "infeasible"])
+def test_sbatch_bad_input_is_one_line_and_writes_nothing(args, message, tmp_path, capsys):
+    script = tmp_path / "job.sh"
+    tail = [] if "--" in args else ["--", "pretrain_gpt.py", *MEGATRON_ARGS]
+    status = cli.main(["sbatch", *CLUSTER, f"out={script}", *args, *tail])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert status == 2 and len(lines) == 1, captured.err
+    assert lines[0].startswith("nest-megatron sbatch: error: ") and message in lines[0], lines[0]
+    assert not script.exists() and captured.out == ""
+
+
+def test_sbatch_without_a_script_is_one_line(capsys):
+    assert cli.main(["sbatch", "--nodes", "2", *CLUSTER]) == 2
+    assert capsys.readouterr().err.strip() == ("nest-megatron sbatch: error: no training script: give it after --, "
+                                               "e.g. nest-megatron sbatch --nodes 2 -- pretrain_gpt.py ARGS")
