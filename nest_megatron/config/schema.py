@@ -106,6 +106,9 @@ class ClusterConfig:
     num_devices: Optional[int] = None
     # Device memory as a study models it, overriding the accelerator's (None: the accelerator's).
     device_memory_gib: Optional[float] = None
+    # The level whose unit is one host, i.e. one torchrun node (0: a node is the lowest level).
+    # Levels below it are inside a host: NVLink pairs or PCIe switches of a PCIe box.
+    host_level: int = 0
 
 
 @dataclass

@@ -28,6 +28,7 @@ class Level:
 class Topology:
     name: str
     levels: tuple[Level, ...]
+    host_level: int = 0  # the level whose unit is one host (torchrun node); lower levels are inside it
 
     @property
     def num_devices(self) -> int:
@@ -35,10 +36,11 @@ class Topology:
 
     @property
     def devices_per_node(self) -> int:
-        return self.levels[0].fan_out
+        """Devices of one host: what torchrun calls a node."""
+        return self.unit_size(min(self.host_level, len(self.levels) - 1))
 
     def unit_size(self, level: int) -> int:
-        """Devices in one unit of `level` (level 0: a node)."""
+        """Devices in one unit of `level`."""
         return math.prod(lv.fan_out for lv in self.levels[: level + 1])
 
     def rescaled(self, num_devices: int) -> Topology:
@@ -71,7 +73,10 @@ def hierarchical(cfg: ClusterConfig) -> Topology:
         )
         for lv in cfg.levels
     )
-    return Topology(name=cfg.name, levels=levels)
+    if not 0 <= cfg.host_level < len(levels):
+        raise NestError(f"cluster.host_level={cfg.host_level}: must name one of the {len(levels)} levels "
+                        f"({', '.join(f'{i}: {lv.name}' for i, lv in enumerate(levels))})")
+    return Topology(name=cfg.name, levels=levels, host_level=cfg.host_level)
 
 
 def torus(cfg: ClusterConfig) -> Topology:
@@ -91,6 +96,8 @@ def torus(cfg: ClusterConfig) -> Topology:
         )
         for i, k in enumerate(spec.dims)
     )
+    if cfg.host_level != 0:
+        raise NestError(f"cluster.host_level={cfg.host_level}: a torus has one host per chip group of dim0; use 0")
     return Topology(name=cfg.name, levels=levels)
 
 

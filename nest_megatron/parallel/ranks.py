@@ -9,6 +9,7 @@ topology and counts, per level, how many units of the level below it joins.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,4 +128,37 @@ def node_permutations(order: str, sizes: dict[str, int], devices_per_node: int) 
             seen.add(key)
             ranks = np.arange(world)
             maps.append(node_of_block[ranks // devices_per_node] * devices_per_node + ranks % devices_per_node)
+    return maps
+
+
+def sizes_inside(order: str, sizes: dict[str, int], devices: int) -> dict[str, int]:
+    """The part of each rank dimension that lies inside a block of `devices` consecutive ranks
+    (fastest dimension first in `order`; the one straddling the block boundary contributes the
+    factor that fills it, when it divides)."""
+    inside, out = 1, {}
+    for name in (n for n in order.split("-") if sizes.get(n, 1) > 1):
+        take = math.gcd(sizes[name], max(devices // inside, 1))
+        if take > 1:
+            out[name] = take
+            inside *= take
+    return out
+
+
+def host_placements(order: str, sizes: dict[str, int], devices_per_host: int, devices_per_unit: int) -> list[np.ndarray]:
+    """Rank -> device maps over the hosts' order (`node_permutations`) combined with the orders of
+    the sub-host units inside each host (NVLink pairs, PCIe switches: units of `devices_per_unit`),
+    which CUDA_VISIBLE_DEVICES realises. Every host uses the same order inside. Identity first."""
+    hosts = node_permutations(order, sizes, devices_per_host)
+    if devices_per_unit >= devices_per_host:
+        return hosts
+    inside = sizes_inside(order, sizes, devices_per_host)
+    world = math.prod(sizes.values())
+    if math.prod(inside.values()) != min(devices_per_host, world):
+        return hosts  # a dimension straddles the host boundary unevenly: keep Megatron's order inside
+    local = node_permutations(order, inside, devices_per_unit)
+    maps = []
+    for host_map in hosts:
+        for local_map in local:
+            ranks = np.arange(len(host_map))
+            maps.append(host_map - host_map % devices_per_host + local_map[ranks % len(local_map)])
     return maps

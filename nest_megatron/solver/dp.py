@@ -47,7 +47,7 @@ from nest_megatron.cost.memory import activation_bytes, in_flight_chunks, stage_
 from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.tables import range_sums
 from nest_megatron.parallel.config import ParallelConfig
-from nest_megatron.parallel.ranks import decoder_sizes, node_permutations
+from nest_megatron.parallel.ranks import decoder_sizes, host_placements
 from nest_megatron.parallel.rules import num_microbatches
 from nest_megatron.solver.enumerate import SearchResult
 from nest_megatron.solver.space import candidates
@@ -279,8 +279,10 @@ def best_for(ctx: Context, *, cutoff: float = np.inf) -> tuple[tuple[int, ...], 
 
 def placements(problem: Problem, cfg: ParallelConfig) -> list[np.ndarray | None]:
     """The rank -> device maps a configuration is tried under: Megatron's own layout (None, rank r
-    on device r) and every other node order torchrun can realise (`node_permutations`)."""
-    maps = node_permutations(cfg.order, decoder_sizes(cfg), problem.topology.devices_per_node)
+    on device r), every other host order torchrun can realise, and with sub-host levels every
+    order of the units inside a host (`host_placements`)."""
+    topo = problem.topology
+    maps = host_placements(cfg.order, decoder_sizes(cfg), topo.devices_per_node, topo.unit_size(0))
     return [None, *maps[1:]]
 
 

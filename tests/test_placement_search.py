@@ -1,0 +1,85 @@
+"""The solver's rank -> device search inside a host: with sub-host levels (NVLink pairs, PCIe
+switches), the order of the units inside a host is searched, and its best equals the best of
+every unit permutation (brute force over the same cost model)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from nest_megatron import api
+from nest_megatron.config.load import load
+from nest_megatron.cost.evaluate import estimate
+from nest_megatron.errors import NestError
+from nest_megatron.launch.placement import host_assignments
+from nest_megatron.parallel.config import ParallelConfig
+from nest_megatron.parallel.ranks import host_placements, sizes_inside
+from nest_megatron.plan import Plan
+from nest_megatron.solver.dp import placements
+
+# One 8-GPU PCIe host: NVLink-bridged pairs, two pairs per PCIe switch, two switches per host
+# (host_level 2), two hosts on a slow network. The numbers make the level a group crosses matter.
+LEVELS = ("cluster.levels=[{name: pair, fan_out: 2, bandwidth_gb_per_s: 100, latency_s: 3.0e-6},"
+          "{name: switch, fan_out: 2, bandwidth_gb_per_s: 20, latency_s: 5.0e-6},"
+          "{name: host, fan_out: 2, bandwidth_gb_per_s: 5, latency_s: 8.0e-6},"
+          "{name: net, fan_out: 2, bandwidth_gb_per_s: 2, latency_s: 1.0e-5}]")
+PCIE = ["model=tiny_gpt", "cluster=dgx_h100_superpod", LEVELS, "cluster.host_level=2", "cluster.num_devices=16",
+        "train.global_batch_size=64"]
+
+
+def test_sizes_inside_a_host():
+    # tp-cp-ep-dp-pp with tp 2, dp 4, pp 2 on 8-device hosts: tp and dp fill a host (2 x 4 = 8).
+    assert sizes_inside("tp-cp-ep-dp-pp", {"tp": 2, "dp": 4, "pp": 2}, 8) == {"tp": 2, "dp": 4}
+    # dp 8 straddles the host: its first 4 values sit inside.
+    assert sizes_inside("tp-cp-ep-dp-pp", {"tp": 2, "dp": 8, "pp": 1}, 8) == {"tp": 2, "dp": 4}
+
+
+def test_host_placements_permute_units_inside_a_host():
+    # tp 2 in a pair, dp 2 and pp 2 across the four pairs of the host: two orders of (dp, pp).
+    maps = host_placements("tp-cp-ep-dp-pp", {"tp": 2, "dp": 2, "pp": 2}, 8, 2)
+    assert [m.tolist() for m in maps] == [
+        [0, 1, 2, 3, 4, 5, 6, 7],  # Megatron's: dp neighbours share a switch
+        [0, 1, 4, 5, 2, 3, 6, 7],  # pp neighbours share a switch: rank 2 (dp 1, pp 0) moves to pair 2
+    ]
+    # Without sub-host levels nothing is added.
+    assert len(host_placements("tp-cp-ep-dp-pp", {"tp": 2, "dp": 2, "pp": 2}, 8, 8)) == 1
+
+
+def test_host_level_must_name_a_level():
+    with pytest.raises(NestError, match="cluster.host_level=4: must name one of the 4 levels"):
+        load([*PCIE[:-1], "cluster.host_level=4", "train.global_batch_size=64"])
+
+
+@pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"])
+def test_searched_placements_reach_the_best_unit_permutation(order):
+    problem = load(PCIE).problem
+    assert problem.topology.devices_per_node == 8
+    cfg = ParallelConfig(tp=2, pp=2, dp=4, sp=True, mbs=1, zero=1, order=order)
+    searched = min(estimate(problem, cfg, rank_to_device=m).step_time for m in placements(problem, cfg))
+    # Brute force: every order of the 4 pairs inside each host (the same in both hosts), and both
+    # host orders; a pair's two GPUs are interchangeable in the cost model.
+    best = np.inf
+    for units in itertools.permutations(range(4)):
+        inside = np.array([2 * u + g for u in units for g in (0, 1)])
+        for hosts in ((0, 1), (1, 0)):
+            mapping = np.array([8 * hosts[r // 8] + inside[r % 8] for r in range(16)])
+            best = min(best, estimate(problem, cfg, rank_to_device=mapping).step_time)
+    assert searched == pytest.approx(best, rel=1e-12)
+    if order == "tp-cp-ep-pp-dp":
+        # Megatron's layout puts pipeline neighbours on one switch and data-parallel peers across
+        # the host; the searched order inside the host is faster.
+        assert searched < estimate(problem, cfg).step_time
+
+
+def test_plan_inside_host_order_is_launchable():
+    pins = ["plan.tp=2", "plan.pp=2", "plan.dp=4", "plan.order=tp-cp-ep-pp-dp"]
+    plan = Plan.from_dict(api.plan([*PCIE, *pins]).to_dict())
+    assert plan.rank_to_device != list(range(16))
+    hosts = host_assignments(plan, ["h0", "h1"])
+    # Every rank lands on its planned device: torchrun's global rank node_rank * 8 + local_rank
+    # sees CUDA_VISIBLE_DEVICES[local_rank] on its host.
+    for a in hosts:
+        for local, device in enumerate(a.cuda_visible_devices):
+            assert plan.rank_to_device[a.node_rank * 8 + local] == 8 * ["h0", "h1"].index(a.host) + device
