@@ -281,10 +281,20 @@ def main(argv: list[str]) -> int:
     cache.unlink(missing_ok=True)
 
     say(f"profiling on {gpus} x {device}")
-    run_profile(problem, cache, args.cpu_smoke, timeout_s=max(60.0, args.budget_s / 2))
+    try:
+        run_profile(problem, cache, args.cpu_smoke, timeout_s=max(60.0, args.budget_s / 2))
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+        return fail(str(err).splitlines()[0])
     say("planning")
+    try:
+        chosen = planner_case(problem, cache)
+    except Exception as err:  # no configuration fits: the hand-picked ones still say how good the model is
+        chosen = Case("planner's choice", [], note=f"not planned: {str(err).splitlines()[0][:200]}")
     all_cases = []
-    for case in [*cases(gpus, args.cpu_smoke), planner_case(problem, cache)]:
+    for case in [*cases(gpus, args.cpu_smoke), chosen]:
+        if not case.pins:
+            all_cases.append(case)
+            continue
         try:
             predict(problem, cache, case)
         except Exception as err:  # a configuration that does not fit or is invalid here: say so in the table
@@ -315,7 +325,7 @@ def main(argv: list[str]) -> int:
     shutil.move(cache, work / f"{tag}.json")
     say(f"table written to {out}; profile cache to {work / f'{tag}.json'} ({elapsed:.0f} s)")
     print(table(all_cases))
-    return 1 if any(c.note.startswith(("training failed", "not predicted")) for c in all_cases) else 0
+    return 1 if any(c.note.startswith(("training failed", "not predicted", "not planned")) for c in all_cases) else 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""A real two-node SLURM cluster on this one host, started and stopped by the tests.
+"""A real multi-node SLURM cluster on this one host, started and stopped by the tests.
 
 Debian's slurm-wlm is built with --enable-multiple-slurmd, so several slurmd can run on one machine, each
 as a node of its own (`slurmd -N NAME`, a port each). The nodes are named by loopback addresses

@@ -86,6 +86,22 @@ def test_cluster_runs_one_task_per_node_and_passes_exit_status(cluster):
     assert failed.returncode == 3
 
 
+def test_cluster_that_cannot_start_names_the_daemon_and_shows_its_log():
+    class Misconfigured(SlurmCluster):
+        def _write_config(self):
+            super()._write_config()
+            with open(self.conf, "a") as conf:
+                conf.write("NoSuchSlurmOption=1\n")
+
+    broken = Misconfigured(num_nodes=1, start_timeout_s=30)
+    with pytest.raises(SlurmClusterError) as err:
+        broken.start(attempts=1)
+    message = str(err.value)
+    assert "slurmctld exited while waiting for sinfo" in message and "(after 1 attempts)" in message
+    assert "NoSuchSlurmOption" in message  # slurmctld's own complaint, from its log
+    assert broken.root is None and not broken.processes  # everything stopped and removed
+
+
 # -- srun nest-megatron launch ------------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -153,11 +169,12 @@ def test_sbatch_script_trains_on_two_nodes(cluster, tmp_path):
 
 @pytest.mark.slow
 def test_failed_training_fails_the_job(cluster, tmp_path):
-    """Rank 1 exits 3: its torchrun agent reports it and exits 1 (torchrun's status for a failed worker),
-    srun --kill-on-bad-exit stops the other node, and the job (exec srun) ends with that status."""
+    """Rank 1 exits 3 (the other ranks stop cleanly after their record): its torchrun agent reports it and
+    exits 1 (torchrun's status for a failed worker), srun passes that on, and the job (exec srun) ends with it."""
     script = write_script(tmp_path)
     job = cluster.run(["sbatch", "--wait", "--parsable", str(script)],
-                      env=job_env(cluster, tmp_path / "probe", NEST_PROBE_EXIT="3"), cwd=ROOT, timeout_s=300)
+                      env=job_env(cluster, tmp_path / "probe", NEST_PROBE_EXIT="3", NEST_PROBE_ONLY="1"), cwd=ROOT,
+                      timeout_s=300)
     job_id = job.stdout.strip().split(";")[0]
     log = (tmp_path / f"job-{job_id}.out").read_text()
     assert job.returncode == 1, log[-3000:]

@@ -178,6 +178,12 @@ def test_module_source_traces_any_nn_module():
     assert batch2.layers[1].gemm_flops == 2 * block.gemm_flops
 
 
+def test_megatron_refusing_a_shape_is_one_line():
+    cfg = load_model_config("tiny_gpt", num_query_groups=3, num_attention_heads=6, hidden_size=192, ffn_hidden_size=384)
+    with pytest.raises(NestError, match=r"megatron-core cannot build tiny_gpt at tp=2 ep=1 etp=1: num_query_groups \(3\)"):
+        trace_megatron(cfg, tp=2, num_layers=1)
+
+
 @pytest.mark.parametrize("spec, message", [
     ("trace_factories", "expected pkg.mod:factory"),
     ("no_such_module_xyz:f", "cannot import no_such_module_xyz"),
@@ -311,6 +317,18 @@ def test_evaluate_with_a_traced_model(tmp_path):
 def test_model_source_errors(overrides, message):
     with pytest.raises(NestError, match=message):
         load(["model=tiny_gpt", *SMALL, *overrides])
+
+
+def test_module_source_supplies_tp1_and_leaves_wider_tp_to_the_formulas():
+    import trace_factories as f
+
+    shape = [f"model.num_layers={f.LAYERS}", f"model.hidden_size={f.H}", f"model.ffn_hidden_size={f.FFN}",
+             f"model.num_attention_heads={f.HEADS}", f"model.seq_length={f.SEQ}", f"model.vocab_size={f.VOCAB}"]
+    loaded = load(["model=tiny_gpt", *shape, "model.source=module", "model.module=trace_factories:tiny_torch_gpt", *SMALL])
+    spec = loaded.problem.model
+    assert spec.layer_params(tp=1) == (49_984, 0)  # the block, by hand (test_module_source_traces_any_nn_module)
+    assert spec.layer_params(tp=2) == ModelSpec(spec.cfg).layer_params(tp=2)  # no TP form: the formulas
+    assert spec.attention_flops(micro_batch=2, tp=1, cp=1) == 2 * 4 * f.SEQ * f.SEQ * f.H
 
 
 def test_hf_source_loads_the_file_as_the_model(tmp_path):

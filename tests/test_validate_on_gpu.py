@@ -32,9 +32,10 @@ def test_cpu_smoke_run_writes_the_table_and_the_profile_cache(tmp_path):
             for line in text.splitlines() if line.startswith("| ") and not line.startswith("| configuration")}
     assert {"mbs1", "mbs1 selective"} <= set(rows) and len(rows) in (2, 3)
     for cells in rows.values():
-        measured = float(cells[8])  # step measured s: a real training ran
-        assert measured > 0 and re.fullmatch(r"[+-]\d+\.\d%", cells[9])
-        assert cells[11] == "-"  # no CUDA memory on a CPU
+        # TP PP DP mbs recompute | step: profile roofline measured error | memory: predicted allocated error | note
+        measured = float(cells[7])  # a real training ran
+        assert measured > 0 and re.fullmatch(r"[+-]\d+\.\d%", cells[8])
+        assert cells[10] == "-"  # no CUDA memory on a CPU
     entries = Cache.load(cache).entries.values()
     assert {e.kind for e in entries} >= {"gemm", "memory", "attention", "dense", "embedding", "output"}
     assert not list(cache.parent.glob(".*profiling*"))  # the working copy was moved, not left behind
@@ -43,4 +44,13 @@ def test_cpu_smoke_run_writes_the_table_and_the_profile_cache(tmp_path):
     problem = re.search(r"Model and cluster overrides: `([^`]*)`", text).group(1).split()
     plan = api.evaluate([*problem, "plan.mbs=1", "plan.recompute=none", "plan.zero=1", "plan.tp=1", "plan.pp=1",
                          f"cache={cache}"])
-    assert float(rows["mbs1"][6]) == pytest.approx(plan.predicted["step_time_s"], rel=1e-3)
+    assert float(rows["mbs1"][5]) == pytest.approx(plan.predicted["step_time_s"], rel=1e-3)
+
+
+def test_without_a_gpu_it_says_so_in_one_line():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the real run applies")
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "validate_on_gpu.sh")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "validate_on_gpu: error: no CUDA device visible; run with --cpu-smoke for the CPU dry run"

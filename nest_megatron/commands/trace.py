@@ -90,19 +90,21 @@ def trace(args: argparse.Namespace):
     model = loaded.config.model
     if model.source == "analytic":
         raise NestError("model.source=analytic: nothing to trace; use megatron, hf or module")
-    def given(option, default):
-        return default if option is None else option
-
-    tp, ep = given(args.tp, widths.tp), given(args.ep, widths.ep)
-    etp, mbs = given(args.etp, widths.etp), given(args.micro_batch_size, widths.micro_batch_size)
+    tp = widths.tp if args.tp is None else args.tp
+    ep = widths.ep if args.ep is None else args.ep
+    etp = widths.etp if args.etp is None else args.etp
+    mbs = widths.micro_batch_size if args.micro_batch_size is None else args.micro_batch_size
     check_widths(model, tp=tp, ep=ep, etp=etp, micro_batch_size=mbs, layers=args.layers)
+    sp = False if args.no_sp else widths.sequence_parallel
+    if tp > 1 and sp is not False and model.seq_length % tp:
+        raise NestError(f"--tp={tp}: sequence parallel splits model.seq_length={model.seq_length} over TP; "
+                        "it must divide it (or trace with --no-sp)")
     if model.source == "module":
         from nest_megatron.trace.module import trace_module
 
         return trace_module(model.module, seq_length=model.seq_length, name=model.name), loaded.config.out
     from nest_megatron.trace.meta import trace_megatron
 
-    sp = False if args.no_sp else widths.sequence_parallel
     graph = trace_megatron(model, tp=tp, ep=ep, etp=etp, num_layers=args.layers, micro_batch_size=mbs,
                            sequence_parallel=sp, spec=args.spec or "local", source=model.source)
     return graph, loaded.config.out

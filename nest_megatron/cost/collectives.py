@@ -42,7 +42,7 @@ class Network:
 def when_sent(nbytes, seconds):
     """Nothing to send costs nothing, not even latency: the collective is not issued.
     Works on a number or elementwise on an array of sizes (the DP solver's tables)."""
-    if np.ndim(nbytes) == 0:
+    if isinstance(nbytes, (int, float)) or np.ndim(nbytes) == 0:  # the isinstance: a fast path for the solver
         return float(seconds) if nbytes > 0 else 0.0
     return np.where(nbytes > 0, seconds, 0.0)
 

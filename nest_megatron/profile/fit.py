@@ -129,6 +129,8 @@ def fit(entries: list[Entry], accelerator: Accelerator) -> Fit:
     measurements keeps the accelerator's efficiency and no overhead."""
     by_kind: dict[str, list[Entry]] = {}
     for e in entries:
+        if e.seconds <= 0:  # below the timer's resolution: no information about a rate
+            continue
         by_kind.setdefault(e.kind, []).append(e)
     samples, errors, eff = {}, {}, {}
 

@@ -260,9 +260,11 @@ def context_bound(ctx: Context) -> float:
     elif cfg.recompute == "full" and cfg.recompute_num_layers is None:
         work = work + np.diff(c.fwd)
     empty = range_sums(c, cfg, 0, 0)
+    kinds = {(s == 0, s == cfg.pp - 1) for s in range(cfg.pp)}
+    bodies = {kind: stage_body(ctx, empty, first=kind[0], last=kind[1]) for kind in kinds}
     fixed = []
     for s in range(cfg.pp):
-        body = stage_body(ctx, empty, first=s == 0, last=s == cfg.pp - 1)
+        body = bodies[(s == 0, s == cfg.pp - 1)]
         fixed.append(body["compute"] + body["tp_comm"] + pipeline_p2p(ctx, stage=s))
     slowest = max((work.sum() + sum(fixed)) / cfg.pp, max(fixed) + work.min())
     return ctx.pipeline_factor * slowest
@@ -306,11 +308,13 @@ def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_bat
     start = time.perf_counter()
     space = list(candidates(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=True))
     bounds: dict[ParallelConfig, float] = {}  # ZeRO does not change the bound
-    for cfg in space:
+    pending = []
+    for i, cfg in enumerate(space):
         key = replace(cfg, zero=0)
         if key not in bounds:
             bounds[key] = lower_bound(problem, cfg)
-    pending = sorted((bounds[replace(cfg, zero=0)], i, cfg) for i, cfg in enumerate(space))
+        pending.append((bounds[key], i, cfg))
+    pending.sort()
     layers = problem.model.cfg.num_layers
     fastest: list[tuple[float, int, Context, tuple[int, ...]]] = []  # max-heap of the top_k + 1
     tiebreak = itertools.count()  # equal step times: the earlier found ranks first

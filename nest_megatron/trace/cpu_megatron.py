@@ -60,7 +60,6 @@ from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 
 __all__ = ["prepare_cpu_megatron", "measure_layer_saved_bytes"]
 
@@ -348,36 +347,31 @@ def measure_layer_saved_bytes(
         raise ValueError("recompute_granularity must be None or 'selective'")
 
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from nest_megatron.config.schema import ModelConfig
+    from nest_megatron.trace.transformer_config import transformer_config
 
     torch.manual_seed(seed)
-    cfg = TransformerConfig(
+    shape = ModelConfig(
+        name="measured-layer",
         num_layers=1,
         hidden_size=hidden_size,
         ffn_hidden_size=ffn_hidden_size,
         num_attention_heads=num_attention_heads,
         num_query_groups=num_query_groups,
+        seq_length=seq_length,
+        vocab_size=1,  # no embedding is built
+        swiglu=swiglu,
+        normalization=normalization,
+        position_embedding_type="rope" if use_rope else "learned_absolute",
+        add_bias_linear=False,
         hidden_dropout=hidden_dropout,
         attention_dropout=attention_dropout,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
-        add_bias_linear=False,
-        gated_linear_unit=swiglu,
-        activation_func=F.silu if swiglu else F.gelu,
-        normalization=normalization,
-        # Fusions that need CUDA / Apex / TE are off -> plain torch code paths.
-        apply_rope_fusion=False,
-        bias_dropout_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
         attention_softmax_in_fp32=attention_softmax_in_fp32,
-        use_cpu_initialization=True,
-        recompute_granularity=recompute_granularity,
-        # selective recompute default modules = ["core_attn"] (DotProductAttention)
     )
+    # The one ModelConfig -> TransformerConfig converter (fusions off: plain torch code paths);
+    # real weights here, and selective recompute's default modules = ["core_attn"].
+    cfg = transformer_config(shape, perform_initialization=True, recompute_granularity=recompute_granularity)
     layer = _build_layer(cfg, normalization)
 
     s, b, h, a = seq_length, micro_batch_size, hidden_size, num_attention_heads

@@ -130,33 +130,42 @@ def trace_megatron(cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int | Non
     forward pass of `micro_batch_size` sequences; `num_layers` builds fewer layers than the model
     has (one of each kind is enough for the cost model). Sequence parallel defaults to on with
     TP > 1, as Megatron-LM requires for MoE and the planner chooses by default."""
-    import torch
-
     etp = etp or 1
     sp = tp > 1 if sequence_parallel is None else sequence_parallel and tp > 1
-    # Silenced: megatron's advice for GPU runs (environment variables, fusions, SP) and its imports' notes.
-    with warnings.catch_warnings(action="ignore"), as_rank(0, _world(tp, ep, etp), tp=tp, ep=ep, etp=etp):
-        model, _ = build_meta_gpt(cfg, tp=tp, ep=ep, etp=etp, num_layers=num_layers, spec=spec, sequence_parallel=sp)
-        model.train()
-        for layer in model.decoder.layers:
-            if type(layer.mlp).__name__ == "MoELayer" and tp > 1 and not sp:
-                # megatron refuses MoE + TP without sequence parallel in training (MoELayer.forward);
-                # with the default router (top-k, no aux or z loss) eval mode runs the same ops.
+    try:
+        # Silenced: megatron's advice for GPU runs (environment variables, fusions, SP) and its imports' notes.
+        with warnings.catch_warnings(action="ignore"), as_rank(0, _world(tp, ep, etp), tp=tp, ep=ep, etp=etp):
+            model, _ = build_meta_gpt(cfg, tp=tp, ep=ep, etp=etp, num_layers=num_layers, spec=spec, sequence_parallel=sp)
+            layers = _trace_forward(model, cfg.seq_length, micro_batch_size, moe_in_eval=tp > 1 and not sp)
+    except (AssertionError, ValueError, RuntimeError) as err:  # megatron-core refusing the shape
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise NestError(f"megatron-core cannot build {cfg.name} at tp={tp} ep={ep} etp={etp}: {first}") from None
+    return LayerGraph(source=source, model=cfg.name, seq_length=cfg.seq_length, micro_batch_size=micro_batch_size,
+                      tp=tp, ep=ep, etp=etp, sequence_parallel=sp, layers=layers)
+
+
+def _trace_forward(model, seq_length: int, micro_batch_size: int, *, moe_in_eval: bool):
+    """One training-mode forward pass of a meta GPTModel on token ids, recorded per layer."""
+    import torch
+
+    model.train()
+    is_moe = [type(layer.mlp).__name__ == "MoELayer" for layer in model.decoder.layers]
+    if moe_in_eval:
+        # megatron refuses MoE + TP without sequence parallel in training (MoELayer.forward); with
+        # the default router (top-k, no aux or z loss) eval mode runs the same ops.
+        for layer, moe in zip(model.decoder.layers, is_moe):
+            if moe:
                 layer.mlp.eval()
-        s, b = cfg.seq_length, micro_batch_size
+    with torch.device("meta"):
+        tokens = torch.zeros(micro_batch_size, seq_length, dtype=torch.long)
+        positions = torch.arange(seq_length).unsqueeze(0).expand(micro_batch_size, seq_length)
+
+    def run():
         with torch.device("meta"):
-            tokens = torch.zeros(b, s, dtype=torch.long)
-            positions = torch.arange(s).unsqueeze(0).expand(b, s)
+            return model(tokens, positions, attention_mask=None)
 
-        def run():
-            with torch.device("meta"):
-                return model(tokens, positions, attention_mask=None)
-
-        blocks = [(f"decoder.layers.{i}", "moe" if type(layer.mlp).__name__ == "MoELayer" else "dense")
-                  for i, layer in enumerate(model.decoder.layers)]
-        layers = record_layers(model, run, blocks)
-    return LayerGraph(source=source, model=cfg.name, seq_length=s, micro_batch_size=b, tp=tp, ep=ep, etp=etp,
-                      sequence_parallel=sp, layers=layers)
+    blocks = [(f"decoder.layers.{i}", "moe" if moe else "dense") for i, moe in enumerate(is_moe)]
+    return record_layers(model, run, blocks)
 
 
 def _world(tp: int, ep: int, etp: int) -> int:

@@ -12,8 +12,9 @@ from nest_megatron.config.schema import ModelConfig
 
 
 def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
-                       num_layers: int | None = None, sequence_parallel: bool = False):
-    """megatron-core's TransformerConfig for `cfg` on a TP x PP x EP (x expert-TP) grid.
+                       num_layers: int | None = None, sequence_parallel: bool = False, **settings):
+    """megatron-core's TransformerConfig for `cfg` on a TP x PP x EP (x expert-TP) grid; `settings`
+    are further TransformerConfig fields (recompute_granularity=..., perform_initialization=True).
 
     sequence_parallel changes no parameter count; without Apex the local spec's torch norms
     (WrappedTorchNorm) accept it only through trace/cpu_megatron.py's patch 8. (megatron-core
@@ -24,7 +25,7 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
+    fields = dict(
         num_layers=num_layers or cfg.num_layers,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_hidden_size,
@@ -64,3 +65,4 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 
         use_cpu_initialization=True,
         perform_initialization=False,
     )
+    return TransformerConfig(**{**fields, **settings})
