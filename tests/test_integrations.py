@@ -115,8 +115,8 @@ BASE = ["cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_bat
 
 @pytest.fixture(scope="module")
 def moe_plan():
-    # pinned by hand: tp=2 pp=2 ep=2 -> dp = 16 / (2*2) = 4; ZeRO-1, full uniform recompute, mbs 2
-    return api.evaluate(["model=tiny_moe", *BASE, "plan.tp=2", "plan.pp=2", "plan.ep=2", "plan.zero=1",
+    # pinned by hand: tp=2 pp=2 ep=2 etp=1 -> dp = 16 / (2*2) = 4; ZeRO-1, full uniform recompute, mbs 2
+    return api.evaluate(["model=tiny_moe", *BASE, "plan.tp=2", "plan.pp=2", "plan.ep=2", "plan.etp=1", "plan.zero=1",
                          "plan.recompute=full", "plan.mbs=2", "plan.sp=true"])
 
 
@@ -147,7 +147,7 @@ def test_nemo_overrides_of_a_moe_plan(moe_plan):
     s = recipe.trainer.strategy
     assert (recipe.trainer.num_nodes, recipe.trainer.devices) == (2, 8)  # 16 devices = 2 nodes of 8
     assert (s.tensor_model_parallel_size, s.pipeline_model_parallel_size, s.context_parallel_size) == (2, 2, 1)
-    assert (s.expert_model_parallel_size, s.expert_tensor_parallel_size) == (2, moe_plan.parallel["etp"])
+    assert (s.expert_model_parallel_size, s.expert_tensor_parallel_size) == (2, 1)
     assert s.virtual_pipeline_model_parallel_size is None  # vpp=1 is NeMo's None
     assert s.sequence_parallel is True and s.pipeline_model_parallel_layout is None
     assert s.use_tp_pp_dp_mapping is False and s.fsdp is None and s.save_ckpt_format == "torch_dist"
@@ -226,6 +226,7 @@ def test_bridge_overrides_of_a_moe_plan(moe_plan):
     cfg = apply_to_config(bridge_container_stand_in(), moe_plan)
     m = cfg.model
     assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.expert_model_parallel_size) == (2, 2, 2)
+    assert m.expert_tensor_parallel_size == 1
     assert m.virtual_pipeline_model_parallel_size is None and m.sequence_parallel is True
     assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == ("full", "uniform", 1)
     assert (cfg.train.micro_batch_size, cfg.train.global_batch_size) == (2, 64)

@@ -194,9 +194,12 @@ def test_bad_profile_input_is_one_line_and_exit_2(capsys, override, says):
 
 # --- nest-megatron profile on this CPU ------------------------------------------------------
 @pytest.mark.slow
-def test_profile_command_times_tiny_gpt_on_this_cpu_with_two_processes_for_tp2(tmp_path):
+def test_profile_command_times_tiny_gpt_in_process_across_processes_and_as_a_shard(tmp_path):
+    """Four devices, two local ones: TP 1 runs in this process, TP 2 as two gloo processes under
+    torchrun (collectives included), TP 4 as one rank's shard on a fake process group plus the
+    modelled collectives."""
     path = tmp_path / "profiles.json"
-    done = cli("profile", "model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=2",
+    done = cli("profile", "model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=4",
                "train.global_batch_size=8", "solver.micro_batch_sizes=[1]", "plan.cp=1", "profile.local_devices=2",
                "profile.warmup=0", "profile.repeats=1", f"cache={path}")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -206,17 +209,18 @@ def test_profile_command_times_tiny_gpt_on_this_cpu_with_two_processes_for_tp2(t
     # tiny_gpt: h 256, ffn 1024, 8 heads, s 128, vocab 1024 (a multiple of 128 x tp already).
     # mbs 1 -> 128 tokens; QKV n = 3 x 256 / tp, proj k = 256 / tp, FC1 n = 1024 / tp, FC2 k = 1024 / tp,
     # output n = 1024 / tp.
-    expected = {(128, 768, 256), (128, 256, 256), (128, 1024, 256), (128, 256, 1024),
-                (128, 384, 256), (128, 256, 128), (128, 512, 256), (128, 256, 512)}
+    expected = {(128, 768, 256), (128, 256, 256), (128, 1024, 256), (128, 256, 1024),  # TP 1
+                (128, 384, 256), (128, 256, 128), (128, 512, 256), (128, 256, 512),  # TP 2
+                (128, 192, 256), (128, 256, 64)}  # TP 4 (its FC1, FC2 and output are (128, 256, 256))
     assert gemms == expected
     layers = {(e.kind, e.strategy["tp"], e.includes_comm) for e in entries if e.kind in ("dense", "embedding", "output")}
-    # TP = 1 in this process; TP = 2 across two gloo processes, collectives included
-    assert layers == {(kind, tp, tp == 2) for kind in ("dense", "embedding", "output") for tp in (1, 2)}
-    tp2 = next(e for e in entries if e.kind == "dense" and e.strategy["tp"] == 2)
-    assert tp2.strategy["sp"] is True and tp2.modelled_comm_s > 0 and tp2.versions["torch"]
+    assert layers == {(kind, tp, tp == 2) for kind in ("dense", "embedding", "output") for tp in (1, 2, 4)}
+    dense = {e.strategy["tp"]: e for e in entries if e.kind == "dense"}
+    assert dense[1].modelled_comm_s == 0 < dense[2].modelled_comm_s < dense[4].modelled_comm_s
+    assert dense[2].strategy["sp"] is True and dense[4].strategy["sp"] is True and dense[2].versions["torch"]
     assert "compute model for h100_sxm:" in done.stdout and f"written to {path}" in done.stdout
 
-    planned = cli("plan", "model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=2",
+    planned = cli("plan", "model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=4",
                   "train.global_batch_size=8", f"cache={path}", "--json")
     assert planned.returncode == 0, planned.stderr
     assert json.loads(planned.stdout)["search"]["compute"].startswith(f"fitted from {len(entries)} profiles in {path}")

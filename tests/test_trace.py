@@ -292,6 +292,18 @@ def test_traced_numbers_replace_the_analytic_ones_in_the_cost_model():
     assert no_sp["full"] == 4 * layer.boundary_bytes * 2
 
 
+def test_mixed_dense_and_moe_layers_each_get_their_own_trace():
+    """moe_layer_freq=2: the tracer builds one MoE and one dense layer; the cost model reads each kind."""
+    loaded = load(["model=tiny_moe", "model.moe_layer_freq=2", "model.source=megatron", *SMALL])
+    spec = loaded.problem.model
+    graph = trace_for_cost(spec.cfg, tp=1, ep=2, etp=1)
+    assert [layer.kind for layer in graph.layers] == ["embedding", "moe", "dense", "output"]
+    for layer in graph.layers[1:3]:
+        moe = layer.kind == "moe"
+        assert spec.layer_params(tp=1, ep=2, etp=1, moe=moe) == (layer.dense_params, layer.expert_params)
+        assert spec.layer_params(tp=1, ep=2, etp=1, moe=moe) == ModelSpec(spec.cfg).layer_params(tp=1, ep=2, etp=1, moe=moe)
+
+
 @pytest.mark.slow
 def test_evaluate_with_a_traced_model(tmp_path):
     """`evaluate` end to end on a traced model: the stage's activations are the traced layer's

@@ -16,7 +16,7 @@ def stdout_console() -> Console:
 def fail(command: str, error: Exception | str) -> int:
     """Print `nest-megatron CMD: error: ...` as one line on stderr; return the exit status 2."""
     err = Console(stderr=True, no_color=not sys.stderr.isatty() or "NO_COLOR" in os.environ)
-    err.print(f"nest-megatron {command}: error: {error}", highlight=False, soft_wrap=True, markup=False)
+    err.print(f"nest-megatron {command}: error: {error}", highlight=False, soft_wrap=True, markup=False, emoji=False)
     return 2
 
 

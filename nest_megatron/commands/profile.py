@@ -30,11 +30,9 @@ def local_setup(accelerator: str, local_devices: int | None) -> tuple[str, int, 
     import torch
 
     if not torch.cuda.is_available():
-        if local_devices is not None and local_devices > 1:
-            return "cpu", local_devices, None
         note = (f"no GPU: timing on the CPU; plans for accelerator={accelerator} with this cache will be "
                 "priced at this CPU's speed")
-        return "cpu", 1, note
+        return "cpu", local_devices or 1, note
     name, count = torch.cuda.get_device_name(0), torch.cuda.device_count()
     detected = next((acc for key, acc in GPU_ACCELERATORS.items() if key in name), None)
     if detected and detected != accelerator:

@@ -27,7 +27,7 @@ INTERMIXED = False
 def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel width of the traced rank (default 1)")
     parser.add_argument("--ep", type=int, default=None, help="expert-parallel width (MoE models; default 1)")
-    parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel width (default 1)")
+    parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel width (default 1; from a launch line: its value, else its TP)")
     parser.add_argument("--no-sp", action="store_true", help="trace TP > 1 without sequence parallel (default: with)")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences in the traced forward pass (default 1)")
     parser.add_argument("--layers", type=int, default=None, help="build only this many transformer layers (default: all)")

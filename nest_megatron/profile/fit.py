@@ -70,6 +70,14 @@ class Fit:
                 f"({', '.join(f'{k} {n}' for k, n in self.samples.items())} samples of {', '.join(self.devices)})")
 
 
+# op class, the efficiency it fits, what one measurement's work is, and the roofline's time of that work
+OP_CLASSES = (
+    ("memory", "memory_bound_efficiency", lambda e: e.shape["bytes"], RooflineCompute.memory_time),
+    ("gemm", "gemm_efficiency", lambda e: Gemm("g", e.shape["m"], e.shape["n"], e.shape["k"]), RooflineCompute.gemm_time),
+    ("attention", "attention_efficiency", lambda e: e.work["flops"], RooflineCompute.attention_time),
+)
+
+
 def _roofline(accelerator: Accelerator, **efficiencies) -> RooflineCompute:
     return RooflineCompute(replace(accelerator, **efficiencies))
 
@@ -84,14 +92,14 @@ def _relative_rms(predicted: np.ndarray, measured: np.ndarray) -> float:
     return float(np.sqrt(np.mean(((predicted - measured) / measured) ** 2)))
 
 
-def _fit_rate(roof, measured: np.ndarray, *, with_overhead: bool) -> tuple[float, float]:
+def _fit_rate(roof, measured: np.ndarray) -> tuple[float, float]:
     """(efficiency, overhead) minimising the relative error of roof(efficiency) + overhead.
 
     A log-spaced grid over ETA_RANGE finds the basin, golden-section search refines it."""
 
     def loss(log_eta: float) -> float:
         predicted = roof(math.exp(log_eta))
-        c = _overhead(predicted, measured) if with_overhead else 0.0
+        c = _overhead(predicted, measured)
         return float(np.sum(((predicted + c - measured) / measured) ** 2))
 
     lo, hi = math.log(ETA_RANGE[0]), math.log(ETA_RANGE[1])
@@ -107,7 +115,7 @@ def _fit_rate(roof, measured: np.ndarray, *, with_overhead: bool) -> tuple[float
             a = x1
     eta = math.exp((a + b) / 2)
     predicted = roof(eta)
-    return eta, _overhead(predicted, measured) if with_overhead else 0.0
+    return eta, _overhead(predicted, measured)
 
 
 def _layer_roof(entry: Entry, compute: FittedCompute) -> float:
@@ -132,38 +140,25 @@ def fit(entries: list[Entry], accelerator: Accelerator) -> Fit:
         if e.seconds <= 0:  # below the timer's resolution: no information about a rate
             continue
         by_kind.setdefault(e.kind, []).append(e)
-    samples, errors, eff = {}, {}, {}
+    samples, errors, eff, overheads = {}, {}, {}, {}
+    # Memory first: the GEMM roofline's memory branch uses the fitted memory efficiency.
+    for kind, field, item, time_of in OP_CLASSES:
+        found = by_kind.get(kind, [])
+        if len(found) < 2:
+            continue
+        fixed = {k: eff[k] for k in ("memory_bound_efficiency",) if kind == "gemm" and k in eff}
+        items, measured = [item(e) for e in found], np.array([e.seconds for e in found])
 
-    def measured(kind):
-        return np.array([e.seconds for e in by_kind[kind]])
+        def roof(eta):
+            compute = _roofline(accelerator, **fixed, **{field: eta})
+            return np.array([time_of(compute, x) for x in items])
 
-    memory_overhead = 0.0
-    if len(by_kind.get("memory", [])) >= 2:
-        nbytes = [e.shape["bytes"] for e in by_kind["memory"]]
-        roof = lambda eta: np.array([_roofline(accelerator, memory_bound_efficiency=eta).memory_time(b) for b in nbytes])  # noqa: E731
-        eff["memory_bound_efficiency"], memory_overhead = _fit_rate(roof, measured("memory"), with_overhead=True)
-        samples["memory"] = len(nbytes)
-        errors["memory"] = _relative_rms(roof(eff["memory_bound_efficiency"]) + memory_overhead, measured("memory"))
+        eff[field], overheads[kind] = _fit_rate(roof, measured)
+        samples[kind] = len(found)
+        errors[kind] = _relative_rms(roof(eff[field]) + overheads[kind], measured)
 
-    gemm_overhead = 0.0
-    if len(by_kind.get("gemm", [])) >= 2:
-        gemms = [Gemm("g", e.shape["m"], e.shape["n"], e.shape["k"]) for e in by_kind["gemm"]]
-        mem_eff = eff.get("memory_bound_efficiency", accelerator.memory_bound_efficiency)
-        roof = lambda eta: np.array([  # noqa: E731
-            _roofline(accelerator, gemm_efficiency=eta, memory_bound_efficiency=mem_eff).gemm_time(g) for g in gemms])
-        eff["gemm_efficiency"], gemm_overhead = _fit_rate(roof, measured("gemm"), with_overhead=True)
-        samples["gemm"] = len(gemms)
-        errors["gemm"] = _relative_rms(roof(eff["gemm_efficiency"]) + gemm_overhead, measured("gemm"))
-
-    attention_overhead = 0.0
-    if len(by_kind.get("attention", [])) >= 2:
-        flops = [e.work["flops"] for e in by_kind["attention"]]
-        roof = lambda eta: np.array([_roofline(accelerator, attention_efficiency=eta).attention_time(f) for f in flops])  # noqa: E731
-        eff["attention_efficiency"], attention_overhead = _fit_rate(roof, measured("attention"), with_overhead=True)
-        samples["attention"] = len(flops)
-        errors["attention"] = _relative_rms(roof(eff["attention_efficiency"]) + attention_overhead, measured("attention"))
-
-    compute = FittedCompute(_roofline(accelerator, **eff), gemm_overhead, attention_overhead, memory_overhead)
+    compute = FittedCompute(_roofline(accelerator, **eff), overheads.get("gemm", 0.0), overheads.get("attention", 0.0),
+                            overheads.get("memory", 0.0))
     layers = [e for kind in ("dense", "moe") for e in by_kind.get(kind, []) if not e.includes_comm]
     if layers:
         # The model's layer time is forward + backward = 3 x one pass (backward: two GEMMs per

@@ -67,13 +67,11 @@ def parallel_state_for(*, tp: int, ep: int, etp: int) -> None:
 
 
 def transformer_config(cfg: ModelConfig, *, tp: int, sp: bool, ep: int, etp: int):
-    """The tracer's converter (fused kernels off, as scripts/pretrain_gpt.py trains), with sequence
-    parallel as the strategy says and real weight initialisation (uninitialised memory can hold
-    NaNs, which route MoE tokens oddly and slow a CPU down)."""
-    import dataclasses
-
-    base = trace_transformer_config(cfg, tp=tp, ep=ep, etp=etp, num_layers=1)
-    return dataclasses.replace(base, sequence_parallel=sp, perform_initialization=True)
+    """The tracer's converter (fused kernels off, as scripts/pretrain_gpt.py trains) for one layer,
+    with real weight initialisation: uninitialised memory can hold NaNs, which route MoE tokens
+    oddly and slow a CPU down."""
+    return trace_transformer_config(cfg, tp=tp, ep=ep, etp=etp, num_layers=1, sequence_parallel=sp,
+                                    perform_initialization=True)
 
 
 def _layer(kind: str, cfg: ModelConfig, config, *, vocab: int):

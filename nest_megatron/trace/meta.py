@@ -42,11 +42,11 @@ def teardown_distributed() -> None:
 def as_rank(rank: int, world: int, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
             order: str = "tp-cp-ep-dp-pp"):
     """Make this process rank `rank` of a `world`-rank job (fake process group)."""
+    prepare_cpu_megatron()  # first: it imports megatron-core (quickly, patch 0)
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    prepare_cpu_megatron()
     teardown_distributed()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
