@@ -100,7 +100,7 @@ ACCELERATOR_KEYS = {
 }
 CLUSTER_KEYS = {
     "name": ("c", "c"), "topology": ("hierarchical", "hierarchical"), "num_devices": ("64", 64),
-    "device_memory_gib": ("70", 70.0),
+    "device_memory_gib": ("70", 70.0), "host_level": ("1", 1),
 }
 LEVEL_KEYS = {
     "name": ("board", "board"), "fan_out": ("4", 4), "bandwidth_gb_per_s": ("100", 100.0), "latency_s": ("1e-6", 1e-6),

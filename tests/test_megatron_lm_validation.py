@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from paper_grid_plans import grid_plans
 
+from nest_megatron.launch.megatron_rules import violations
 from nest_megatron.launch.prepare import megatron_env
 
 ROOT = os.environ.get("MEGATRON_LM_ROOT")
@@ -49,3 +50,34 @@ def test_megatron_lm_accepts_every_paper_grid_plan(tmp_path):
     failed = {name: error for name, error in results.items() if error}
     print(f"Megatron-LM {out['commit']}: {len(results) - len(failed)} of {len(results)} paper-grid argvs accepted")
     assert failed == {}
+
+
+def test_what_our_rules_accept_megatron_lm_accepts(tmp_path):
+    """The rule cases of test_megatron_rules, good and bad, through Megatron-LM: every argv our rules accept,
+    Megatron-LM accepts too (our rules may be stricter: sequence parallel with TP 1 is an error here, a
+    silent fix-up there)."""
+    from test_megatron_rules import BASE, CASES, MOE
+
+    data = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--lr", "1e-4", "--train-iters", "10"]
+    cases, ours = [], {}
+    for rule, good, bad, _ in CASES:
+        for kind, (extra, world) in (("good", good), ("bad", bad)):
+            batch = [] if "--global-batch-size" in extra else ["--global-batch-size", "64"]
+            argv = [*BASE, *batch, *extra.split(), *data]
+            name = f"{rule} ({kind}, {extra or 'base'})"
+            ours[name] = violations(argv, world_size=world)
+            fsdp, split = "--use-megatron-fsdp" in argv, " ".join(argv)
+            parallel = "--tensor-model-parallel-size 1 " not in split and "--tensor-model-parallel-size" in split
+            env = {"CUDA_DEVICE_MAX_CONNECTIONS": None if fsdp else "1" if parallel or "--context-parallel-size" in split else None}
+            cases.append({"name": name, "argv": argv, "world_size": world, "env": env})
+    for extra in ("--expert-model-parallel-size 4", "--pipeline-model-parallel-size 2 --use-tp-pp-dp-mapping "
+                  "--expert-model-parallel-size 4", "--pipeline-model-parallel-size 2 --expert-model-parallel-size 4"):
+        argv = [*MOE, "--global-batch-size", "64", *extra.split(), *data]
+        ours[extra] = violations(argv, world_size=8)
+        cases.append({"name": extra, "argv": argv, "world_size": 8, "env": {}})
+    results = run_megatron(cases, tmp_path)["results"]
+    wrongly_accepted = {name: results[name] for name in results if not ours[name] and results[name]}
+    assert wrongly_accepted == {}
+    both_reject = sum(1 for name in results if ours[name] and results[name])
+    print(f"rule cases: {len(results)}; we reject {sum(1 for v in ours.values() if v)}, Megatron-LM rejects "
+          f"{sum(1 for v in results.values() if v)}, both {both_reject}")

@@ -124,6 +124,12 @@ def test_expert_grid():
     bad = "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 8"  # etp defaults to tp = 2
     assert problems(bad, world=8, base=MOE)[0].startswith(
         "--expert-model-parallel-size=8 x --expert-tensor-parallel-size=2: must divide tp*cp*dp = 8")
+    # pp not the last rank dimension: expert dp must equal dp; tp 1 x dp 4 over etp 1 x ep 4 leaves expert dp 1 != 4,
+    # ep 1 keeps it 4
+    pp_dp = "--pipeline-model-parallel-size 2 --use-tp-pp-dp-mapping --expert-model-parallel-size"
+    assert problems(f"{pp_dp} 1", world=8, base=MOE) == []
+    assert problems(f"{pp_dp} 4", world=8, base=MOE)[0].startswith(
+        "--use-tp-pp-dp-mapping with pipeline and experts: the expert data-parallel size tp*cp*dp/(etp*ep) = 1 must equal dp = 4")
     # MoE with tp > 1 needs sequence parallel (megatron-core)
     assert problems("--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1", world=8, base=MOE)[0].startswith(
         "--tensor-model-parallel-size=2 with MoE: Megatron requires sequence parallel")

@@ -158,6 +158,21 @@ def test_llama3_70b_whole_model_on_meta():
     assert sum(item.params for item in graph.layers) == 80 * layer + 2 * 128256 * 8192 + 8192 == 70_553_706_496
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_pipeline_stage_holds_its_layers_embedding_and_output(stage):
+    """tiny_gpt (tied embeddings) on TP 2 x PP 2: the first stage holds the embedding, the last a copy
+    of the word embedding as its output layer (Megatron keeps the two in sync) and the final norm."""
+    cfg = load_model_config("tiny_gpt")
+    spec = ModelSpec(cfg)
+    graph = trace_megatron(cfg, tp=2, pp=2, stage=stage)
+    assert (graph.pp, graph.stage, [layer.kind for layer in graph.layers]) == (2, stage, ["embedding", "dense", "dense", "output"])
+    assert graph.layers[0].params == (spec.embedding_params(2) if stage == 0 else 0)
+    assert graph.layers[-1].params == (spec.output_params(tp=2, pp=2) if stage == 1 else 0)
+    assert all((layer.dense_params, layer.expert_params) == spec.layer_params(tp=2) for layer in graph.layers[1:3])
+    # The later stage's layers save what the first stage's do (its input arrives from the stage before).
+    assert graph.layers[1].saved_bytes == trace_for_cost(cfg, tp=2, ep=1, etp=1).layers[1].saved_bytes
+
+
 def test_module_source_traces_any_nn_module():
     import trace_factories as f
 
@@ -383,6 +398,8 @@ def test_trace_command_writes_the_layer_graph(tmp_path, capsys):
      "traced at --tp 1 --ep 1 --etp 1 only"),
     (["model=nope"], "model=nope: unknown model"),
     (["model=tiny_gpt", "--spec", "fast"], "layer spec fast: allowed are local, te"),
+    (["model=tiny_gpt", "--pp", "3"], "--pp=3 --stage=0: pp must divide the 4 layers traced"),
+    (["model=tiny_gpt", "--pp", "2", "--stage", "2"], "0 <= stage < pp"),
 ])
 def test_trace_command_bad_input(tmp_path, capsys, args, message):
     from nest_megatron.cli import main

@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         result = fit(cache.select(accelerator=problem.accelerator.name), problem.accelerator)
     except (NestError, OSError) as e:
         return fail("profile", e)
+    except ImportError as e:
+        return fail("profile", f"profiling needs torch and megatron-core ({e}); pip install 'nest-megatron[megatron]'")
     if not args.quiet:
         console.print(layer_table(entries, result.compute))
         for line in skipped:

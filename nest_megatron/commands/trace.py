@@ -28,6 +28,8 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel width of the traced rank (default 1)")
     parser.add_argument("--ep", type=int, default=None, help="expert-parallel width (MoE models; default 1)")
     parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel width (default 1; from a launch line: its value, else its TP)")
+    parser.add_argument("--pp", type=int, default=None, help="pipeline stages (default 1)")
+    parser.add_argument("--stage", type=int, default=0, help="the pipeline stage traced, 0 .. pp-1 (default 0)")
     parser.add_argument("--no-sp", action="store_true", help="trace TP > 1 without sequence parallel (default: with)")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences in the traced forward pass (default 1)")
     parser.add_argument("--layers", type=int, default=None, help="build only this many transformer layers (default: all)")
@@ -93,19 +95,26 @@ def trace(args: argparse.Namespace):
     tp = widths.tp if args.tp is None else args.tp
     ep = widths.ep if args.ep is None else args.ep
     etp = widths.etp if args.etp is None else args.etp
+    pp = widths.pp if args.pp is None else args.pp
     mbs = widths.micro_batch_size if args.micro_batch_size is None else args.micro_batch_size
     check_widths(model, tp=tp, ep=ep, etp=etp, micro_batch_size=mbs, layers=args.layers)
+    layers = args.layers or model.num_layers
+    if pp < 1 or layers % pp or not 0 <= args.stage < pp:
+        raise NestError(f"--pp={pp} --stage={args.stage}: pp must divide the {layers} layers traced and "
+                        f"0 <= stage < pp")
     sp = False if args.no_sp else widths.sequence_parallel
     if tp > 1 and sp is not False and model.seq_length % tp:
         raise NestError(f"--tp={tp}: sequence parallel splits model.seq_length={model.seq_length} over TP; "
                         "it must divide it (or trace with --no-sp)")
+    if model.source == "module" and pp > 1:
+        raise NestError("model.source=module: a generic module is traced whole (--pp 1)")
     if model.source == "module":
         from nest_megatron.trace.module import trace_module
 
         return trace_module(model.module, seq_length=model.seq_length, name=model.name), loaded.config.out
     from nest_megatron.trace.meta import trace_megatron
 
-    graph = trace_megatron(model, tp=tp, ep=ep, etp=etp, num_layers=args.layers, micro_batch_size=mbs,
+    graph = trace_megatron(model, tp=tp, ep=ep, etp=etp, pp=pp, stage=args.stage, num_layers=args.layers, micro_batch_size=mbs,
                            sequence_parallel=sp, spec=args.spec or "local", source=model.source)
     return graph, loaded.config.out
 
@@ -122,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     stdout_console().print(
         f"{graph.model}: {len(graph.layers)} layers traced ({graph.source}, tp={graph.tp} ep={graph.ep} etp={graph.etp} "
+        f"pp={graph.pp} stage {graph.stage} "
         f"sp={'on' if graph.sequence_parallel else 'off'}, {graph.micro_batch_size} x {graph.seq_length} tokens); "
         f"{sum(layer.params for layer in graph.layers):,} parameters on this rank; written to {out}",
         highlight=False)

@@ -59,6 +59,8 @@ class LayerGraph:
     etp: int
     layers: tuple[LayerTrace, ...]
     sequence_parallel: bool = False  # tensors on the full hidden size sharded over TP along the sequence
+    pp: int = 1  # pipeline stages; this graph holds stage `stage`'s layers
+    stage: int = 0
 
     @property
     def tokens(self) -> int:

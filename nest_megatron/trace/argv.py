@@ -14,6 +14,7 @@ class Widths:
     tp: int = 1
     ep: int = 1
     etp: int = 1
+    pp: int = 1
     micro_batch_size: int = 1
     sequence_parallel: bool | None = None  # None: on with TP > 1
 
@@ -26,7 +27,7 @@ def split_script(argv: list[str]) -> list[str]:
 def from_argv(argv: list[str]) -> tuple[list[str], Widths]:
     """(Hydra overrides of the model and batch, the traced rank's widths) of a Megatron argv.
 
-    Megatron-LM's defaults where a flag is absent: TP = EP = 1, expert-TP = TP, micro-batch 1."""
+    Megatron-LM's defaults where a flag is absent: TP = EP = PP = 1, expert-TP = TP, micro-batch 1."""
     args = split_script(argv)
     if not has_model(args):
         raise NestError("the Megatron arguments describe no model: --num-layers (and --hidden-size, ...) are missing")
@@ -36,6 +37,7 @@ def from_argv(argv: list[str]) -> tuple[list[str], Widths]:
         tp=tp,
         ep=s.get("--expert-model-parallel-size", 1),
         etp=s.get("--expert-tensor-parallel-size", tp) if s.has("--num-experts") else 1,
+        pp=s.get("--pipeline-model-parallel-size", 1),
         micro_batch_size=s.get("--micro-batch-size", 1),
         sequence_parallel=s.has("--sequence-parallel") if tp > 1 else None,
     )

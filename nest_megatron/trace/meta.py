@@ -123,29 +123,34 @@ def build_meta_gpt(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 1, e
     return model.to(torch.bfloat16), config
 
 
-def trace_megatron(cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int | None = None,
-                   num_layers: int | None = None, micro_batch_size: int = 1, spec: str = "local",
+def trace_megatron(cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int | None = None, pp: int = 1,
+                   stage: int = 0, num_layers: int | None = None, micro_batch_size: int = 1, spec: str = "local",
                    sequence_parallel: bool | None = None, source: str = "megatron") -> LayerGraph:
-    """The layer graph of rank 0 of a TP x EP job (PP = 1: every layer on this rank) for one
-    forward pass of `micro_batch_size` sequences; `num_layers` builds fewer layers than the model
-    has (one of each kind is enough for the cost model). Sequence parallel defaults to on with
-    TP > 1, as Megatron-LM requires for MoE and the planner chooses by default."""
+    """The layer graph of the first rank of pipeline stage `stage` of a TP x EP x PP job (its
+    layers; the embedding on the first stage, the output layer on the last) for one forward pass
+    of `micro_batch_size` sequences; `num_layers` builds fewer layers than the model has (one of
+    each kind is enough for the cost model). Sequence parallel defaults to on with TP > 1, as
+    Megatron-LM requires for MoE and the planner chooses by default."""
     etp = etp or 1
     sp = tp > 1 if sequence_parallel is None else sequence_parallel and tp > 1
+    per_stage = _world(tp, ep, etp)
     try:
         # Silenced: megatron's advice for GPU runs (environment variables, fusions, SP) and its imports' notes.
-        with warnings.catch_warnings(action="ignore"), as_rank(0, _world(tp, ep, etp), tp=tp, ep=ep, etp=etp):
-            model, _ = build_meta_gpt(cfg, tp=tp, ep=ep, etp=etp, num_layers=num_layers, spec=spec, sequence_parallel=sp)
-            layers = _trace_forward(model, cfg.seq_length, micro_batch_size, moe_in_eval=tp > 1 and not sp)
+        with (warnings.catch_warnings(action="ignore"),
+              as_rank(stage * per_stage, pp * per_stage, tp=tp, pp=pp, ep=ep, etp=etp)):  # order tp-cp-ep-dp-pp
+            model, config = build_meta_gpt(cfg, tp=tp, pp=pp, ep=ep, etp=etp, num_layers=num_layers, spec=spec,
+                                           sequence_parallel=sp)
+            layers = _trace_forward(model, config, cfg.seq_length, micro_batch_size, moe_in_eval=tp > 1 and not sp)
     except (AssertionError, ValueError, RuntimeError) as err:  # megatron-core refusing the shape
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise NestError(f"megatron-core cannot build {cfg.name} at tp={tp} ep={ep} etp={etp}: {first}") from None
     return LayerGraph(source=source, model=cfg.name, seq_length=cfg.seq_length, micro_batch_size=micro_batch_size,
-                      tp=tp, ep=ep, etp=etp, sequence_parallel=sp, layers=layers)
+                      tp=tp, ep=ep, etp=etp, sequence_parallel=sp, pp=pp, stage=stage, layers=layers)
 
 
-def _trace_forward(model, seq_length: int, micro_batch_size: int, *, moe_in_eval: bool):
-    """One training-mode forward pass of a meta GPTModel on token ids, recorded per layer."""
+def _trace_forward(model, config, seq_length: int, micro_batch_size: int, *, moe_in_eval: bool):
+    """One training-mode forward pass of a meta GPTModel on token ids (on a later pipeline stage,
+    on the hidden states the stage before sends), recorded per layer."""
     import torch
 
     model.train()
@@ -159,6 +164,10 @@ def _trace_forward(model, seq_length: int, micro_batch_size: int, *, moe_in_eval
     with torch.device("meta"):
         tokens = torch.zeros(micro_batch_size, seq_length, dtype=torch.long)
         positions = torch.arange(seq_length).unsqueeze(0).expand(micro_batch_size, seq_length)
+        if not model.pre_process:  # [s / tp with SP, b, h] bf16, as the previous stage sends it
+            rows = seq_length // config.tensor_model_parallel_size if config.sequence_parallel else seq_length
+            model.set_input_tensor(torch.empty(rows, micro_batch_size, config.hidden_size, dtype=torch.bfloat16,
+                                               requires_grad=True))
 
     def run():
         with torch.device("meta"):
