@@ -81,3 +81,6 @@ def test_what_our_rules_accept_megatron_lm_accepts(tmp_path):
     both_reject = sum(1 for name in results if ours[name] and results[name])
     print(f"rule cases: {len(results)}; we reject {sum(1 for v in ours.values() if v)}, Megatron-LM rejects "
           f"{sum(1 for v in results.values() if v)}, both {both_reject}")
+    for name in results:
+        if ours[name] and not results[name]:
+            print(f"  only we reject: {name}: {ours[name][0]}")

@@ -116,6 +116,9 @@ def test_shipped_models_trace_like_the_analytic_model(name):
     graph = trace_for_cost(cfg, tp=1, ep=1, etp=1)
     assert len(graph.layers) == 3  # embedding, one layer (every layer of these models is one kind), output
     _check_layer_agreement(cfg, graph, tp=1)
+    # The bytes that do not grow with the micro-batch are the mask and RoPE's cos/sin (cpu_and_small_terms).
+    extra = cpu_and_small_terms(cfg, tp=1, etp=1, sp=False, moe=bool(cfg.num_experts))
+    assert graph.layers[1].fixed_saved_bytes == extra["causal_mask"] + extra.get("rope_cos_sin", 0)
 
 
 @pytest.mark.parametrize("name, tp, ep, etp", [
@@ -297,8 +300,11 @@ def test_traced_numbers_replace_the_analytic_ones_in_the_cost_model():
 
     analytic = ModelSpec(spec.cfg)  # same kernels, no tracer
     assert graph.sequence_parallel  # traced as Megatron runs TP: with sequence parallel
+    # What does not grow with the micro-batch: the [s, s] bool causal mask, 128 x 128 bytes (tiny_gpt
+    # has learned positions: no RoPE cos/sin).
+    assert layer.fixed_saved_bytes == 128 * 128
     act = layer_activation_bytes(spec, mbs=4, tp=2, sp=True, cp=1, moe=False)
-    assert act["none"] == 4 * layer.saved_bytes and act["full"] == 4 * layer.boundary_bytes
+    assert act["none"] == 4 * (layer.saved_bytes - 128 * 128) + 128 * 128 and act["full"] == 4 * layer.boundary_bytes
     plain = layer_activation_bytes(analytic, mbs=4, tp=2, sp=True, cp=1, moe=False)
     assert act["none"] - act["selective"] == plain["none"] - plain["selective"]
     no_sp = layer_activation_bytes(spec, mbs=4, tp=2, sp=False, cp=1, moe=False)
@@ -329,7 +335,7 @@ def test_evaluate_with_a_traced_model(tmp_path):
     plan = api.evaluate(["model=tiny_gpt", "model.source=megatron", *SMALL, *pins])
     layer = trace_for_cost(load_model_config("tiny_gpt"), tp=2, ep=1, etp=1).layers[1]
     activations = plan.predicted["memory_breakdown_gib"][0]["activations"] * 2**30
-    assert activations == pytest.approx(4 * 2 * layer.saved_bytes)
+    assert activations == pytest.approx(4 * (2 * (layer.saved_bytes - layer.fixed_saved_bytes) + layer.fixed_saved_bytes))
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -106,10 +106,10 @@ def layer_activation_bytes(
     none / selective: what the layer keeps; full: the checkpointed layer input only.
 
     A traced model (ModelSpec.tracer) supplies what its layer really saves and hands on, traced at
-    one sequence without context parallelism: both scale with the tokens (b s / cp; the few tensors
-    that do not -- RoPE's cos/sin, the unfused softmax's [s, s] mask -- are then overcounted, by
-    under 1 % in the shipped models). What differs between sequence parallel on and off (when the
-    trace's setting is not `sp`), and what selective recompute drops, come from the analytic terms.
+    one sequence without context parallelism: both scale with the tokens (b s / cp), except the
+    bytes the trace found fixed (an [s, s] mask, RoPE's cos/sin), which scale with 1 / cp only.
+    What differs between sequence parallel on and off (when the trace's setting is not `sp`), and
+    what selective recompute drops, come from the analytic terms.
     """
     args = dict(mbs=mbs, tp=tp, sp=sp, cp=cp, moe=moe, etp=etp)
     none = layer_activation_terms(model, **args)
@@ -121,7 +121,8 @@ def layer_activation_bytes(
     graph, layer = traced
     scale = mbs / (graph.micro_batch_size * cp)
     sp_change = analytic["none"] - sum(layer_activation_terms(model, **{**args, "sp": graph.sequence_parallel}).values())
-    kept = layer.saved_bytes * scale + sp_change
+    fixed = layer.fixed_saved_bytes
+    kept = (layer.saved_bytes - fixed) * scale + fixed / cp + sp_change
     boundary = layer.boundary_bytes * scale * (tp if graph.sequence_parallel else 1) / (tp if sp else 1)
     return {"none": kept, "selective": kept - (analytic["none"] - analytic["selective"]), "full": boundary}
 

@@ -42,6 +42,9 @@ class LayerTrace:
     saved_bytes: float  # bytes autograd keeps for backward (storages, parameters excluded)
     boundary_bytes: float  # the layer's output tensor
     gemms: tuple[TracedGemm, ...] = field(default=())
+    # Of saved_bytes, what does not grow with the micro-batch (an [s, s] causal mask, RoPE's cos and
+    # sin), from a second trace at twice the micro-batch; 0 when not measured.
+    fixed_saved_bytes: float = 0.0
 
     @property
     def params(self) -> int:

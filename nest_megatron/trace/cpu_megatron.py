@@ -1,4 +1,7 @@
-"""Measure the activation memory of ONE real megatron-core TransformerLayer on CPU.
+"""megatron-core on a CPU-only machine: every patch it needs (`prepare_cpu_megatron`, patches 0-8,
+and `meta_cuda_is_identity`, patch 9, one comment each) -- for real CPU tensors here and for the
+meta-device tracing of nest_megatron/trace/meta.py -- and the activation memory of ONE real
+megatron-core TransformerLayer measured on CPU.
 
 Why this exists
 ---------------
@@ -53,6 +56,7 @@ CPU-only caveats (see ``measure_layer_saved_bytes`` docstring for the list).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 import warnings
@@ -61,7 +65,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["prepare_cpu_megatron", "measure_layer_saved_bytes"]
+__all__ = ["prepare_cpu_megatron", "meta_cuda_is_identity", "measure_layer_saved_bytes"]
 
 _PREPARED = False
 
@@ -214,6 +218,25 @@ def prepare_cpu_megatron() -> None:
     torch_norm.WrappedTorchNorm.__new__ = wrapped_torch_norm
 
     _PREPARED = True
+
+
+@contextlib.contextmanager
+def meta_cuda_is_identity():
+    """Patch 9 (while building a model on meta): with tied embeddings and PP > 1,
+    LanguageModule.setup_embeddings_and_output_layer moves the word-embedding
+    copy to CUDA (`weight.data.cuda()`) before all-reducing it over the
+    embedding group.  A meta tensor has no data to move: let `.cuda()` return
+    it unchanged."""
+    original = torch.Tensor.cuda
+
+    def cuda(self, *args, **kwargs):
+        return self if self.is_meta else original(self, *args, **kwargs)
+
+    torch.Tensor.cuda = cuda
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
 
 
 # ---------------------------------------------------------------------------

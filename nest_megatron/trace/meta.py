@@ -11,12 +11,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import warnings
+from dataclasses import replace
 
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.errors import NestError
 from nest_megatron.model.layer_graph import LayerGraph
 from nest_megatron.model.spec import ModelSpec
-from nest_megatron.trace.cpu_megatron import prepare_cpu_megatron
+from nest_megatron.trace.cpu_megatron import meta_cuda_is_identity, prepare_cpu_megatron
 from nest_megatron.trace.record import record_layers
 from nest_megatron.trace.transformer_config import transformer_config
 
@@ -61,25 +62,6 @@ def as_rank(rank: int, world: int, *, tp: int = 1, pp: int = 1, ep: int = 1, etp
         yield
     finally:
         teardown_distributed()
-
-
-@contextlib.contextmanager
-def meta_cuda_is_identity():
-    """With tied embeddings and PP > 1, LanguageModule.setup_embeddings_and_output_layer moves
-    the word-embedding copy to CUDA (`weight.data.cuda()`) before all-reducing it over the
-    embedding group. A meta tensor has no data to move: let `.cuda()` return it unchanged."""
-    import torch
-
-    original = torch.Tensor.cuda
-
-    def cuda(self, *args, **kwargs):
-        return self if self.is_meta else original(self, *args, **kwargs)
-
-    torch.Tensor.cuda = cuda
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = original
 
 
 def decoder_spec(cfg: ModelConfig, config, spec: str = "local"):
@@ -186,6 +168,11 @@ def _world(tp: int, ep: int, etp: int) -> int:
 
 
 def trace_for_cost(cfg: ModelConfig, *, tp: int, ep: int, etp: int, source: str = "megatron") -> LayerGraph:
-    """One layer of each kind the model has (what the cost model reads), traced at (tp, ep, etp)."""
+    """One layer of each kind the model has (what the cost model reads), traced at (tp, ep, etp),
+    with the part of its saved bytes that does not grow with the micro-batch: 2 x saved(b = 1) -
+    saved(b = 2), from a second trace."""
     layers = 1 if not cfg.num_experts or cfg.moe_layer_freq == 1 else min(2, cfg.num_layers)
-    return trace_megatron(cfg, tp=tp, ep=ep, etp=etp, num_layers=layers, source=source)
+    one, two = (trace_megatron(cfg, tp=tp, ep=ep, etp=etp, num_layers=layers, micro_batch_size=b, source=source)
+                for b in (1, 2))
+    return replace(one, layers=tuple(replace(a, fixed_saved_bytes=2 * a.saved_bytes - b.saved_bytes)
+                                     for a, b in zip(one.layers, two.layers)))
