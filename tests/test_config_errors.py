@@ -14,6 +14,7 @@ from nest_megatron.config.schema import (
     LevelConfig,
     ModelConfig,
     PlanChoice,
+    ProfileConfig,
     SolverConfig,
     TorusConfig,
     TrainConfig,
@@ -119,6 +120,9 @@ SOLVER_KEYS = {
     "max_virtual_stages": ("2", 2), "max_context_parallel": ("2", 2), "top_k": ("3", 3),
     "recompute_num_layers": ("[null,1]", [None, 1]),
 }
+PROFILE_KEYS = {
+    "warmup": ("1", 1), "repeats": ("2", 2), "local_devices": ("2", 2), "layers": ("false", False), "use": ("false", False),
+}
 PLAN_KEYS = {
     "tp": ("2", 2), "pp": ("2", 2), "dp": ("4", 4), "cp": ("1", 1), "ep": ("1", 1), "etp": ("1", 1), "vpp": ("1", 1),
     "sp": ("true", True), "mbs": ("1", 1), "zero": ("1", 1), "recompute": ("full", "full"),
@@ -132,6 +136,7 @@ PLAN_KEYS = {
         (ModelConfig, MODEL_KEYS), (AcceleratorConfig, ACCELERATOR_KEYS),
         (ClusterConfig, {**CLUSTER_KEYS, "levels": None, "torus": None}), (LevelConfig, LEVEL_KEYS),
         (TorusConfig, TORUS_KEYS), (TrainConfig, TRAIN_KEYS), (SolverConfig, SOLVER_KEYS), (PlanChoice, PLAN_KEYS),
+        (ProfileConfig, PROFILE_KEYS),
     ],
 )
 def test_every_key_is_listed(schema, keys):
@@ -149,6 +154,7 @@ def test_every_key_is_listed(schema, keys):
         ("train", TRAIN_KEYS, [TINY]),
         ("solver", SOLVER_KEYS, [TINY]),
         ("plan", PLAN_KEYS, [TINY]),
+        ("profile", PROFILE_KEYS, [TINY]),
     ],
 )
 def test_every_key_can_be_overridden(section, keys, extra):

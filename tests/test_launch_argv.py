@@ -83,7 +83,8 @@ def test_vocabulary_from_the_tokenizer_flags(tmp_path):
     vocab.write_text("[PAD]\n[UNK]\nhello\nworld\n")
     assert model_values([*base, "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(vocab)])["vocab_size"] == 4
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 151936}))
-    assert model_values([*base, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path)])["vocab_size"] == 151936
+    hf = [*base, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path)]
+    assert model_values(hf)["vocab_size"] == 151936
     assert model_values([*base, "--padded-vocab-size", "50304"])["make_vocab_size_divisible_by"] == 1
     assert model_values(base, vocab_size=777)["vocab_size"] == 777
 
@@ -94,7 +95,8 @@ def plan_for(argv, *, pins=(), overrides=NARROW, devices=DGX_64):
 
 def test_rewrite_keeps_every_other_token_in_order():
     model = LLAMA3_70B[:-4]  # without the batch flags
-    unknown = ["--lr", "3e-4", "--data-path", "0.3", "/d/a", "0.7", "/d/b", "--foo=bar", "--split", "99,1,0", "--log-interval", "1"]
+    unknown = ["--lr", "3e-4", "--data-path", "0.3", "/d/a", "0.7", "/d/b", "--foo=bar", "--split", "99,1,0",
+               "--log-interval", "1"]
     planner = ["--tensor-model-parallel-size", "4", "--micro-batch-size=2", "--sequence-parallel", "--use-distributed-optimizer",
                "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
                "--num-layers-per-virtual-pipeline-stage", "2", "--overlap-grad-reduce", "--global-batch-size", "1024"]

@@ -92,7 +92,8 @@ def test_dry_run_prints_the_command_and_starts_nothing(fake):
     env, record = fake
     proc = launch("launch", *TINY, "--dry-run", "--nproc-per-node", "2", "--", "train.py", "--lr", "1e-3", env=env)
     assert proc.returncode == 0, proc.stderr
-    expected = " ".join(["CUDA_DEVICE_MAX_CONNECTIONS=1", "CUDA_VISIBLE_DEVICES=0,1", "torchrun", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+    expected = " ".join(["CUDA_DEVICE_MAX_CONNECTIONS=1", "CUDA_VISIBLE_DEVICES=0,1",
+                         "torchrun", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
                          "train.py", "--lr", "1e-3", *TINY_MODEL, *TINY_PARALLEL])
     assert expected in proc.stdout.splitlines()
     assert "TP 2" in proc.stdout  # the plan's table
@@ -156,7 +157,8 @@ def test_slurm_node_starts_its_agent_with_the_shared_rendezvous(fake):
      "nest-megatron launch: error: no configuration of llama3_70b fits on 8 x h100_sxm"),
     (["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=4", "--nproc-per-node", "2", "--", "t.py"], {},
      "nest-megatron launch: error: cluster dgx_h100_superpod has 4 devices, but the launch starts 1 x 2 = 2"),
-    (["model=tiny_gpt", "--nproc-per-node", "2", "t.py"], {}, "nest-megatron launch: error: no training script: give it after --"),
+    (["model=tiny_gpt", "--nproc-per-node", "2", "t.py"], {},
+     "nest-megatron launch: error: no training script: give it after --"),
     (["model=tiny_gpt", "--", "t.py"], {}, "nest-megatron launch: error: device count unknown"),
     (["model=tiny_gpt", "--", "t.py"], {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "3", "SLURM_GPUS_ON_NODE": "8"},
      "nest-megatron launch: error: SLURM_NNODES=3, but SLURM_JOB_NODELIST=n[1-2] names 2 hosts"),

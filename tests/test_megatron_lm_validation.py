@@ -68,7 +68,8 @@ def test_what_our_rules_accept_megatron_lm_accepts(tmp_path):
             ours[name] = violations(argv, world_size=world)
             fsdp, split = "--use-megatron-fsdp" in argv, " ".join(argv)
             parallel = "--tensor-model-parallel-size 1 " not in split and "--tensor-model-parallel-size" in split
-            env = {"CUDA_DEVICE_MAX_CONNECTIONS": None if fsdp else "1" if parallel or "--context-parallel-size" in split else None}
+            needs_one = not fsdp and (parallel or "--context-parallel-size" in split)
+            env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1" if needs_one else None}
             cases.append({"name": name, "argv": argv, "world_size": world, "env": env})
     for extra in ("--expert-model-parallel-size 4", "--pipeline-model-parallel-size 2 --use-tp-pp-dp-mapping "
                   "--expert-model-parallel-size 4", "--pipeline-model-parallel-size 2 --expert-model-parallel-size 4"):
