@@ -172,3 +172,16 @@ def test_megatron_fsdp_refuses_the_tp_pp_dp_mapping():
         api.evaluate(base + ["plan.zero=2", "plan.order=tp-cp-ep-pp-dp"])
     assert api.evaluate(base + ["plan.zero=2", "plan.order=tp-cp-ep-dp-pp"]).zero_stage == 2
     assert api.evaluate(base + ["plan.zero=1", "plan.order=tp-cp-ep-pp-dp"]).rank_order == "tp-cp-ep-pp-dp"
+
+
+def test_argv_names_the_kernels_the_memory_model_assumed():
+    # The unfused attention keeps its s x s softmax (in fp32 here) and an unfused SwiGLU its
+    # activation: the launch line must ask Megatron for exactly those kernels.
+    plan = api.evaluate([*SMALL, "model.attention_backend=unfused", "model.attention_softmax_in_fp32=true",
+                         "model.swiglu=true", "model.bias_swiglu_fusion=false", "plan.tp=2"])
+    argv = plan.megatron_args
+    assert argv[argv.index("--attention-backend") + 1] == "unfused"
+    assert "--attention-softmax-in-fp32" in argv and "--no-bias-swiglu-fusion" in argv
+    assert "--transformer-impl" not in argv  # analytic: whatever implementation has these kernels
+    flash = api.evaluate([*SMALL, "plan.tp=2"]).megatron_args
+    assert "--attention-backend" not in flash and "--no-bias-swiglu-fusion" not in flash

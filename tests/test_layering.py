@@ -20,7 +20,7 @@ LAYERS = [
     ["api"],
     ["launch", "integrations"],
     ["commands"],
-    ["cli"],
+    ["cli", "reference"],
 ]
 
 

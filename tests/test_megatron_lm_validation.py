@@ -71,12 +71,21 @@ def test_what_our_rules_accept_megatron_lm_accepts(tmp_path):
             needs_one = not fsdp and (parallel or "--context-parallel-size" in split)
             env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1" if needs_one else None}
             cases.append({"name": name, "argv": argv, "world_size": world, "env": env})
-    for extra in ("--expert-model-parallel-size 4", "--pipeline-model-parallel-size 2 --use-tp-pp-dp-mapping "
-                  "--expert-model-parallel-size 4", "--pipeline-model-parallel-size 2 --expert-model-parallel-size 4"):
-        argv = [*MOE, "--global-batch-size", "64", *extra.split(), *data]
-        ours[extra] = violations(argv, world_size=8)
-        cases.append({"name": extra, "argv": argv, "world_size": 8, "env": {}})
+    # the rank-order rule, which Megatron-LM checks itself: (base, extra flags, CUDA_DEVICE_MAX_CONNECTIONS)
+    order_cases = [(MOE, "--expert-model-parallel-size 4", None),
+                   (MOE, "--pipeline-model-parallel-size 2 --use-tp-pp-dp-mapping --expert-model-parallel-size 4", None),
+                   (MOE, "--pipeline-model-parallel-size 2 --expert-model-parallel-size 4", None),
+                   (BASE, "--pipeline-model-parallel-size 2 --use-tp-pp-dp-mapping --context-parallel-size 2", "1"),
+                   (BASE, "--pipeline-model-parallel-size 2 --use-tp-pp-dp-mapping", None)]
+    for base, extra, connections in order_cases:
+        argv = [*base, "--global-batch-size", "64", *extra.split(), *data]
+        name = f"order: {'moe' if base is MOE else 'dense'} {extra}"
+        ours[name] = violations(argv, world_size=8)
+        cases.append({"name": name, "argv": argv, "world_size": 8, "env": {"CUDA_DEVICE_MAX_CONNECTIONS": connections}})
     results = run_megatron(cases, tmp_path)["results"]
+    # on these, Megatron-LM itself decides: the two must agree both ways
+    assert {n: bool(ours[n]) for n in results if n.startswith("order:")} == {
+        n: bool(results[n]) for n in results if n.startswith("order:")}
     wrongly_accepted = {name: results[name] for name in results if not ours[name] and results[name]}
     assert wrongly_accepted == {}
     both_reject = sum(1 for name in results if ours[name] and results[name])

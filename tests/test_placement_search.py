@@ -83,3 +83,10 @@ def test_plan_inside_host_order_is_launchable():
     for a in hosts:
         for local, device in enumerate(a.cuda_visible_devices):
             assert plan.rank_to_device[a.node_rank * 8 + local] == 8 * ["h0", "h1"].index(a.host) + device
+
+
+def test_shipped_pcie_cluster_has_hosts_of_eight():
+    topology = load(["model=tiny_gpt", "cluster=a100_pcie_bridged", "cluster.num_devices=32"]).problem.topology
+    # 2 (pair) x 2 (switch) x 2 (host) devices per host; 32 devices: 4 hosts under the network level.
+    assert topology.devices_per_node == 8
+    assert [lv.fan_out for lv in topology.levels] == [2, 2, 2, 4]

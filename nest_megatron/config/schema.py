@@ -65,11 +65,11 @@ class AcceleratorConfig:
     peak_bf16_tflops: float = MISSING  # dense bf16 tensor-core peak, 1e12 FLOP/s
     memory_gib: float = MISSING  # HBM capacity usable by the framework, GiB
     hbm_bandwidth_gb_per_s: float = MISSING  # 1e9 B/s
-    # Fraction of peak a large GEMM reaches; of HBM bandwidth a memory-bound kernel reaches; of
-    # peak a fused attention kernel reaches. A profile table replaces these (issue: profiling).
-    gemm_efficiency: float = 0.75
-    attention_efficiency: float = 0.55
-    memory_bound_efficiency: float = 0.8
+    # The fractions of the peaks that kernels reach; a profile cache (`nest-megatron profile`) fits
+    # them from measurements instead.
+    gemm_efficiency: float = 0.75  # of peak, a large GEMM
+    attention_efficiency: float = 0.55  # of peak, a fused attention kernel
+    memory_bound_efficiency: float = 0.8  # of HBM bandwidth, a memory-bound kernel
     # CUDA context, NCCL buffers, cuBLAS workspace and allocator fragmentation, GiB.
     reserved_memory_gib: float = 3.0
 
@@ -81,7 +81,7 @@ class LevelConfig:
     name: str = MISSING
     fan_out: int = MISSING  # units of the level below in one unit of this level
     bandwidth_gb_per_s: float = MISSING  # per device, per direction, 1e9 B/s
-    latency_s: float = MISSING
+    latency_s: float = MISSING  # per message, s
     oversubscription: float = 1.0  # downlink : uplink capacity of this level's switches
 
 
@@ -89,9 +89,9 @@ class LevelConfig:
 class TorusConfig:
     """A k-dimensional torus (TPU pods), described by its dimensions and link speed."""
 
-    dims: list[int] = field(default_factory=list)
+    dims: list[int] = field(default_factory=list)  # chips along each dimension, e.g. [4, 4, 4]
     link_bandwidth_gb_per_s: float = MISSING  # one link, one direction, 1e9 B/s
-    hop_latency_s: float = MISSING
+    hop_latency_s: float = MISSING  # per hop, s
 
 
 @dataclass
@@ -100,8 +100,8 @@ class ClusterConfig:
 
     name: str = MISSING
     topology: str = "hierarchical"  # hierarchical | torus (levels built from `torus`)
-    levels: list[LevelConfig] = field(default_factory=list)
-    torus: Optional[TorusConfig] = None
+    levels: list[LevelConfig] = field(default_factory=list)  # level 0 first (inside a node); see cluster.levels[i]
+    torus: Optional[TorusConfig] = None  # with topology: torus, see cluster.torus
     # Rescale the top level so that the cluster has this many devices (None: as described).
     num_devices: Optional[int] = None
     # Device memory as a study models it, overriding the accelerator's (None: the accelerator's).
@@ -117,23 +117,24 @@ class TrainConfig:
 
     global_batch_size: int = 1024  # sequences per iteration
     micro_batch_size: Optional[int] = None  # None: the planner chooses
-    overlap_grad_reduce: bool = True
-    overlap_param_gather: bool = True
+    overlap_grad_reduce: bool = True  # --overlap-grad-reduce: DP gradient reduction behind the backward pass
+    overlap_param_gather: bool = True  # --overlap-param-gather: the distributed optimizer's all-gather behind the forward
 
 
 @dataclass
 class SolverConfig:
     """What the planner searches."""
 
-    name: str = "dp"
-    micro_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
-    recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
+    name: str = "dp"  # dp (the NEST dynamic program) | enumerate (every configuration, even splits: a check)
+    micro_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # searched unless train.micro_batch_size
+    zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])  # 0 DDP, 1 distributed optimizer, 2/3 Megatron-FSDP
+    recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])  # activation recomputation
     # With full recompute: layers recomputed per stage (the first n; null: every layer).
     recompute_num_layers: list[Optional[int]] = field(default_factory=lambda: [None])
+    # Megatron's rank orders (the second is --use-tp-pp-dp-mapping); node orders are searched under each.
     rank_orders: list[str] = field(default_factory=lambda: ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"])
-    max_virtual_stages: int = 4
-    max_context_parallel: int = 8
+    max_virtual_stages: int = 4  # largest --num-layers-per-virtual-pipeline-stage split tried (per rank)
+    max_context_parallel: int = 8  # largest context-parallel size tried
     top_k: int = 10  # how many runners-up the Plan keeps
 
 
@@ -144,19 +145,19 @@ class PlanChoice:
     Every field left None is free for `plan`; `evaluate` fills it with Megatron's default.
     """
 
-    tp: Optional[int] = None
-    pp: Optional[int] = None
-    dp: Optional[int] = None
-    cp: Optional[int] = None
-    ep: Optional[int] = None
-    etp: Optional[int] = None
-    vpp: Optional[int] = None
-    sp: Optional[bool] = None
-    mbs: Optional[int] = None
-    zero: Optional[int] = None
-    recompute: Optional[str] = None
-    recompute_num_layers: Optional[int] = None
-    order: Optional[str] = None
+    tp: Optional[int] = None  # tensor parallel size
+    pp: Optional[int] = None  # pipeline parallel size
+    dp: Optional[int] = None  # data parallel size
+    cp: Optional[int] = None  # context parallel size
+    ep: Optional[int] = None  # expert parallel size
+    etp: Optional[int] = None  # expert tensor parallel size
+    vpp: Optional[int] = None  # virtual pipeline stages per pipeline rank
+    sp: Optional[bool] = None  # sequence parallel
+    mbs: Optional[int] = None  # micro-batch size
+    zero: Optional[int] = None  # 0 DDP, 1 distributed optimizer, 2 / 3 Megatron-FSDP (optim_grads / optim_grads_params)
+    recompute: Optional[str] = None  # none | selective | full
+    recompute_num_layers: Optional[int] = None  # with full: the first n layers of each stage (null: all)
+    order: Optional[str] = None  # tp-cp-ep-dp-pp | tp-cp-ep-pp-dp
 
 
 @dataclass

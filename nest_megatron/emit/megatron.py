@@ -58,6 +58,18 @@ def model_args(model: ModelSpec) -> list[str]:
             args += ["--moe-layer-freq", str(m.moe_layer_freq)]
         if m.moe_ffn_hidden_size:
             args += ["--moe-ffn-hidden-size", str(m.moe_ffn_hidden_size)]
+        if m.moe_shared_expert_intermediate_size:
+            args += ["--moe-shared-expert-intermediate-size", str(m.moe_shared_expert_intermediate_size)]
+    # The kernels the memory model assumed: an unfused attention keeps its softmax, an unfused
+    # SwiGLU its activation; a traced model is megatron-core's local layer spec.
+    if m.attention_backend == "unfused":
+        args += ["--attention-backend", "unfused"]
+        if m.attention_softmax_in_fp32:
+            args.append("--attention-softmax-in-fp32")
+    if m.swiglu and not m.bias_swiglu_fusion:
+        args.append("--no-bias-swiglu-fusion")
+    if m.source != "analytic":
+        args += ["--transformer-impl", "local"]
     return args
 
 
