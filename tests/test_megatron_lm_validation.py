@@ -39,16 +39,29 @@ def run_megatron(cases: list[dict], tmp_path: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_megatron_lm_accepts_every_paper_grid_plan(tmp_path):
+@pytest.fixture(scope="module")
+def grid_verdicts(tmp_path_factory) -> tuple[str, dict, dict]:
+    """(Megatron-LM commit, its verdict per paper-grid argv, ours): None / [] when accepted."""
     plans = grid_plans()
     cases = [{"name": p.name, "argv": p.argv, "world_size": p.world_size, "env": megatron_env(p.plan)} for p in plans]
     # Megatron-LM's checks can fail: a line it must reject, with the same environment
     bad = dict(cases[0], name="bad: tp 3", argv=[*cases[0]["argv"], "--tensor-model-parallel-size", "3"])
-    out = run_megatron([*cases, bad], tmp_path)
+    out = run_megatron([*cases, bad], tmp_path_factory.mktemp("grid"))
     results = out["results"]
     assert results.pop("bad: tp 3") is not None
+    ours = {p.name: violations(p.argv, world_size=p.world_size) for p in plans}
+    return out["commit"], results, ours
+
+
+def test_our_rules_agree_with_megatron_lm_on_the_paper_grid(grid_verdicts):
+    _, theirs, ours = grid_verdicts
+    assert {name: bool(v) for name, v in ours.items()} == {name: bool(v) for name, v in theirs.items()}
+
+
+def test_megatron_lm_accepts_every_paper_grid_plan(grid_verdicts):
+    commit, results, _ = grid_verdicts
     failed = {name: error for name, error in results.items() if error}
-    print(f"Megatron-LM {out['commit']}: {len(results) - len(failed)} of {len(results)} paper-grid argvs accepted")
+    print(f"Megatron-LM {commit}: {len(results) - len(failed)} of {len(results)} paper-grid argvs accepted")
     assert failed == {}
 
 

@@ -52,7 +52,7 @@ MODEL_FLAGS: dict[str, tuple[str, str, object]] = {
     "--moe-shared-expert-intermediate-size": ("moe_shared_expert_intermediate_size", "int", None),
 }
 
-# Flags read to complete the model but that set no schema field of their own.
+# Flags read (to complete the model, or by the launch rules) that set no schema field of their own; they pass through.
 HINT_FLAGS: dict[str, str] = {
     "--group-query-attention": "true",
     "--use-rotary-position-embeddings": "true",
@@ -63,6 +63,7 @@ HINT_FLAGS: dict[str, str] = {
     "--vocab-file": "str",
     "--bf16": "true",
     "--fp16": "true",
+    "--no-overlap-p2p-communication": "true",  # read by launch/megatron_rules.py (interleaved schedule, pp 2)
 }
 
 # Flags the planner decides (launch/rewrite.py removes them and inserts the plan's), with their arity.
