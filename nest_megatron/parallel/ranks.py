@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from functools import lru_cache
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,7 +148,22 @@ def sizes_inside(order: str, sizes: dict[str, int], devices: int) -> dict[str, i
 def host_placements(order: str, sizes: dict[str, int], devices_per_host: int, devices_per_unit: int) -> list[np.ndarray]:
     """Rank -> device maps over the hosts' order (`node_permutations`) combined with the orders of
     the sub-host units inside each host (NVLink pairs, PCIe switches: units of `devices_per_unit`),
-    which CUDA_VISIBLE_DEVICES realises. Every host uses the same order inside. Identity first."""
+    which CUDA_VISIBLE_DEVICES realises. Every host uses the same order inside. Identity first.
+    Memoised (the configurations that differ in ZeRO, recompute or micro-batch share them); the
+    arrays are read-only."""
+    return _host_placements(order, tuple(sorted(sizes.items())), devices_per_host, devices_per_unit)
+
+
+@lru_cache(maxsize=4096)
+def _host_placements(order: str, size_items: tuple, devices_per_host: int, devices_per_unit: int) -> list[np.ndarray]:
+    maps = _compose_host_placements(order, dict(size_items), devices_per_host, devices_per_unit)
+    for m in maps:
+        m.flags.writeable = False
+    return maps
+
+
+def _compose_host_placements(order: str, sizes: dict[str, int], devices_per_host: int,
+                             devices_per_unit: int) -> list[np.ndarray]:
     hosts = node_permutations(order, sizes, devices_per_host)
     if devices_per_unit >= devices_per_host:
         return hosts

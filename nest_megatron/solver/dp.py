@@ -294,13 +294,17 @@ def placements(problem: Problem, cfg: ParallelConfig) -> list[np.ndarray | None]
     return [None, *maps[1:]]
 
 
+def fields_but(cfg: ParallelConfig, *names: str) -> tuple:
+    """`cfg`'s field values except `names`: a cheap key (dataclasses.replace is slow in this loop)."""
+    return tuple(value for name, value in vars(cfg).items() if name not in names)
+
+
 def shared_context(problem: Problem, cfg: ParallelConfig, mapping: np.ndarray | None, placement: int,
                    contexts: dict) -> Context:
     """`context(problem, cfg, rank_to_device=mapping)`, built once for the configurations that
     differ only in what the per-layer costs do not see: ZeRO, and full recompute against none
     (both keep the same columns; only selective changes the activations a layer keeps)."""
-    key = (replace(cfg, zero=0, recompute="selective" if cfg.recompute == "selective" else "none",
-                   recompute_num_layers=None), placement)
+    key = (fields_but(cfg, "zero", "recompute", "recompute_num_layers"), cfg.recompute == "selective", placement)
     base = contexts.get(key)
     if base is None:
         base = contexts[key] = context(problem, cfg, rank_to_device=mapping)
@@ -313,10 +317,10 @@ def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_bat
     changes) and skipped once the bound cannot beat the kept plans."""
     start = time.perf_counter()
     space = list(candidates(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=True))
-    bounds: dict[ParallelConfig, float] = {}  # ZeRO does not change the bound
+    bounds: dict[tuple, float] = {}  # ZeRO does not change the bound
     pending = []
     for i, cfg in enumerate(space):
-        key = replace(cfg, zero=0)
+        key = fields_but(cfg, "zero")
         if key not in bounds:
             bounds[key] = lower_bound(problem, cfg)
         pending.append((bounds[key], i, cfg))
