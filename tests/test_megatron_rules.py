@@ -133,12 +133,14 @@ def test_expert_grid():
     pp_dp = "--pipeline-model-parallel-size 2 --use-tp-pp-dp-mapping --expert-model-parallel-size"
     assert problems(f"{pp_dp} 1", world=8, base=MOE) == []
     assert problems(f"{pp_dp} 4", world=8, base=MOE)[0].startswith(
-        "--use-tp-pp-dp-mapping with pipeline parallel: the expert data-parallel size tp*cp*dp/(etp*ep) = 1 must equal dp = 4")
+        "--use-tp-pp-dp-mapping with --pipeline-model-parallel-size=2: megatron-core needs the expert data-parallel size "
+        "tp*cp*dp/(etp*ep) = 1 to equal dp=4; drop --use-tp-pp-dp-mapping")
     # a dense model too: etp defaults to tp and ep to 1, so cp 2 makes the expert dp 2*dp (Megatron-LM rejects it)
     dense = "--pipeline-model-parallel-size 2 --use-tp-pp-dp-mapping --context-parallel-size"
     assert problems(f"{dense} 1", world=8) == []
     assert problems(f"{dense} 2", world=8)[0].startswith(
-        "--use-tp-pp-dp-mapping with pipeline parallel: the expert data-parallel size tp*cp*dp/(etp*ep) = 4 must equal dp = 2")
+        "--use-tp-pp-dp-mapping with --pipeline-model-parallel-size=2: megatron-core needs the expert data-parallel size "
+        "tp*cp*dp/(etp*ep) = 4 to equal dp=2; drop --use-tp-pp-dp-mapping")
     # MoE with tp > 1 needs sequence parallel (megatron-core)
     assert problems("--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1", world=8, base=MOE)[0].startswith(
         "--tensor-model-parallel-size=2 with MoE: Megatron requires sequence parallel")

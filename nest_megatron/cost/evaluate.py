@@ -23,7 +23,7 @@ from nest_megatron.cost.collectives import (
 )
 from nest_megatron.cost.compute import BF16, ComputeModel
 from nest_megatron.cost.flops import megatron_model_flops
-from nest_megatron.cost.memory import GRAD_FP32, StageMemory, memory_per_stage
+from nest_megatron.cost.memory import GRAD_FP32, StageMemory, memory_of_rank, memory_per_stage
 from nest_megatron.cost.placement import Spans, spans_for
 from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.tables import LayerCosts, StageSums, layer_costs, stage_sums
@@ -152,9 +152,17 @@ def estimate_in(ctx: Context, split: tuple[int, ...]) -> Estimate:
 
 
 def fits_in(ctx: Context, split: tuple[int, ...]) -> bool:
-    """Whether every stage of `split` fits: the memory half of `estimate_in`, which no placement changes."""
-    sums = [stage_sums(ctx.costs, ctx.cfg, tuple(split), i) for i in range(ctx.cfg.pp)]
-    return max(m.total for m in _memory_in(ctx, sums)) <= ctx.problem.accelerator.memory_bytes
+    """Whether every stage of `split` fits: the memory half of `estimate_in`, which no placement
+    changes. Stops at the first stage that does not (the first stage, most often: it holds the most
+    micro-batches in flight)."""
+    problem, cfg = ctx.problem, ctx.cfg
+    for stage in range(cfg.pp):
+        memory = memory_of_rank(problem.model, cfg, stage_sums(ctx.costs, cfg, tuple(split), stage), stage=stage,
+                                num_microbatches=ctx.num_microbatches,
+                                reserved_bytes=problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt)
+        if memory.total > problem.accelerator.memory_bytes:
+            return False
+    return True
 
 
 def _memory_in(ctx: Context, sums: list[StageSums]) -> tuple:

@@ -118,8 +118,15 @@ def memory_per_stage(
 ) -> tuple[StageMemory, ...]:
     """Memory of every pipeline rank, whose layers `sums[i]` adds up, under 1F1B or interleaving."""
     return tuple(
-        stage_memory(model, cfg, s, first=i == 0, last=i == cfg.pp - 1,
-                     in_flight=in_flight_chunks(cfg, stage=i, num_microbatches=num_microbatches),
-                     reserved_bytes=reserved_bytes, act_rebuilt=act_rebuilt)
+        memory_of_rank(model, cfg, s, stage=i, num_microbatches=num_microbatches, reserved_bytes=reserved_bytes,
+                       act_rebuilt=act_rebuilt)
         for i, s in enumerate(sums)
     )
+
+
+def memory_of_rank(model: ModelSpec, cfg: ParallelConfig, sums: StageSums, *, stage: int, num_microbatches: int,
+                   reserved_bytes: float, act_rebuilt: float) -> StageMemory:
+    """Memory of pipeline rank `stage`, whose layers `sums` adds up, under 1F1B or interleaving."""
+    return stage_memory(model, cfg, sums, first=stage == 0, last=stage == cfg.pp - 1,
+                        in_flight=in_flight_chunks(cfg, stage=stage, num_microbatches=num_microbatches),
+                        reserved_bytes=reserved_bytes, act_rebuilt=act_rebuilt)

@@ -37,6 +37,7 @@ FLAG_OF_FIELD = {
     "plan.sp=true": "--sequence-parallel",
     "plan.zero": "ZeRO stage",
     "plan.order=tp-cp-ep-pp-dp": "--use-tp-pp-dp-mapping",
+    "use plan.order=tp-cp-ep-dp-pp": "drop --use-tp-pp-dp-mapping",
     "plan.recompute_num_layers": "--recompute-num-layers",
     "train.global_batch_size": "--global-batch-size",
 }
@@ -191,13 +192,6 @@ def violations(argv: list[str], *, world_size: int) -> list[str]:
         zero=_zero(s), recompute=kind, recompute_num_layers=recomputed,
         order="tp-cp-ep-pp-dp" if s.has("--use-tp-pp-dp-mapping") else "tp-cp-ep-dp-pp",
     )
-    # megatron-core initialize_model_parallel: unless pp is the last (slowest) rank dimension, the expert layers'
-    # data-parallel size world/(etp*ep*pp) must equal the attention layers' dp. Megatron-LM sets etp = tp when
-    # --expert-tensor-parallel-size is absent, dense models included, so context parallel alone breaks it too.
-    expert_grid = s.get("--expert-tensor-parallel-size", tp) * s.get("--expert-model-parallel-size", 1)
-    if s.has("--use-tp-pp-dp-mapping") and pp > 1 and (tp * cp * dp) // expert_grid != dp:
-        out.append(f"--use-tp-pp-dp-mapping with pipeline parallel: the expert data-parallel size tp*cp*dp/(etp*ep) "
-                   f"= {tp * cp * dp // expert_grid} must equal dp = {dp} (megatron-core), or drop --use-tp-pp-dp-mapping")
     if layers_per_stage is not None and vpp > 1:
         # An uneven interleaved split: check the split per pipeline rank, the interleaving rules separately.
         rule = violation(replace(cfg, vpp=1), model=ModelSpec(m), num_devices=world_size, global_batch_size=gbs,

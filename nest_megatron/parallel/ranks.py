@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from functools import lru_cache
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 

@@ -72,6 +72,14 @@ def violation(
             return f"plan.etp={cfg.etp}: must divide the expert ffn size {model.moe_ffn}"
     elif cfg.etp != 1:
         return f"plan.etp={cfg.etp}: expert tensor parallel needs a MoE model"
+    # megatron-core's initialize_model_parallel: unless pp is the slowest rank dimension, the expert
+    # layers' data-parallel size tp*cp*dp/(etp*ep) must equal dp. Megatron-LM sets etp = tp for a
+    # dense model too, so there context parallel alone breaks it (checked against Megatron-LM).
+    expert_tp = cfg.etp if model.is_moe else cfg.tp
+    if cfg.order == "tp-cp-ep-pp-dp" and cfg.pp > 1 and cfg.tp * cfg.cp * cfg.dp // (expert_tp * cfg.ep) != cfg.dp:
+        return (f"plan.order=tp-cp-ep-pp-dp with plan.pp={cfg.pp}: megatron-core needs the expert data-parallel size "
+                f"tp*cp*dp/(etp*ep) = {cfg.tp * cfg.cp * cfg.dp // (expert_tp * cfg.ep)} to equal dp={cfg.dp}; "
+                "use plan.order=tp-cp-ep-dp-pp")
     uneven = layers_per_stage is not None or any_split
     if layers_per_stage is not None and (
         len(layers_per_stage) != cfg.pp or min(layers_per_stage) < 1 or sum(layers_per_stage) != m.num_layers

@@ -52,12 +52,6 @@ from nest_megatron.parallel.rules import num_microbatches
 from nest_megatron.solver.enumerate import SearchResult
 from nest_megatron.solver.space import candidates
 
-# The DP's prange threads wait for each other at the end of every parallel loop. The OpenMP layer
-# waits by spinning, so with any other process busy on the cores (tests, a second planner, a
-# training job) each loop stalls for a scheduler slice: GPT-3 on 128 devices took 63 s instead of
-# 4 s on 2 cores. The workqueue layer sleeps instead, at the same speed on idle cores.
-numba.config.THREADING_LAYER = "workqueue"
-
 FRONT_CAPACITY = 64  # Pareto points kept per state; exceeding it is an error, never a silent cut
 
 
@@ -156,7 +150,12 @@ def _fill_state(tables, s, a, stages, factor, cutoff, front_t, front_x, next_b, 
     return True
 
 
-@numba.njit(cache=True, parallel=True)
+# One thread on purpose. With numba.prange over the states of a stage (parallel=True), 2 cores
+# planned GPT-3 on 1,024 devices 8 % faster when idle, but each of the ~25,000 parallel loops of a
+# search ends at a barrier: the OpenMP layer spins there, and when anything else runs on the cores
+# a descheduled thread stalls the loop for a time slice (GPT-3 on 128 devices: 63 s instead of 4 s);
+# the sleeping layers (workqueue, OMP_WAIT_POLICY=passive) were 1.4-2x slower than one thread.
+@numba.njit(cache=True)
 def _pareto_split(tables, stages, factor, capacity, cutoff):  # pragma: no cover - compiled; tests run it compiled
     n1 = tables[3].shape[0]
     layers = n1 - 1
@@ -178,8 +177,8 @@ def _pareto_split(tables, stages, factor, capacity, cutoff):  # pragma: no cover
     for s in range(stages - 2, -1, -1):
         a_first = 0 if s == 0 else s
         a_last = 0 if s == 0 else layers - (stages - s)
-        # The states of one stage depend only on the next stage's: fill them in parallel.
-        for a in numba.prange(a_first, a_last + 1):
+        # The states of one stage depend only on the next stage's.
+        for a in range(a_first, a_last + 1):
             complete[a] = complete[a] and _fill_state(tables, s, a, stages, factor, cutoff,
                                                       front_t, front_x, next_b, next_i, count)
         if not complete.all():
