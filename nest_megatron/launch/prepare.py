@@ -174,10 +174,9 @@ def _commands(plan: Plan, devices: Devices, script: str, final: list[str],
                           master_port=placed.master_port)
             commands.append(node_command(torchrun_flags(one, node_rank=a.node_rank), script, final,
                                          node_rank=a.node_rank, env={**a.env(), **megatron_env(plan)}))
-    by_index = dict(zip(range(len(assignments)), assignments))
     this = None
-    if devices.node_rank is not None:
-        mine = by_index[devices.node_rank]
+    if devices.node_rank is not None:  # this process runs on node index devices.node_rank (SLURM_NODEID, ...)
+        mine = assignments[devices.node_rank]
         this = next((c for c in commands if c.node_rank == mine.node_rank), None) if not mine.idle else None
     return commands, this
 
