@@ -26,12 +26,19 @@ def command_module(name: str):
     return importlib.import_module(f"nest_megatron.commands.{COMMANDS[name]}")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad option or value is one line on stderr and exit status 2, as every other input error."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message}; see {self.prog} --help", file=sys.stderr)
+        sys.exit(2)
+
+
 def command_parser(name: str) -> argparse.ArgumentParser:
     module = command_module(name)
     help_text = module.HELP[name] if isinstance(module.HELP, dict) else module.HELP
-    parser = argparse.ArgumentParser(prog=f"nest-megatron {name}", description=help_text,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=getattr(module, "EPILOG", None))
+    parser = OneLineParser(prog=f"nest-megatron {name}", description=help_text,
+                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=getattr(module, "EPILOG", None))
     module.add_arguments(parser)
     return parser
 
@@ -54,9 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nest-megatron: error: unknown command {name!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module, parser = command_module(name), command_parser(name)
-    # Commands that take a trailing `-- script ARGS...` set INTERMIXED = False: argparse's intermixed
-    # parsing (overrides before and after --options) cannot hold a REMAINDER positional.
-    args = parser.parse_intermixed_args(argv[1:]) if getattr(module, "INTERMIXED", True) else parser.parse_args(argv[1:])
+    # Overrides and --options mix freely before `--`; what follows it (a training script and its
+    # Megatron arguments) is the command's, untouched: args.script_argv (None without `--`).
+    rest = argv[1:]
+    cut = rest.index("--") if "--" in rest else len(rest)
+    args = parser.parse_intermixed_args(rest[:cut])
+    args.script_argv = rest[cut + 1:] if cut < len(rest) else None
     args.command = name
     return module.run(args)
 

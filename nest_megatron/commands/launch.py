@@ -26,9 +26,6 @@ EPILOG = """examples:
   nest-megatron launch model=tiny_gpt cluster.num_devices=2 --nproc-per-node 2 -- scripts/pretrain_gpt.py --train-iters 5
 pin what you chose by hand: --pin tp,pp (or solver.keep_user_parallelism=[tp,pp]) keeps the argv's
 --tensor-model-parallel-size / --pipeline-model-parallel-size as constraints of the plan."""
-# A trailing `-- SCRIPT ARGS` cannot be an argparse positional after the overrides (cli.py).
-INTERMIXED = False
-PROG = "nest-megatron launch"
 
 
 def _options(parser: argparse.ArgumentParser) -> None:
@@ -46,35 +43,8 @@ def _options(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _options(parser)
-    parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="[overrides] -- SCRIPT ARGS",
-                        help="Hydra overrides (cluster=..., model=..., solver.keep_user_parallelism=[tp]), then -- and "
-                             "the training script with its Megatron arguments")
-
-
-class _QuietParser(argparse.ArgumentParser):
-    """Its errors are one NestError line, not a usage text and exit."""
-
-    def error(self, message: str):
-        raise NestError(f"{message} (options go before --; see nest-megatron launch --help)")
-
-
-def _split(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str], str, list[str]]:
-    """Options given before the overrides were parsed by cli.py; those among the overrides are parsed here."""
-    rest = list(args.rest)
-    if "--" not in rest:
-        raise NestError("no training script: give it after --, e.g. nest-megatron launch cluster=... -- pretrain_gpt.py ARGS")
-    cut = rest.index("--")
-    inner = _QuietParser(prog=PROG, add_help=False)
-    _options(inner)
-    inner.add_argument("overrides", nargs="*")
-    more = inner.parse_intermixed_args(rest[:cut])
-    for key, value in vars(more).items():
-        if key != "overrides" and value not in (None, False, ""):
-            setattr(args, key, value)
-    script = rest[cut + 1:]
-    if not script:
-        raise NestError("no training script after --")
-    return args, more.overrides, script[0], script[1:]
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides (cluster=..., model=..., "
+                        "solver.keep_user_parallelism=[tp]); then -- and the training script with its Megatron arguments")
 
 
 def show(prepared: Prepared, *, dry_run: bool) -> None:
@@ -111,7 +81,10 @@ def execute(prepared: Prepared, *, dry_run: bool, command: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        args, overrides, script, script_args = _split(args)
+        if not args.script_argv:
+            raise NestError("no training script: give it after --, e.g. nest-megatron launch cluster=... -- pretrain_gpt.py ARGS")
+        script, *script_args = args.script_argv
+        overrides = args.overrides
         devices = resolve(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
                           master_addr=args.master_addr, master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint)
         prepared = prepare(overrides=overrides, script=script, script_args=script_args, devices=devices,

@@ -22,8 +22,6 @@ EPILOG = """example:
   nest-megatron sbatch cluster=dgx_h100_superpod --nodes 16 --partition batch --time 4:00:00 out=job.sh \\
       -- pretrain_gpt.py --num-layers 80 --hidden-size 8192 ... --bf16
   sbatch job.sh"""
-INTERMIXED = False  # a trailing `-- SCRIPT ARGS` (see cli.py)
-PROG = "nest-megatron sbatch"
 
 
 def _options(parser: argparse.ArgumentParser) -> None:
@@ -42,30 +40,8 @@ def _options(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _options(parser)
-    parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="[overrides] -- SCRIPT ARGS",
-                        help="Hydra overrides (cluster=..., out=job.sh), then -- and the training script with its "
-                             "Megatron arguments")
-
-
-def _split(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str], list[str]]:
-    """Options before the first override were parsed by cli.py; the ones among the overrides are parsed here."""
-    rest = list(args.rest)
-    if "--" not in rest:
-        raise NestError("no training script: give it after --, e.g. nest-megatron sbatch --nodes 2 -- pretrain_gpt.py ARGS")
-    cut = rest.index("--")
-    inner = argparse.ArgumentParser(prog=PROG, add_help=False)
-    _options(inner)
-    inner.add_argument("overrides", nargs="*")
-    try:
-        more = inner.parse_intermixed_args(rest[:cut])
-    except SystemExit:
-        raise NestError(f"cannot read the options before --: {' '.join(rest[:cut])}") from None
-    for key, value in vars(more).items():
-        if key != "overrides" and value is not None and value is not False:
-            setattr(args, key, value)
-    if not rest[cut + 1:]:
-        raise NestError("no training script after --")
-    return args, more.overrides, rest[cut + 1:]
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides and out=PATH; then -- and the training script "
+                        "with its Megatron arguments")
 
 
 def _plan_lines(prepared: Prepared) -> list[str]:
@@ -81,7 +57,9 @@ def _plan_lines(prepared: Prepared) -> list[str]:
 
 def build(args: argparse.Namespace) -> tuple[str, str | None]:
     """(script text, out path or None): everything checked, nothing written."""
-    args, overrides, script_argv = _split(args)
+    if not args.script_argv:
+        raise NestError("no training script: give it after --, e.g. nest-megatron sbatch --nodes 2 -- pretrain_gpt.py ARGS")
+    overrides, script_argv = args.overrides, args.script_argv
     out = next((item.partition("=")[2] for item in overrides if item.startswith("out=")), None)
     forwarded = [item for item in overrides if not item.startswith("out=")]
     if args.nodes is None:

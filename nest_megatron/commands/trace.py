@@ -20,8 +20,6 @@ Megatron launch line gives the model and the traced rank's widths (--tensor-mode
 Without out=, the JSON goes to stdout. Examples:
   nest-megatron trace model=llama3_70b --tp 8 out=llama3_70b.tp8.json
   nest-megatron trace out=g.json -- pretrain_gpt.py --num-layers 80 --hidden-size 8192 ... --bf16"""
-# A trailing `-- SCRIPT ARGS` cannot be an argparse positional after the overrides (cli.py).
-INTERMIXED = False
 
 
 def _options(parser: argparse.ArgumentParser) -> None:
@@ -38,25 +36,8 @@ def _options(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _options(parser)
-    parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="[overrides] [-- [SCRIPT] MEGATRON ARGS]",
-                        help="Hydra overrides (model=llama3_70b out=PATH ...), then optionally -- and a Megatron launch line")
-
-
-def _split(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str], list[str]]:
-    """Options among the overrides are parsed here (cli.py parsed those before them)."""
-    rest = list(args.rest)
-    cut = rest.index("--") if "--" in rest else len(rest)
-    inner = argparse.ArgumentParser(prog="nest-megatron trace", add_help=False)
-    _options(inner)
-    inner.add_argument("overrides", nargs="*")
-    try:
-        more = inner.parse_intermixed_args(rest[:cut])
-    except SystemExit:
-        raise NestError(f"cannot read the options: {' '.join(rest[:cut])}") from None
-    for key, value in vars(more).items():
-        if key != "overrides" and value is not None and value is not False:
-            setattr(args, key, value)
-    return args, more.overrides, rest[cut + 1:]
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides (model=llama3_70b out=PATH ...); then "
+                        "optionally -- and a Megatron launch line")
 
 
 def check_widths(model, *, tp: int, ep: int, etp: int, micro_batch_size: int, layers: int | None) -> None:
@@ -81,7 +62,7 @@ def trace(args: argparse.Namespace):
     """The layer graph and where to write it."""
     from nest_megatron.trace.argv import Widths, from_argv
 
-    args, overrides, megatron_args = _split(args)
+    overrides, megatron_args = list(args.overrides), args.script_argv or []
     widths = Widths()
     if megatron_args:
         model_overrides, widths = from_argv(megatron_args)
