@@ -311,7 +311,7 @@ def shared_context(problem: Problem, cfg: ParallelConfig, mapping: np.ndarray | 
 
 
 def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None) -> SearchResult:
-    """Every configuration of the search space under every realisable node order, each with its
+    """Every configuration of the search space under every placement torchrun can realise, each with its
     best layer split. Configurations are visited by increasing lower bound (which no placement
     changes) and skipped once the bound cannot beat the kept plans."""
     start = time.perf_counter()
