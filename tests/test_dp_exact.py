@@ -62,14 +62,16 @@ def problems(draw):
     pp = draw(st.sampled_from(stage_counts or [1]))
     dp = devices // pp
     zero = draw(st.sampled_from([0, 1, 2, 3]))
+    ep = draw(st.sampled_from([e for e in (1, 2, 4) if moe and dp % e == 0] or [1]))
+    # Megatron-FSDP (ZeRO 2/3) runs with Megatron's default order only; so does EP > 1 with
+    # pipeline stages (tp = cp = etp = 1 here: the expert data-parallel size dp / ep must equal dp).
+    default_only = zero >= 2 or (ep > 1 and pp > 1)
     cfg = ParallelConfig(
-        pp=pp, dp=dp,
-        ep=draw(st.sampled_from([e for e in (1, 2, 4) if moe and dp % e == 0] or [1])),
+        pp=pp, dp=dp, ep=ep,
         mbs=draw(st.sampled_from([1, 2])),
         zero=zero,
         recompute=draw(st.sampled_from(["none", "selective", "full"])),
-        # Megatron-FSDP (ZeRO 2/3) runs with Megatron's default order only.
-        order=draw(st.sampled_from(["tp-cp-ep-dp-pp"] if zero >= 2 else ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"])),
+        order=draw(st.sampled_from(["tp-cp-ep-dp-pp"] if default_only else ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"])),
     )
     if cfg.recompute == "full" and draw(st.booleans()):
         cfg = ParallelConfig(**{**cfg.__dict__, "recompute_num_layers": 1})
