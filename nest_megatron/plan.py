@@ -40,6 +40,12 @@ class Plan:
     runners_up: list[dict] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan runs: tp * cp * pp * dp (the rest of num_devices is idle)."""
+        p = self.parallel
+        return p["tp"] * p["cp"] * p["pp"] * p["dp"]
+
     def to_dict(self) -> dict:
         return asdict(self)
 

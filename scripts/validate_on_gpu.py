@@ -138,7 +138,7 @@ def predict(problem: list[str], cache: Path, case: Case) -> None:
     case.predicted = fitted.predicted | {"compute": fitted.search["compute"]}
     case.roofline = api.evaluate([*problem, *case.pins, f"cache={cache}", "profile.use=false"]).predicted
     case.megatron_args = fitted.megatron_args
-    case.world = fitted.parallel["tp"] * fitted.parallel["pp"] * fitted.parallel["cp"] * fitted.parallel["dp"]
+    case.world = fitted.world_size
 
 
 def planner_case(problem: list[str], cache: Path) -> Case:

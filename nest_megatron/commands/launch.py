@@ -51,7 +51,7 @@ def show(prepared: Prepared, *, dry_run: bool) -> None:
     """The plan (tables) and each node's command line: on stdout for --dry-run, one line on stderr otherwise."""
     p = prepared.plan.parallel
     summary = (f"nest-megatron: tp={p['tp']} pp={p['pp']} dp={p['dp']} cp={p['cp']} ep={p['ep']} vpp={p['vpp']} "
-               f"mbs={prepared.plan.micro_batch_size} zero={prepared.plan.zero_stage} on {prepared.world_size} ranks")
+               f"mbs={prepared.plan.micro_batch_size} zero={prepared.plan.zero_stage} on {prepared.plan.world_size} ranks")
     if not dry_run:
         print(summary, file=sys.stderr, flush=True)
         return

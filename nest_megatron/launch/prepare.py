@@ -41,11 +41,6 @@ class Prepared:
     commands: list[NodeCommand]  # one per node that runs ranks, in node-index order
     this_node: NodeCommand | None  # the command of the node this process runs on; None: known only per node
 
-    @property
-    def world_size(self) -> int:
-        p = self.plan.parallel
-        return p["tp"] * p["pp"] * p["cp"] * p["dp"]
-
 
 def split_keep(overrides: list[str]) -> tuple[list[str], list[str]]:
     """`solver.keep_user_parallelism=[tp,pp]` is a launch option (it reads the argv): (other overrides, names)."""
@@ -126,8 +121,7 @@ def prepare(*, overrides: list[str], script: str, script_args: list[str], device
                       if not (a == "--bf16" and (present.has("--bf16") or present.has("--fp16")))]
         model_args += ["--vocab-size", str(loaded.config.model.vocab_size)]
     final = rewrite(script_args, plan, model_args=model_args)
-    world = plan.parallel["tp"] * plan.parallel["pp"] * plan.parallel["cp"] * plan.parallel["dp"]
-    broken = violations(final, world_size=world)
+    broken = violations(final, world_size=plan.world_size)
     if broken:
         raise NestError(f"the rewritten argv breaks a Megatron rule (a planner bug, please report): {broken[0]}")
 
