@@ -13,7 +13,8 @@ Steps:
    Megatron arguments the plan emits): the median iteration time after warm-up, and the peak of
    torch.cuda.max_memory_allocated over the ranks;
 4. a Markdown table of predicted against measured, written to docs/validation/<date>_<gpu>.md, and
-   the profile cache copied to data/profiles/<gpu>.json (the shipped profile `plan` falls back to).
+   the profile cache copied to nest_megatron/profile/shipped/<gpu>.json (the shipped profile `plan`
+   falls back to); with --out-dir DIR, both go straight into DIR instead.
 
 The predicted memory compared is the plan's peak without its workspace allowance (CUDA context,
 NCCL buffers, allocator fragmentation: accelerator.reserved_memory_gib), which
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import re
@@ -75,10 +77,18 @@ def fail(message: str) -> int:
     return 2
 
 
+def importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="validate_on_gpu.sh", description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu-smoke", action="store_true", help="the same steps at tiny size on the CPU (no table of record)")
-    p.add_argument("--out-dir", type=Path, default=ROOT, help="where docs/validation/ and data/profiles/ go (default: the repo)")
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help="write the table and the profile cache into this folder (default: their places in the repo)")
     p.add_argument("--iters", type=int, default=None, help="training iterations per configuration (default 20; smoke 2)")
     p.add_argument("--budget-s", type=float, default=450.0, help="stop starting trainings after this many seconds")
     return p.parse_args(argv)
@@ -179,8 +189,6 @@ def train(case: Case, *, vocab_size: int, iters: int, timeout_s: float) -> None:
 
 def train_worker(argv: list[str]) -> int:
     """Inside torchrun: pretrain_gpt.main, then this rank's peak of allocated CUDA memory."""
-    import importlib.util
-
     import torch
 
     spec = importlib.util.spec_from_file_location("pretrain_gpt", PRETRAIN)
@@ -266,6 +274,10 @@ def main(argv: list[str]) -> int:
     start = time.monotonic()
     if not PRETRAIN.exists():
         return fail(f"{PRETRAIN} is missing: it is the megatron-core training entry this script runs")
+    missing = [name for name in ("torch", "megatron.core", "hydra", "numba") if not importable(name)]
+    if missing:
+        return fail(f"{', '.join(missing)} not importable by {sys.executable}; install them, or on a node with no network "
+                    "pass --wheels DIR made by scripts/offline_wheels.sh")
     accelerator, device, gpus = machine(args.cpu_smoke)
     iters = args.iters or (2 if args.cpu_smoke else 20)
     model = MODEL_SMOKE if args.cpu_smoke else MODEL_1B
@@ -275,9 +287,13 @@ def main(argv: list[str]) -> int:
                f"train.global_batch_size={gbs}", f"solver.micro_batch_sizes={'[1]' if args.cpu_smoke else '[1,2,4]'}",
                "solver.zero_stages=[0,1]"]
     tag = "cpu-smoke" if args.cpu_smoke else accelerator
-    work = args.out_dir / "data" / "profiles"
-    work.mkdir(parents=True, exist_ok=True)
-    cache = work / f".{tag}.profiling.json"
+    day = datetime.date.today().isoformat()
+    if args.out_dir is None:
+        out, shipped = ROOT / "docs" / "validation" / f"{day}_{tag}.md", ROOT / "nest_megatron" / "profile" / "shipped" / f"{tag}.json"
+    else:
+        out, shipped = args.out_dir / f"{day}_{tag}.md", args.out_dir / f"{tag}.json"
+    shipped.parent.mkdir(parents=True, exist_ok=True)
+    cache = shipped.with_name(f".{tag}.profiling.json")
     cache.unlink(missing_ok=True)
 
     say(f"profiling on {gpus} x {device}")
@@ -320,10 +336,9 @@ def main(argv: list[str]) -> int:
         except subprocess.TimeoutExpired:
             case.note = "not run to the end: time budget spent"
     elapsed = time.monotonic() - start
-    out = args.out_dir / "docs" / "validation" / f"{datetime.date.today().isoformat()}_{tag}.md"
     report(out, device=device, gpus=gpus, problem=problem, all_cases=all_cases, elapsed_s=elapsed, smoke=args.cpu_smoke)
-    shutil.move(cache, work / f"{tag}.json")
-    say(f"table written to {out}; profile cache to {work / f'{tag}.json'} ({elapsed:.0f} s)")
+    shutil.move(cache, shipped)
+    say(f"table written to {out}; profile cache to {shipped} ({elapsed:.0f} s)")
     print(table(all_cases))
     return 1 if any(c.note.startswith(("training failed", "not predicted", "not planned")) for c in all_cases) else 0
 

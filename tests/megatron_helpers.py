@@ -19,7 +19,7 @@ from nest_megatron.config.schema import ModelConfig
 from nest_megatron.trace.meta import as_rank, build_meta_gpt, teardown_distributed  # noqa: F401 (re-exported)
 from nest_megatron.trace.record import is_expert_param
 
-MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "hydra_configs" / "model"
+MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "nest_megatron" / "hydra_configs" / "model"
 
 
 def load_model_config(name: str, **overrides) -> ModelConfig:

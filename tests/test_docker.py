@@ -68,7 +68,7 @@ def test_hadolint_does_flag_a_bad_dockerfile(tmp_path):
 
 def test_every_copied_path_exists_and_is_in_the_build_context():
     sources = copy_sources(DOCKERFILE.read_text())
-    assert sources == ["pyproject.toml", "README.md", "nest_megatron", "hydra_configs", "benchmarks"]
+    assert sources == ["pyproject.toml", "README.md", "nest_megatron", "benchmarks"]
     patterns = [line for line in DOCKERIGNORE.read_text().splitlines() if line and not line.startswith("#")]
     for source in sources:
         assert (ROOT / source).exists(), source

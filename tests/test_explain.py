@@ -101,7 +101,7 @@ def test_memory_bars_and_capacity(report, tiny_plan):
     pred = tiny_plan.predicted
     assert drawn["memory.png"]["bars"] == tiny_plan.parallel["pp"] == 2
     # The capacity line sits at the accelerator's memory as its config file states it.
-    accelerator = yaml.safe_load((ROOT / "hydra_configs" / "accelerator" / "h100_sxm.yaml").read_text())
+    accelerator = yaml.safe_load((ROOT / "nest_megatron" / "hydra_configs" / "accelerator" / "h100_sxm.yaml").read_text())
     assert drawn["memory.png"]["capacity_y"] == pytest.approx(accelerator["memory_gib"]) == pred["capacity_gib"]
     assert drawn["memory.png"]["totals"] == pytest.approx(pred["memory_per_stage_gib"])
 

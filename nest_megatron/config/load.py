@@ -7,6 +7,7 @@ value and what is allowed.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -35,7 +36,10 @@ from nest_megatron.model.spec import ModelSpec
 from nest_megatron.solver.registry import SOLVERS
 from nest_megatron.trace.source import resolve as resolve_model_source
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "hydra_configs"
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "hydra_configs"  # package data: an installed wheel has it too
+# The user's own clusters, models, ... live outside the installed package: folders with the same group
+# layout (cluster/NAME.yaml, ...), listed in this variable like PATH.
+CONFIG_PATH_ENV = "NEST_MEGATRON_CONFIG_PATH"
 GROUPS = ("model", "accelerator", "cluster", "train", "solver")
 SECTIONS = {
     "model": ModelConfig,
@@ -58,8 +62,24 @@ class Loaded:
 ConfigStore.instance().store(name="base_config", node=RootConfig)
 
 
+def user_config_dirs() -> list[Path]:
+    """The folders of NEST_MEGATRON_CONFIG_PATH, checked: each exists, and no file in them has the name of a
+    shipped one (Hydra would silently take the shipped file)."""
+    dirs = [Path(d).expanduser().resolve() for d in os.environ.get(CONFIG_PATH_ENV, "").split(os.pathsep) if d]
+    for folder in dirs:
+        if not folder.is_dir():
+            raise NestError(f"{CONFIG_PATH_ENV}: {folder} is not a folder; list folders that hold {'/, '.join(GROUPS)}/ "
+                            f"YAML files, separated by '{os.pathsep}'")
+        for group in GROUPS:
+            for clash in sorted((folder / group).glob("*.yaml")):
+                if (CONFIG_DIR / group / clash.name).exists():
+                    raise NestError(f"{clash}: a shipped {group} has the name {clash.stem}; rename yours "
+                                    f"(the shipped one would be used)")
+    return dirs
+
+
 def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+    return sorted({p.stem for folder in [*user_config_dirs(), CONFIG_DIR] for p in (folder / group).glob("*.yaml")})
 
 
 def load(overrides: list[str]) -> Loaded:
@@ -82,9 +102,11 @@ def _compose(overrides: list[str]):
         key, value = item.split("=", 1)
         if key in GROUPS and value not in options(key):
             raise NestError(f"{key}={value}: unknown {key}; choose one of: {', '.join(options(key))}")
+    user_dirs = user_config_dirs()
+    search = [f"hydra.searchpath=[{','.join(folder.as_uri() for folder in user_dirs)}]"] if user_dirs else []
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            cfg = compose(config_name="config", overrides=list(overrides))
+            cfg = compose(config_name="config", overrides=[*overrides, *search])
     except (ConfigCompositionException, MissingConfigException, HydraException, OmegaConfBaseException) as err:
         raise NestError(_composition_message(err, overrides)) from None
     return cfg

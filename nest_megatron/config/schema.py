@@ -1,6 +1,6 @@
 """Typed schemas of every config group.
 
-The YAML files under ``hydra_configs/<group>/`` hold values only; each is merged onto the dataclass
+The YAML files under ``nest_megatron/hydra_configs/<group>/`` hold values only; each is merged onto the dataclass
 of its group here, so a misspelt key or a value of the wrong type fails at load. Model keys are
 Megatron-LM's argument names in snake_case (``--num-query-groups`` -> ``num_query_groups``).
 Units are named in every key that carries one; the code converts to SI (bytes, seconds, FLOP/s,

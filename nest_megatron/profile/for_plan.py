@@ -12,8 +12,8 @@ from nest_megatron.errors import NestError
 from nest_megatron.profile.cache import Cache, cache_path
 from nest_megatron.profile.fit import fit
 
-# Profiles shipped with the project (scripts/validate_on_gpu.sh writes them), one file per accelerator.
-SHIPPED = Path(__file__).resolve().parents[2] / "data" / "profiles"
+# Profiles shipped with the package (scripts/validate_on_gpu.sh writes them), one file per accelerator.
+SHIPPED = Path(__file__).resolve().parent / "shipped"
 
 
 def profiled_problem(problem: Problem, config: RootConfig) -> tuple[Problem, str]:

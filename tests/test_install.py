@@ -1,0 +1,86 @@
+"""nest-megatron installed as a wheel, away from any checkout: the shipped configs travel inside the
+package, and a user's own clusters and models live in the folders of NEST_MEGATRON_CONFIG_PATH."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from nest_megatron import api
+from nest_megatron.config.load import CONFIG_PATH_ENV
+from nest_megatron.errors import NestError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model=tiny_gpt", "cluster.num_devices=16", "train.global_batch_size=64"]
+
+
+@pytest.mark.slow
+def test_an_installed_wheel_plans_outside_the_checkout(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
+                    str(ROOT)], check=True, capture_output=True, timeout=300)
+    wheel = next(tmp_path.glob("nest_megatron-*.whl"))
+    configs = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "nest_megatron" / "hydra_configs").rglob("*.yaml"))
+    assert len(configs) > 20
+    assert configs == sorted(n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".yaml"))
+
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    run = tmp_path / "elsewhere"
+    run.mkdir()
+    where = subprocess.run([sys.executable, "-c", "import nest_megatron; print(nest_megatron.__file__)"],
+                           env=env, cwd=run, capture_output=True, text=True, check=True)
+    assert Path(where.stdout.strip()).is_relative_to(site)  # the wheel's copy, not the checkout's
+    done = subprocess.run([sys.executable, "-m", "nest_megatron.cli", "plan", *TINY, "cluster=dgx_h100_superpod", "--json"],
+                          env=env, cwd=run, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    p = plan["parallel"]
+    assert (plan["cluster"], p["tp"] * p["pp"] * p["dp"] * p["cp"]) == ("dgx_h100_superpod", 16)
+
+
+def _my_cluster(folder: Path, name: str) -> Path:
+    """A copy of the shipped DGX H100 SuperPOD description under another name."""
+    shipped = (ROOT / "nest_megatron" / "hydra_configs" / "cluster" / "dgx_h100_superpod.yaml").read_text()
+    (folder / "cluster").mkdir(parents=True, exist_ok=True)
+    path = folder / "cluster" / f"{name}.yaml"
+    path.write_text(shipped.replace("name: dgx_h100_superpod", f"name: {name}"))
+    return path
+
+
+def test_a_users_own_cluster_comes_from_the_config_path(tmp_path, monkeypatch):
+    _my_cluster(tmp_path / "mine", "my_pod")
+    monkeypatch.setenv(CONFIG_PATH_ENV, f"{tmp_path / 'empty_but_real'}{os.pathsep}{tmp_path / 'mine'}")
+    (tmp_path / "empty_but_real").mkdir()
+    mine = api.plan([*TINY, "cluster=my_pod"])
+    shipped = api.plan([*TINY, "cluster=dgx_h100_superpod"])
+    assert mine.cluster == "my_pod"
+    # The same network under another name: the same plan.
+    assert (mine.parallel, mine.rank_to_device) == (shipped.parallel, shipped.rank_to_device)
+
+
+def test_without_the_config_path_a_users_cluster_is_unknown_and_the_shipped_ones_are_listed(monkeypatch):
+    monkeypatch.delenv(CONFIG_PATH_ENV, raising=False)
+    with pytest.raises(NestError, match=r"^cluster=my_pod: unknown cluster; choose one of: .*dgx_h100_superpod"):
+        api.plan([*TINY, "cluster=my_pod"])
+
+
+def test_a_config_path_that_is_not_a_folder_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv(CONFIG_PATH_ENV, str(tmp_path / "missing"))
+    with pytest.raises(NestError, match=rf"^{CONFIG_PATH_ENV}: {tmp_path / 'missing'} is not a folder; list folders"):
+        api.plan(TINY)
+
+
+def test_a_user_file_named_like_a_shipped_one_is_refused(tmp_path, monkeypatch):
+    # Hydra would take the shipped file and silently ignore the user's.
+    clash = _my_cluster(tmp_path, "dgx_h100_superpod")
+    monkeypatch.setenv(CONFIG_PATH_ENV, str(tmp_path))
+    with pytest.raises(NestError, match=rf"^{clash}: a shipped cluster has the name dgx_h100_superpod; rename yours"):
+        api.plan(TINY)
