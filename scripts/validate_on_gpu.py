@@ -29,7 +29,9 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -66,6 +68,7 @@ class Case:
     measured_step_s: float | None = None
     measured_peak_bytes: int | None = None
     note: str = ""
+    log: str = ""  # the training's command and the end of its output, for the run's .log file
 
 
 def say(message: str) -> None:
@@ -132,29 +135,52 @@ def cases(gpus: int, smoke: bool) -> list[Case]:
 
 
 # --- steps -----------------------------------------------------------------------------------
-def run_profile(problem: list[str], cache: Path, smoke: bool, timeout_s: float) -> None:
+def run(command: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """`command` in its own process group, all of which is killed at the timeout: torchrun's workers must
+    not outlive it and hold the GPU while the next configuration is measured."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                          start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def tail(text: str, lines: int = 60) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def run_profile(problem: list[str], cache: Path, smoke: bool, timeout_s: float) -> str:
+    """Profile into `cache`; the end of profile's output, for the log."""
     # one warm-up run even in the smoke run: a first call pays one-time set-up (allocations, kernel selection)
     repeats = ["profile.warmup=1", "profile.repeats=1"] if smoke else ["profile.warmup=3", "profile.repeats=10"]
     command = [sys.executable, "-m", "nest_megatron.cli", "profile", *problem, *repeats, f"cache={cache}", "--quiet"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    done = run(command, timeout_s)
+    output = f"== profile: {shlex.join(command)} (exit {done.returncode})\n{tail(done.stdout + done.stderr)}\n"
     if done.returncode != 0:
-        raise RuntimeError(f"nest-megatron profile failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+        raise RuntimeError(f"nest-megatron profile failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}\n"
+                           + output)
+    return output
 
 
-def predict(problem: list[str], cache: Path, case: Case) -> None:
+def predict(problem: list[str], priced: list[str], case: Case) -> None:
+    """The case's prediction priced as `priced` says (its profile cache, or the roofline), and with the roofline."""
     from nest_megatron import api
 
-    fitted = api.evaluate([*problem, *case.pins, f"cache={cache}"])
+    fitted = api.evaluate([*problem, *case.pins, *priced])
     case.predicted = fitted.predicted | {"compute": fitted.search["compute"]}
-    case.roofline = api.evaluate([*problem, *case.pins, f"cache={cache}", "profile.use=false"]).predicted
+    case.roofline = api.evaluate([*problem, *case.pins, "profile.use=false"]).predicted
     case.megatron_args = fitted.megatron_args
     case.world = fitted.world_size
 
 
-def planner_case(problem: list[str], cache: Path) -> Case:
+def planner_case(problem: list[str], priced: list[str]) -> Case:
     from nest_megatron import api
 
-    plan = api.plan([*problem, f"cache={cache}"])
+    plan = api.plan([*problem, *priced])
     p = plan.parallel
     pins = [f"plan.{k}={v}" for k, v in (("tp", p["tp"]), ("pp", p["pp"]), ("cp", p["cp"]), ("vpp", p["vpp"]),
                                           ("mbs", plan.micro_batch_size), ("zero", plan.zero_stage))]
@@ -174,7 +200,8 @@ def train(case: Case, *, vocab_size: int, iters: int, timeout_s: float) -> None:
     argv = [*case.megatron_args, "--vocab-size", str(vocab_size), "--train-iters", str(iters), "--lr", "1e-4"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={case.world}",
                str(Path(__file__).resolve()), "--train-worker", *argv]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    done = run(command, timeout_s)
+    case.log = f"== {case.name}: {shlex.join(command)} (exit {done.returncode})\n{tail(done.stdout + done.stderr)}\n"
     times = [(int(i), float(ms) / 1e3) for i, ms in ITERATION.findall(done.stdout)]
     if done.returncode != 0 or len(times) < iters:
         lines = (done.stderr + done.stdout).strip().splitlines()
@@ -238,7 +265,7 @@ def fmt(value: float | None, digits: int = 4) -> str:
 
 
 def report(path: Path, *, device: str, gpus: int, problem: list[str], all_cases: list[Case], elapsed_s: float,
-           smoke: bool) -> None:
+           smoke: bool, profile_error: str | None) -> None:
     import torch
 
     from nest_megatron.profile.timing import versions
@@ -253,7 +280,7 @@ def report(path: Path, *, device: str, gpus: int, problem: list[str], all_cases:
         "",
         f"Model and cluster overrides: `{' '.join(problem)}`.",
         "",
-        f"Compute model: {compute}.",
+        f"Compute model: {compute}." + (f" Profiling failed: {profile_error}." if profile_error else ""),
         "",
         "Step: the median iteration time of scripts/pretrain_gpt.py after its first third of iterations, against "
         "nest-megatron's predicted step time with the compute model fitted from this run's profile and with the "
@@ -297,13 +324,21 @@ def main(argv: list[str]) -> int:
     cache.unlink(missing_ok=True)
 
     say(f"profiling on {gpus} x {device}")
+    profile_error = None
     try:
-        run_profile(problem, cache, args.cpu_smoke, timeout_s=max(60.0, args.budget_s / 2))
+        profile_log = run_profile(problem, cache, args.cpu_smoke, timeout_s=args.budget_s / 2)
     except (RuntimeError, subprocess.TimeoutExpired) as err:
-        return fail(str(err).splitlines()[0])
+        # The trainings still measure the roofline's predictions: a failed profile must not waste the GPU time.
+        if isinstance(err, subprocess.TimeoutExpired):
+            profile_error = f"nest-megatron profile did not finish in {err.timeout:.0f} s"
+            profile_log = f"== profile: {profile_error}\n"
+        else:
+            profile_error, profile_log = str(err).splitlines()[0], str(err).partition("\n")[2]
+        say(f"{profile_error}; predicting with the roofline alone")
+    priced = [f"cache={cache}"] if profile_error is None else ["profile.use=false"]
     say("planning")
     try:
-        chosen = planner_case(problem, cache)
+        chosen = planner_case(problem, priced)
     except Exception as err:  # no configuration fits: the hand-picked ones still say how good the model is
         chosen = Case("planner's choice", [], note=f"not planned: {str(err).splitlines()[0][:200]}")
     all_cases = []
@@ -312,7 +347,7 @@ def main(argv: list[str]) -> int:
             all_cases.append(case)
             continue
         try:
-            predict(problem, cache, case)
+            predict(problem, priced, case)
         except Exception as err:  # a configuration that does not fit or is invalid here: say so in the table
             case.note = f"not predicted: {str(err).splitlines()[0][:200]}"
         same = next((c for c in all_cases if c.megatron_args and c.megatron_args == case.megatron_args), None)
@@ -336,11 +371,16 @@ def main(argv: list[str]) -> int:
         except subprocess.TimeoutExpired:
             case.note = "not run to the end: time budget spent"
     elapsed = time.monotonic() - start
-    report(out, device=device, gpus=gpus, problem=problem, all_cases=all_cases, elapsed_s=elapsed, smoke=args.cpu_smoke)
-    shutil.move(cache, shipped)
-    say(f"table written to {out}; profile cache to {shipped} ({elapsed:.0f} s)")
+    report(out, device=device, gpus=gpus, problem=problem, all_cases=all_cases, elapsed_s=elapsed, smoke=args.cpu_smoke,
+           profile_error=profile_error)
+    out.with_suffix(".log").write_text(profile_log + "".join(case.log for case in all_cases))
+    if profile_error is None:
+        shutil.move(cache, shipped)
+    say(f"table written to {out}, the runs' output to {out.with_suffix('.log')}"
+        + (f"; profile cache to {shipped}" if profile_error is None else "") + f" ({elapsed:.0f} s)")
     print(table(all_cases))
-    return 1 if any(c.note.startswith(("training failed", "not predicted", "not planned")) for c in all_cases) else 0
+    failed = any(c.note.startswith(("training failed", "not predicted", "not planned")) for c in all_cases)
+    return 1 if failed or profile_error else 0
 
 
 if __name__ == "__main__":

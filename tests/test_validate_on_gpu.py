@@ -82,7 +82,10 @@ def test_cpu_smoke_run_on_a_bare_python_with_offline_wheels(tmp_path):
         assert cells[10] == "-"  # no CUDA memory on a CPU
     entries = Cache.load(cache).entries.values()
     assert {e.kind for e in entries} >= {"gemm", "memory", "attention", "dense", "embedding", "output"}
-    assert sorted(p.name for p in out.iterdir()) == sorted([table.name, cache.name])  # the working copy was moved
+    log = table.with_suffix(".log")
+    assert sorted(p.name for p in out.iterdir()) == sorted([table.name, cache.name, log.name])  # the working copy moved
+    runs = re.findall(r"^== ([^:]+): ", log.read_text(), flags=re.M)
+    assert runs == ["profile", *rows]  # every training's command and output, in the table's order
 
     # The table's prediction is what nest-megatron evaluate says for that configuration with that cache.
     problem = re.search(r"Model and cluster overrides: `([^`]*)`", text).group(1).split()
@@ -99,3 +102,19 @@ def test_without_a_gpu_it_says_so_in_one_line():
                           env={**os.environ, "PYTHON": sys.executable})
     assert done.returncode == 2
     assert done.stderr.strip() == "validate_on_gpu: error: no CUDA device visible; run with --cpu-smoke for the CPU dry run"
+
+
+@pytest.mark.slow
+def test_a_failed_profile_still_predicts_with_the_roofline_and_ships_no_cache(tmp_path):
+    pytest.importorskip("megatron.core")
+    # A 2 s budget: profiling (half of it) is stopped, with its torchrun workers, and no training starts.
+    done = subprocess.run(["bash", str(VALIDATE), "--cpu-smoke", "--budget-s", "2", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHON": sys.executable})
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "nest-megatron profile did not finish in 1 s; predicting with the roofline alone" in done.stdout
+    table = tmp_path / f"{datetime.date.today().isoformat()}_cpu-smoke.md"
+    text = table.read_text()
+    assert "Compute model: roofline with the shipped efficiencies (profile.use=false). Profiling failed: " in text
+    rows = [line.split("|")[2:-1] for line in text.splitlines() if line.startswith("| mbs1")]
+    assert rows and all(cells[5] == cells[6] and cells[12].strip() == "not run: time budget spent" for cells in rows)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([table.name, table.with_suffix(".log").name])
