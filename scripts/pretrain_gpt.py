@@ -317,6 +317,8 @@ def transformer_config(args, use_cuda: bool, vpp: int | None):
         persist_layer_norm=False,
         apply_rope_fusion=False,
         use_cpu_initialization=not use_cuda,
+        # As Megatron-LM sets it: a stage frees its output's data once sent, which the memory model assumes.
+        deallocate_pipeline_outputs=True,
     )
 
 
@@ -326,6 +328,10 @@ def build_chunks(args, config, vocab: int) -> list[torch.nn.Module]:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    if args.num_experts:  # megatron-core's MoE router without Transformer Engine: see there
+        from nest_megatron.profile.megatron_layers import bind_missing_te_gemm
+
+        bind_missing_te_gemm()
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, normalization=args.normalization)
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
@@ -367,13 +373,12 @@ def wrap_for_training(args, config, chunks, use_cuda: bool):
     ]
 
 
-def layers_per_stage(chunks) -> list[int]:
-    """Transformer layers built on each pipeline rank (summed over its virtual stages)."""
-    from megatron.core import parallel_state as ps
-
-    mine = torch.tensor([sum(len(unwrap(c).decoder.layers) for c in chunks)])
-    every = [torch.zeros_like(mine) for _ in range(ps.get_pipeline_model_parallel_world_size())]
-    dist.all_gather(every, mine, group=ps.get_pipeline_model_parallel_group())
+def layers_per_stage(chunks, group, device: str) -> list[int]:
+    """Transformer layers built on each rank of the pipeline `group` (summed over its virtual stages).
+    The count travels on `device`: NCCL, the GPU run's backend, serves CUDA tensors only."""
+    mine = torch.tensor([sum(len(unwrap(c).decoder.layers) for c in chunks)], device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
     return [int(t) for t in every]
 
 
@@ -448,7 +453,7 @@ def train(args, use_cuda: bool) -> None:
     config.finalize_model_grads_func = finalize_model_grads
     if args.overlap_grad_reduce and use_cuda:
         config.grad_sync_func = [c.start_grad_sync for c in chunks] if len(chunks) > 1 else chunks[0].start_grad_sync
-    split = layers_per_stage(chunks)
+    split = layers_per_stage(chunks, ps.get_pipeline_model_parallel_group(), device)
     if dist.get_rank() == 0:
         print(f"{PREFIX} plan: num_microbatches={num_microbatches} layers_per_stage={split} vocab={vocab} "
               f"device={device}", flush=True)
@@ -492,11 +497,14 @@ def train(args, use_cuda: bool) -> None:
             dist.all_reduce(loss, group=ps.get_data_parallel_group(with_context_parallel=True))
             last_loss = loss.item() / ps.get_data_parallel_world_size(with_context_parallel=True)
             first_loss = last_loss if iteration == 1 else first_loss
+        if use_cuda:  # CUDA kernels run asynchronously: the iteration ends when this rank's have run
+            torch.cuda.synchronize()
+        elapsed_ms = 1000 * (time.perf_counter() - start)
         if is_logger and (iteration % args.log_interval == 0 or iteration == args.train_iters):
             step = f"grad norm: {grad_norm:.3f}" if updated else "skipped: loss scale overflow"
             print(f"iteration {iteration}/{args.train_iters} | lm loss: {last_loss:.6E} | "
                   f"learning rate: {optimizer.param_groups[0]['lr']:.6E} | {step} | "
-                  f"time (ms): {1000 * (time.perf_counter() - start):.1f}", flush=True)
+                  f"time (ms): {elapsed_ms:.1f}", flush=True)
     if is_logger:
         print(f"{PREFIX} done: iterations={args.train_iters} first_loss={first_loss:.6f} last_loss={last_loss:.6f}",
               flush=True)

@@ -309,10 +309,11 @@ def main(argv: list[str]) -> int:
     iters = args.iters or (2 if args.cpu_smoke else 20)
     model = MODEL_SMOKE if args.cpu_smoke else MODEL_1B
     gbs = 2 if args.cpu_smoke else 8 * gpus
-    # pretrain_gpt.py trains with DDP or the distributed optimizer (ZeRO 0 / 1), not Megatron-FSDP.
+    # pretrain_gpt.py trains with DDP or the distributed optimizer (ZeRO 0 / 1), not Megatron-FSDP, and without
+    # sequence parallel: the local spec's torch norm refuses it without Apex (megatron/core/transformer/torch_norm.py).
     problem = [*model, f"cluster={CLUSTERS[accelerator]}", f"accelerator={accelerator}", f"cluster.num_devices={gpus}",
                f"train.global_batch_size={gbs}", f"solver.micro_batch_sizes={'[1]' if args.cpu_smoke else '[1,2,4]'}",
-               "solver.zero_stages=[0,1]"]
+               "solver.zero_stages=[0,1]", "plan.sp=false"]
     tag = "cpu-smoke" if args.cpu_smoke else accelerator
     day = datetime.date.today().isoformat()
     if args.out_dir is None:

@@ -4,9 +4,12 @@ on this CPU with real megatron-core layers (two gloo processes under torchrun fo
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -24,7 +27,12 @@ from nest_megatron.profile.cache import Cache, Entry, default_path
 from nest_megatron.profile.fit import FittedCompute, fit
 
 pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
 from nest_megatron.profile.runner import Strategy, layer_work  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # llama3_8b as megatron-core's local spec runs it (unfused attention), on one H100 node.
 PROBLEM = ["model=llama3_8b", "model.attention_backend=unfused", "model.seq_length=2048", "cluster=dgx_h100_superpod",
@@ -237,3 +245,59 @@ def test_profile_command_times_a_moe_layer_in_process(tmp_path):
     assert kinds == {"gemm", "attention", "memory", "moe", "embedding", "output"}
     routed = {(e.shape["m"], e.shape["n"]) for e in Cache.load(path).entries.values() if e.kind == "gemm"}
     assert (256, 1024) in routed  # experts' FC1: 128 tokens x top-2 rows, 2 x 512 (SwiGLU) columns
+
+
+# --- scripts/pretrain_gpt.py on a GPU, as far as a CPU can check it ---------------------------
+class AskedDevices(TorchFunctionMode):
+    """Records the device each torch call asks for and makes the tensor on the CPU (no GPU here)."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if kwargs.get("device") is not None:
+            self.asked.append(str(kwargs["device"]))
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def test_pretrain_gpt_gathers_the_layer_split_on_the_training_device():
+    # NCCL, the backend of a GPU run, serves CUDA tensors only: an all_gather of a CPU tensor fails
+    # there ("No backend type associated with device type cpu"), which the gloo runs never show.
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "scripts" / "pretrain_gpt.py")
+    pretrain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pretrain)
+    # One pipeline rank holding two virtual stages of 3 and 2 layers, each wrapped (DDP(Float16Module(GPTModel))).
+    chunks = [SimpleNamespace(module=SimpleNamespace(module=SimpleNamespace(decoder=SimpleNamespace(layers=[0] * n))))
+              for n in (3, 2)]
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with AskedDevices() as mode:
+            split = pretrain.layers_per_stage(chunks, None, "cuda")
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    assert split == [5] and mode.asked == ["cuda"]
+
+
+@pytest.mark.slow  # imports megatron-core (~10 s of a 2-core CPU)
+def test_moe_router_runs_without_transformer_engine(monkeypatch):
+    # megatron-core binds moe_utils.te_general_gemm only when Transformer Engine imports (it is on
+    # neither this machine nor the GPU one), yet its router reads the name: every MoE forward raised
+    # NameError on a GPU, where trace/cpu_megatron.py's patches do not run.
+    import torch
+    from megatron.core.transformer.moe import moe_utils
+
+    from nest_megatron.profile.megatron_layers import bind_missing_te_gemm
+
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)  # as megatron-core imports without TE
+    tokens, experts = torch.randn(6, 4), torch.randn(3, 4)
+    with pytest.raises(NameError, match="te_general_gemm"):
+        moe_utils.router_gating_linear(tokens, experts, None, torch.float32)
+    bind_missing_te_gemm()
+    logits = moe_utils.router_gating_linear(tokens, experts, None, torch.float32)
+    assert torch.allclose(logits, tokens @ experts.T)  # one logit per token and expert: the plain product

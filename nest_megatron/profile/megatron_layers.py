@@ -66,6 +66,17 @@ def parallel_state_for(*, tp: int, ep: int, etp: int) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(SEED)
 
 
+def bind_missing_te_gemm() -> None:
+    """megatron-core 0.16 binds moe_utils.te_general_gemm only when Transformer Engine imports, yet
+    its MoE router reads the name whatever is installed (RouterGatingLinearFunction: `if
+    te_general_gemm is not None`): without TE every MoE forward raises NameError. None selects the
+    router's torch.mm path. (CPU runs get the same from trace/cpu_megatron.py's patch 4.)"""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def transformer_config(cfg: ModelConfig, *, tp: int, sp: bool, ep: int, etp: int):
     """The tracer's converter (fused kernels off, as scripts/pretrain_gpt.py trains) for one layer,
     with real weight initialisation: uninitialised memory can hold NaNs, which route MoE tokens
@@ -86,6 +97,8 @@ def _layer(kind: str, cfg: ModelConfig, config, *, vocab: int):
     if kind == "output":
         return tensor_parallel.ColumnParallelLinear(cfg.hidden_size, vocab, config=config, init_method=config.init_method,
                                                     bias=False, skip_bias_add=False, gather_output=False)
+    if kind == "moe":
+        bind_missing_te_gemm()
     spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts if kind == "moe" else None, moe_grouped_gemm=False,
                                     normalization=cfg.normalization)
     return build_module(spec, config=config, layer_number=1)
