@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -38,7 +39,11 @@ from megatron_helpers import (  # noqa: E402
 )
 
 from nest_megatron.config.schema import ModelConfig  # noqa: E402
-from nest_megatron.cost.activations import layer_activation_bytes, layer_activation_terms  # noqa: E402
+from nest_megatron.cost.activations import (  # noqa: E402
+    attention_buffer_bytes,
+    layer_activation_bytes,
+    layer_activation_terms,
+)
 from nest_megatron.cost.memory import model_state_bytes, stage_memory  # noqa: E402
 from nest_megatron.cost.tables import layer_costs, range_sums  # noqa: E402
 from nest_megatron.model.spec import ModelSpec  # noqa: E402
@@ -351,3 +356,18 @@ def test_layer_activations_match_megatron(measure, shape_name, pos, recompute):
     )
     print(message)
     assert model == pytest.approx(measured_gpu, rel=0.10), message
+
+
+def test_unfused_attention_score_buffer_matches_megatron(measure):
+    # DotProductAttention writes its raw scores into parallel_state's global memory buffer, which no
+    # layer saves and every layer reuses: after one layer it holds b x a x s x s bf16 values,
+    # 2 x 8 x 128 x 128 x 2 B = 524,288 B. The fused kernels have none.
+    ps.get_global_memory_buffer().buffer.clear()
+    shape = SHAPES["swiglu_gqa"]
+    measure(hidden_size=H, ffn_hidden_size=shape["ffn"], num_attention_heads=A, num_query_groups=shape["groups"],
+            seq_length=S, micro_batch_size=B, swiglu=True, hidden_dropout=0.0, attention_dropout=0.0,
+            recompute_granularity=None, normalization="LayerNorm", use_rope=True, attention_softmax_in_fp32=True)
+    held = sum(t.numel() * t.element_size() for t in ps.get_global_memory_buffer().buffer.values())
+    spec = ModelSpec(_model_config(shape, "rope"))
+    assert held == 524_288 == attention_buffer_bytes(spec, mbs=B, tp=1)
+    assert attention_buffer_bytes(ModelSpec(dataclasses.replace(spec.cfg, attention_backend="flash")), mbs=B, tp=1) == 0

@@ -64,6 +64,7 @@ HINT_FLAGS: dict[str, str] = {
     "--bf16": "true",
     "--fp16": "true",
     "--no-overlap-p2p-communication": "true",  # read by launch/megatron_rules.py (interleaved schedule, pp 2)
+    "--transformer-impl": "str",  # local: megatron-core's local spec, whose attention is unfused
 }
 
 # Flags the planner decides (launch/rewrite.py removes them and inserts the plan's), with their arity.
@@ -262,8 +263,10 @@ def model_values(argv: list[str] | Scanned, *, name: str = "megatron_argv", fami
     backend = values["attention_backend"]
     if backend not in ("auto", "flash", "fused", "unfused", "local"):
         raise NestError(f"--attention-backend {backend}: allowed are flash, fused, unfused, local, auto")
-    # flash / fused / auto run a fused kernel that keeps no s^2 tensor; unfused / local keep it.
-    values["attention_backend"] = "unfused" if backend in ("unfused", "local") else "flash"
+    # flash / fused / auto run a fused kernel that keeps no s^2 tensor; unfused / local keep it, and so does
+    # the local layer spec whatever the backend says (its DotProductAttention is the unfused one).
+    local_spec = s.get("--transformer-impl") == "local"
+    values["attention_backend"] = "unfused" if backend in ("unfused", "local") or local_spec else "flash"
 
     values["moe_layer_freq"] = _moe_layer_freq(str(values["moe_layer_freq"]))
     if values["num_experts"] is None:

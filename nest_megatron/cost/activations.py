@@ -127,6 +127,16 @@ def layer_activation_bytes(
     return {"none": kept, "selective": kept - (analytic["none"] - analytic["selective"]), "full": boundary}
 
 
+def attention_buffer_bytes(model: ModelSpec, *, mbs: int, tp: int) -> float:
+    """megatron-core's unfused DotProductAttention writes the raw scores, [b a/t, s, s] in bf16, into
+    parallel_state's global memory buffer: allocated once per rank and kept across layers and steps,
+    so it is not among any layer's saved activations. The fused kernels have no such buffer."""
+    if model.cfg.attention_backend == "flash":
+        return 0.0
+    s = model.cfg.seq_length
+    return BF16 * mbs * (model.cfg.num_attention_heads // tp) * s * s
+
+
 def logits_bytes(model: ModelSpec, *, mbs: int, tp: int, cp: int) -> float:
     """The last stage's output: bf16 logits and the fp32 softmax the vocab-parallel cross
     entropy keeps (megatron-core tensor_parallel/cross_entropy.py), for one micro-batch."""

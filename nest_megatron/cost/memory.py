@@ -14,7 +14,8 @@ expert-data-parallel width for expert parameters.
 
 Activations: the k-th stage from the end keeps k micro-batches in flight under 1F1B; with v
 virtual stages, rank i keeps min(m v, 2 (p - i - 1) + (v - 1) p + 1) chunks of L/(p v) layers
-(Megatron's interleaved warm-up count plus the one in progress).
+(Megatron's interleaved warm-up count plus the one in progress). Unfused attention adds one score
+buffer per rank (activations.attention_buffer_bytes).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nest_megatron.cost.activations import logits_bytes
+from nest_megatron.cost.activations import attention_buffer_bytes, logits_bytes
 from nest_megatron.cost.compute import BF16
 from nest_megatron.cost.tables import StageSums
 from nest_megatron.model.spec import ModelSpec
@@ -102,7 +103,8 @@ def stage_memory(
         # The gathered weights of the layer being computed and of the one prefetched.
         weights = weights + 2 * BF16 * max(sum(model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe))
                                            for moe in set(model.layer_is_moe))
-    activations = activation_bytes(sums, in_flight=in_flight, act_rebuilt=act_rebuilt)
+    activations = (activation_bytes(sums, in_flight=in_flight, act_rebuilt=act_rebuilt)
+                   + attention_buffer_bytes(model, mbs=cfg.mbs, tp=cfg.tp))
     logits = logits_bytes(model, mbs=cfg.mbs, tp=cfg.tp, cp=cfg.cp) if last else 0.0
     return StageMemory(weights, grads, optimizer, activations, logits, reserved_bytes)
 

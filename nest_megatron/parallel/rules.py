@@ -54,6 +54,10 @@ def violation(
         return "plan.sp=true: sequence parallel needs tp > 1"
     if model.is_moe and cfg.tp > 1 and not cfg.sp:
         return f"plan.tp={cfg.tp} with MoE: Megatron requires sequence parallel (plan.sp=true)"
+    if cfg.cp > 1 and m.attention_backend == "unfused":
+        # dot_product_attention.py asserts it; TE's unfused backend has no context parallel either.
+        return (f"plan.cp={cfg.cp} with model.attention_backend=unfused: unfused attention has no context parallel "
+                "(Megatron's fused and flash backends do); use plan.cp=1")
     if cfg.cp > 1 and m.seq_length % (2 * cfg.cp):
         return f"plan.cp={cfg.cp}: seq_length={m.seq_length} must be a multiple of 2*cp"
     if cfg.sp and (m.seq_length // cfg.cp) % cfg.tp:
