@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -13,6 +14,10 @@ from nest_megatron.emit.megatron import ZERO_FLAGS, model_args, parallel_args, r
 from nest_megatron.hardware.accelerator import GIB
 
 SCHEMA_VERSION = 1
+# What every node of a job must agree on to build the same Megatron: sizes, batches, memory options, layer
+# split, rank placement and the flags. Not the predictions, the search statistics or the labels.
+DIGEST_FIELDS = ("num_devices", "parallel", "micro_batch_size", "global_batch_size", "zero_stage", "recompute",
+                 "layers_per_stage", "rank_order", "rank_to_device", "megatron_args")
 
 
 @dataclass
@@ -45,6 +50,13 @@ class Plan:
         """Ranks the plan runs: tp * cp * pp * dp (the rest of num_devices is idle)."""
         p = self.parallel
         return p["tp"] * p["cp"] * p["pp"] * p["dp"]
+
+    @property
+    def digest(self) -> str:
+        """12 hex digits of SHA-256 over DIGEST_FIELDS (canonical JSON): equal on every node that plans the same."""
+        agreed = {name: getattr(self, name) for name in DIGEST_FIELDS}
+        canonical = json.dumps(agreed, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:12]
 
     def to_dict(self) -> dict:
         return asdict(self)

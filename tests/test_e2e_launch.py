@@ -1,4 +1,4 @@
-"""End to end on CPU: `nest-megatron launch` plans, rewrites the argv and execs torchrun, which runs
+"""End to end on CPU: `nest-megatron launch` plans, rewrites the argv and runs torchrun's agent, which starts
 scripts/pretrain_gpt.py (megatron-core, gloo) in 2 processes; a tiny GPT trains a few iterations
 with the plan's TP=2, PP=2 or DP=2, its loss falls, and the log shows the sizes megatron-core built."""
 

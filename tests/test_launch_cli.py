@@ -1,14 +1,15 @@
-"""`nest-megatron launch` and `nest-torchrun` as real processes.
+"""`nest-megatron launch` and `nest-torchrun` as real processes, with a real torchrun.
 
-A stand-in `torchrun` executable, first on PATH in a temporary folder, records the argv, pid and
-environment it was exec'ed with (a real process: what is tested is the exec, not torchrun), exits
-with the status it is told to, or waits for SIGTERM. torchrun itself runs in the end-to-end tests.
+torchrun's agent runs inside the launch process; its workers run a small recording script (no torch:
+a worker starts in a fraction of a second) that writes the argv and environment it got, then exits
+with the status it is told to, or waits for SIGTERM. Megatron itself runs in tests/test_e2e_launch.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,25 +18,30 @@ from pathlib import Path
 
 import pytest
 
+from nest_megatron import api
 from nest_megatron.errors import NestError
 from nest_megatron.launch.devices import expand_nodelist, resolve
+from nest_megatron.launch.prepare import prepare
 
-FAKE = """#!{python}
-import json, os, signal, sys, time
-out = os.environ["FAKE_TORCHRUN_OUT"]
-record = {{"argv": sys.argv[1:], "pid": os.getpid(), "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
-          "connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")}}
-def done(signum, frame):
-    with open(out + ".signal", "w") as f:
+WORKER = """import json, os, signal, sys, time
+out = os.environ["WORKER_OUT"]
+rank = os.environ["RANK"]
+record = {"argv": sys.argv[1:], "ppid": os.getppid(),
+          **{k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_MAX_CONNECTIONS", "WORLD_SIZE",
+                                            "LOCAL_WORLD_SIZE", "TORCHELASTIC_MAX_RESTARTS")}}
+def stopped(signum, frame):
+    with open(os.path.join(out, f"signal{rank}"), "w") as f:
         f.write(signal.Signals(signum).name)
-    sys.exit(128 + signum)
-signal.signal(signal.SIGTERM, done)
-with open(out + ".tmp", "w") as f:
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stopped)
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(record, f)
-os.replace(out + ".tmp", out)
-if os.environ.get("FAKE_TORCHRUN_WAIT"):
-    time.sleep(60)
-sys.exit(int(os.environ.get("FAKE_TORCHRUN_EXIT", "0")))
+if os.environ.get("WORKER_WAIT"):
+    time.sleep(120)
+code = int(os.environ.get("WORKER_RANK1_EXIT", "0")) if rank == "1" else 0
+if code < 0:
+    os.kill(os.getpid(), -code)  # die of that signal
+sys.exit(code)
 """
 
 # tiny_gpt on two CPU processes, every choice pinned so that the command is known by hand.
@@ -48,19 +54,25 @@ TINY_MODEL = ("--num-layers 4 --hidden-size 256 --ffn-hidden-size 1024 --num-att
 # tp 2 x dp 1, micro-batch 2, global 8, distributed optimizer; TP>1 turns sequence parallel on.
 TINY_PARALLEL = ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --context-parallel-size 1 "
                  "--micro-batch-size 2 --global-batch-size 8 --sequence-parallel --use-distributed-optimizer").split()
+DIGEST = re.compile(r", plan ([0-9a-f]{12})$", re.M)
+
+
+def tiny_digest() -> str:
+    """The digest of TINY's plan, planned here through the API. A launch reads the overlap options from the
+    argv, which has no --overlap-grad-reduce / --overlap-param-gather: both off."""
+    return api.plan(["train.overlap_grad_reduce=false", "train.overlap_param_gather=false", *TINY]).digest
 
 
 @pytest.fixture
-def fake(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    exe = bin_dir / "torchrun"
-    exe.write_text(FAKE.format(python=sys.executable))
-    exe.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", FAKE_TORCHRUN_OUT=str(tmp_path / "record.json"),
-               NO_COLOR="1")
-    return env, tmp_path / "record.json"
+def worker(tmp_path):
+    """(environment, the worker script, the folder its records go to)."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out = tmp_path / "records"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(WORKER_OUT=str(out), NO_COLOR="1", OMP_NUM_THREADS="1")
+    return env, str(script), out
 
 
 def launch(*args: str, env: dict, script: str = "nest-megatron") -> subprocess.CompletedProcess:
@@ -68,88 +80,136 @@ def launch(*args: str, env: dict, script: str = "nest-megatron") -> subprocess.C
     return subprocess.run([str(exe), *args], env=env, capture_output=True, text=True, timeout=300)
 
 
-def assert_one_line_error(proc: subprocess.CompletedProcess, record: Path, starts: str) -> None:
+def records(out: Path) -> dict[int, dict]:
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, out: Path, starts: str) -> str:
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip()
     assert "\n" not in line and "Traceback" not in line, proc.stderr
     assert line.startswith(starts), line
-    assert not record.exists()  # nothing started
+    assert not list(out.iterdir())  # no worker started
+    return line
 
 
-def test_launch_execs_torchrun_with_the_planned_argv(fake):
-    env, record = fake
-    proc = launch("launch", *TINY, "--nproc-per-node", "2", "--", "train.py", "--lr", "1e-3", "--seed", "3", env=env)
-    assert proc.returncode == 0, proc.stderr
-    got = json.loads(record.read_text())
-    assert got["argv"] == ["--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-                           "train.py", "--lr", "1e-3", "--seed", "3", *TINY_MODEL, *TINY_PARALLEL]
-    assert got["cuda"] == "0,1"
-    assert got["connections"] == "1"  # Megatron-LM asserts it with TP > 1 (on Hopper and before)
-    assert "tp=2 pp=1 dp=1" in proc.stderr
+def test_launch_runs_torchrun_with_the_planned_argv(worker):
+    env, script, out = worker
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "nest-megatron"), "launch", *TINY, "--nproc-per-node",
+                             "2", "--", script, "--lr", "1e-3", "--seed", "3"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    got = records(out)
+    assert sorted(got) == [0, 1]
+    for record in got.values():
+        assert record["argv"] == ["--lr", "1e-3", "--seed", "3", *TINY_MODEL, *TINY_PARALLEL]
+        assert (record["WORLD_SIZE"], record["LOCAL_WORLD_SIZE"]) == ("2", "2")  # --nproc-per-node 2, one node
+        assert record["CUDA_VISIBLE_DEVICES"] == "0,1"
+        assert record["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # Megatron-LM asserts it with TP > 1 (on Hopper and before)
+        assert record["ppid"] == proc.pid  # torchrun's agent is the launch process itself
+    assert "tp=2 pp=1 dp=1" in err
 
 
-def test_dry_run_prints_the_command_and_starts_nothing(fake):
-    env, record = fake
-    proc = launch("launch", *TINY, "--dry-run", "--nproc-per-node", "2", "--", "train.py", "--lr", "1e-3", env=env)
+def test_dry_run_prints_the_command_and_the_digest_and_starts_nothing(worker):
+    env, script, out = worker
+    proc = launch("launch", *TINY, "--dry-run", "--nproc-per-node", "2", "--", script, "--lr", "1e-3", env=env)
     assert proc.returncode == 0, proc.stderr
     expected = " ".join(["CUDA_DEVICE_MAX_CONNECTIONS=1", "CUDA_VISIBLE_DEVICES=0,1",
                          "torchrun", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-                         "train.py", "--lr", "1e-3", *TINY_MODEL, *TINY_PARALLEL])
+                         script, "--lr", "1e-3", *TINY_MODEL, *TINY_PARALLEL])
     assert expected in proc.stdout.splitlines()
     assert "TP 2" in proc.stdout  # the plan's table
-    assert not record.exists()
+    # the digest of the same problem planned in this process, through the API
+    assert DIGEST.findall(proc.stdout) == [tiny_digest()]
+    assert not list(out.iterdir())
 
 
-def test_exit_status_and_pid_are_torchruns(fake):
-    env, record = fake
-    env["FAKE_TORCHRUN_EXIT"] = "7"
+@pytest.mark.parametrize("rank1_exit, status", [
+    (3, 3),  # a worker's own status, e.g. a config error of the training script
+    (-signal.SIGKILL, 128 + 9),  # killed (the kernel's OOM killer): 137, as a shell reports it
+], ids=["exit3", "sigkill"])
+def test_launch_ends_with_the_failing_workers_status(worker, rank1_exit, status):
+    env, script, out = worker
+    env["WORKER_RANK1_EXIT"] = str(rank1_exit)
+    proc = launch("launch", *TINY, "--nproc-per-node", "2", "--", script, env=env)
+    assert proc.returncode == status, proc.stderr[-3000:]
+    assert sorted(records(out)) == [0, 1]
+    assert proc.stderr.splitlines()[-1] == (f"nest-megatron: first failure: rank 1 "
+                                            f"{'exited with 3' if rank1_exit == 3 else 'died of SIGKILL'}; "
+                                            f"the launch exits with {status}")
+
+
+def test_sigterm_reaches_the_agent_and_its_workers(worker):
+    env, script, out = worker
+    env["WORKER_WAIT"] = "1"
     proc = subprocess.Popen([str(Path(sys.executable).parent / "nest-megatron"), "launch", *TINY, "--nproc-per-node", "2",
-                             "--", "train.py"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    proc.communicate(timeout=300)
-    assert proc.returncode == 7
-    assert json.loads(record.read_text())["pid"] == proc.pid  # exec: the same process
-
-
-def test_sigterm_reaches_the_child(fake):
-    env, record = fake
-    env["FAKE_TORCHRUN_WAIT"] = "1"
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "nest-megatron"), "launch", *TINY, "--nproc-per-node", "2",
-                             "--", "train.py"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while not record.exists() and proc.poll() is None and time.monotonic() < deadline:
+    while len(records(out)) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert json.loads(record.read_text())["pid"] == proc.pid
+    assert [r["ppid"] for r in records(out).values()] == [proc.pid] * 2
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=60)
-    assert Path(str(record) + ".signal").read_text() == "SIGTERM"
-    assert proc.returncode == 128 + signal.SIGTERM
+    _, err = proc.communicate(timeout=60)
+    # the agent stopped both workers with SIGTERM, then ended with torchrun's own status for a stopped agent
+    assert sorted(p.read_text() for p in out.glob("signal*")) == ["SIGTERM", "SIGTERM"]
+    assert proc.returncode == 1, err[-3000:]
+    assert err.splitlines()[-1] == "nest-megatron: torchrun's agent stopped on SIGTERM; the launch exits with 1"
 
 
-def test_nest_torchrun_keeps_torchruns_flags(fake):
-    env, record = fake
-    proc = launch(*TINY, "--standalone", "--nproc_per_node=2", "--max-restarts", "0", "train.py", "--lr", "1e-3",
+def test_sigterm_before_torchrun_ends_the_launch_with_1():
+    """While the launch plans (before torchrun), SIGTERM ends it with 1, not as a signal death (143): under
+    srun, which stops the other nodes when one fails and reports the highest status, the failing node's own
+    status (2 for bad input) then stays the job's."""
+    code = ("import os, signal, sys, time\n"
+            "from nest_megatron.launch.torchrun import sigterm_stops_with_status\n"
+            "with sigterm_stops_with_status():\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(30)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr == "nest-megatron: stopped by SIGTERM; the launch exits with 1\n"
+    # once the status is decided, a SIGTERM while the process ends changes nothing
+    ending = ("import os, signal, sys\n"
+              "from nest_megatron.launch.torchrun import sigterm_stops_with_status\n"
+              "with sigterm_stops_with_status():\n"
+              "    pass\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "sys.exit(2)\n")
+    assert subprocess.run([sys.executable, "-c", ending], timeout=60).returncode == 2
+
+
+def test_nest_torchrun_keeps_torchruns_flags(worker):
+    env, script, out = worker
+    proc = launch(*TINY, "--standalone", "--nproc_per_node=2", "--max-restarts", "2", script, "--lr", "1e-3",
                   "--tensor-model-parallel-size", "1", env=env, script="nest-torchrun")
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(record.read_text())["argv"] == [
-        "--standalone", "--nproc_per_node=2", "--max-restarts", "0", "train.py", "--lr", "1e-3", *TINY_MODEL, *TINY_PARALLEL]
+    for record in records(out).values():
+        assert record["argv"] == ["--lr", "1e-3", *TINY_MODEL, *TINY_PARALLEL]
+        assert (record["LOCAL_WORLD_SIZE"], record["TORCHELASTIC_MAX_RESTARTS"]) == ("2", "2")  # as typed
+    assert len(records(out)) == 2
 
 
-def test_slurm_node_starts_its_agent_with_the_shared_rendezvous(fake):
-    """Two SLURM nodes of 8 GPUs (the variables srun sets; the real SLURM run is tests/test_slurm*)."""
-    env, record = fake
-    env.update(SLURM_JOB_NODELIST="gpu[07-08]", SLURM_NNODES="2", SLURM_NODEID="1", SLURM_GPUS_ON_NODE="8",
-               SLURM_JOB_ID="4242")
+def test_slurm_node_starts_its_agent_with_the_shared_rendezvous():
+    """Two SLURM nodes of 8 GPUs (the variables srun sets; the real SLURM run is tests/test_slurm.py)."""
+    devices = resolve(env={"SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
+                           "SLURM_GPUS_ON_NODE": "8", "SLURM_JOB_ID": "4242"})
     pinned = ["model=tiny_gpt", "cluster=dgx_h100_superpod", "train.global_batch_size=64", "plan.tp=8", "plan.pp=2",
               "plan.mbs=1", "plan.zero=1", "plan.recompute=none", "plan.vpp=1"]
-    proc = launch("launch", *pinned, "--", "train.py", env=env)
-    assert proc.returncode == 0, proc.stderr
-    argv = json.loads(record.read_text())["argv"]
+    argv = prepare(overrides=pinned, script="train.py", script_args=[], devices=devices).this_node.argv
     # static rendezvous: 2 nodes x 8, this node's rank, the master is the host of node rank 0, port 20000 + 4242
     head = argv[: argv.index("train.py")]
-    assert head[:4] == ["--nnodes", "2", "--nproc-per-node", "8"]
-    assert head[4] == "--node-rank" and head[5] in ("0", "1")
-    master = "gpu08" if head[5] == "0" else "gpu07"
-    assert head[6:] == ["--master-addr", master, "--master-port", "24242"]
+    assert head[:5] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "8"]
+    assert head[5] == "--node-rank" and head[6] in ("0", "1")
+    master = "gpu08" if head[6] == "0" else "gpu07"
+    assert head[7:] == ["--master-addr", master, "--master-port", "24242"]
+
+
+def test_expect_plan_of_the_same_plan_starts(worker):
+    env, script, out = worker
+    proc = launch("launch", *TINY, "--expect-plan", tiny_digest(), "--dry-run", "--nproc-per-node", "2",
+                  "--", script, env=env)
+    assert proc.returncode == 0, proc.stderr
 
 
 @pytest.mark.parametrize("args, extra_env, starts", [
@@ -168,11 +228,26 @@ def test_slurm_node_starts_its_agent_with_the_shared_rendezvous(fake):
      "nest-megatron launch: error: --bf16 and"),
     (["model=tiny_gpt", "--bogus", "1", "--nproc-per-node", "2", "--", "t.py"], {},
      "nest-megatron launch: error: unrecognized arguments: --bogus 1"),
+    ([*TINY, "--expect-plan", "8C73610", "--nproc-per-node", "2", "--", "t.py"], {},
+     "nest-megatron launch: error: --expect-plan '8C73610': give the 12 hex digits of a plan digest"),
 ])
-def test_bad_launch_is_one_line_and_starts_nothing(fake, args, extra_env, starts):
-    env, record = fake
+def test_bad_launch_is_one_line_and_starts_nothing(worker, args, extra_env, starts):
+    env, script, out = worker
     env.update(extra_env)
-    assert_one_line_error(launch("launch", *args, env=env), record, starts)
+    args = [script if a == "t.py" else a for a in args]  # the worker: had the launch gone on, it would record
+    assert_one_line_error(launch("launch", *args, env=env), out, starts)
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]], ids=["launch", "dry-run"])
+def test_expect_plan_of_another_plan_is_one_line_and_starts_nothing(worker, dry_run):
+    """A node that plans differently from the job (here: the job expects a digest no plan has)."""
+    env, script, out = worker
+    proc = launch("launch", *TINY, "--expect-plan", "000000000000", *dry_run, "--nproc-per-node", "2", "--", script,
+                  env=env)
+    line = assert_one_line_error(proc, out, f"nest-megatron launch: error: this node planned {tiny_digest()}, "
+                                            "but the job expects plan 000000000000 (--expect-plan): nothing started; ")
+    assert all(cause in line for cause in ("nest-megatron version", "cluster config", "profile cache")), line
+    assert proc.stdout == ""  # not even the dry run's plan
 
 
 @pytest.mark.parametrize("text, hosts", [

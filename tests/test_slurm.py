@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -154,14 +155,30 @@ def write_script(tmp_path: Path, *extra: str) -> Path:
     return script
 
 
+def submit(cluster: SlurmCluster, script: Path, tmp_path: Path, **env: str) -> tuple[int, str, str]:
+    """sbatch the script and wait for the job: (its exit status as SLURM records it, its log, scontrol's view of
+    it). Polls scontrol every 0.3 s: `sbatch --wait` polls slower and returns some 25 s after the job ends."""
+    job = cluster.run(["sbatch", "--parsable", str(script)], env=job_env(cluster, tmp_path / "probe", **env), cwd=ROOT,
+                      timeout_s=60)
+    assert job.returncode == 0, job.stderr + cluster.logs()
+    job_id = job.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 420
+    while True:
+        state = cluster.run(["scontrol", "show", "job", job_id], timeout_s=30).stdout
+        if re.search(r"JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY)\b", state):
+            break
+        assert time.monotonic() < deadline, state + cluster.logs()
+        time.sleep(0.3)
+    out = tmp_path / f"job-{job_id}.out"
+    exit_code, signal_number = map(int, re.search(r"\bExitCode=(\d+):(\d+)", state).groups())
+    return exit_code or (128 + signal_number if signal_number else 0), out.read_text() if out.exists() else "", state
+
+
 @pytest.mark.slow
 def test_sbatch_script_trains_on_two_nodes(cluster, tmp_path):
     script = write_script(tmp_path)
-    job = cluster.run(["sbatch", "--wait", "--parsable", str(script)], env=job_env(cluster, tmp_path / "probe"),
-                      cwd=ROOT, timeout_s=420)
-    job_id = job.stdout.strip().split(";")[0]
-    log = (tmp_path / f"job-{job_id}.out").read_text() if (tmp_path / f"job-{job_id}.out").exists() else ""
-    assert job.returncode == 0, job.stderr + log[-4000:] + cluster.logs()
+    status, log, state = submit(cluster, script, tmp_path)
+    assert status == 0 and "JobState=COMPLETED" in state, state + log[-4000:] + cluster.logs()
     placement, hosts = ran(cluster, tmp_path / "probe")
     assert len(hosts) == 2 and placement == expected_placement(CLUSTER, MEGATRON_ARGS, hosts)
     assert "pretrain_gpt done: iterations=3" in log
@@ -170,19 +187,40 @@ def test_sbatch_script_trains_on_two_nodes(cluster, tmp_path):
 
 
 @pytest.mark.slow
-def test_failed_training_fails_the_job(cluster, tmp_path):
-    """Rank 1 exits 3 (the other ranks stop cleanly after their record): its torchrun agent reports it and
-    exits 1 (torchrun's status for a failed worker), srun passes that on, and the job (exec srun) ends with it."""
-    script = write_script(tmp_path)
-    job = cluster.run(["sbatch", "--wait", "--parsable", str(script)],
-                      env=job_env(cluster, tmp_path / "probe", NEST_PROBE_EXIT="3", NEST_PROBE_ONLY="1"), cwd=ROOT,
-                      timeout_s=300)
-    job_id = job.stdout.strip().split(";")[0]
-    log = (tmp_path / f"job-{job_id}.out").read_text()
-    assert job.returncode == 1, log[-3000:]
+def test_failed_training_fails_the_job_with_the_ranks_status(cluster, tmp_path):
+    """Rank 1 exits 3 (the other ranks stop cleanly after their record): its node's launch ends with 3, the
+    other node's with 0 or, stopped by srun (--kill-on-bad-exit), 1; srun passes on the highest, 3, and the job
+    (exec srun) ends with it. Also the --srun options: NEST_PROBE_EXIT reaches the ranks only through the srun
+    line's --export (the job's own environment lacks it), and --label prefixes every line with its task."""
+    script = write_script(tmp_path, "--srun=--export=ALL,NEST_PROBE_EXIT=3", "--srun=--label")
+    assert " --kill-on-bad-exit=1 --export=ALL,NEST_PROBE_EXIT=3 --label nest-megatron launch " in script.read_text()
+    status, log, state = submit(cluster, script, tmp_path, NEST_PROBE_ONLY="1")
+    assert status == 3, log[-3000:]
     assert re.search(r"exitcode\s*:\s*3", log), log[-3000:]  # torchrun's failure report names the rank's status
-    state = cluster.run(["scontrol", "show", "job", job_id], timeout_s=30).stdout
-    assert "JobState=FAILED" in state and "ExitCode=1:0" in state, state
+    assert re.search(r"^[01]: nest-megatron: first failure: rank 1 exited with 3; the launch exits with 3$", log, re.M), log
+    summaries = re.findall(r"^([01]): nest-megatron: tp=", log, re.M)
+    assert sorted(summaries) == ["0", "1"], log[-3000:]
+    assert "JobState=FAILED" in state and "ExitCode=3:0" in state, state
+
+
+@pytest.mark.slow
+def test_job_expecting_another_plan_starts_nothing(cluster, tmp_path):
+    """The script expects a plan digest that the nodes do not plan (as when the login node that wrote it had
+    another nest-megatron, cluster config or profile cache): the first node to plan refuses in one line with
+    exit status 2; srun then stops the other, which either refused as well or, stopped while planning, ends
+    with 1; no rank starts and the job's status is the refusal's, 2."""
+    script = write_script(tmp_path)
+    written = re.search(r" --expect-plan ([0-9a-f]{12}) ", script.read_text()).group(1)
+    script.write_text(script.read_text().replace(f"--expect-plan {written}", "--expect-plan 0123456789ab"))
+    status, log, state = submit(cluster, script, tmp_path)
+    assert status == 2, log[-3000:]
+    refused = (f"nest-megatron launch: error: this node planned {written}, but the job expects plan 0123456789ab "
+               "(--expect-plan): nothing started; a different nest-megatron version, cluster config or profile cache "
+               "on this node (or on the node that wrote the job) changes the plan")
+    lines = sorted(line for line in log.splitlines() if line.startswith("nest-megatron"))
+    assert lines in ([refused] * 2, [refused, "nest-megatron: stopped by SIGTERM; the launch exits with 1"]), log
+    assert not (tmp_path / "probe").exists()  # no rank started anywhere
+    assert "JobState=FAILED" in state and "ExitCode=2:0" in state, state
 
 
 # -- bad SLURM input: one line per node, nothing launched -------------------------------------------------
@@ -217,11 +255,13 @@ def test_slurm_nodelist_missing_outside_srun(tmp_path):
 # -- the script's text ---------------------------------------------------------------------------------------
 
 def test_sbatch_script_text(tmp_path, capsys):
+    megatron_args = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                     "--max-position-embeddings", "32", "--global-batch-size", "8", "--vocab-size", "128", "--bf16",
+                     "--data-path", "my data"]
     status = cli.main(["sbatch", "--nodes", "2", "--gpus-per-node", "2", "--partition", "batch", "--time", "4:00:00",
-                       "--account", "proj", "--sbatch=--qos=high", *CLUSTER, "plan.pp=2", "--", "pretrain_gpt.py",
-                       "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-                       "--max-position-embeddings", "32", "--global-batch-size", "8", "--vocab-size", "128", "--bf16",
-                       "--data-path", "my data"])
+                       "--account", "proj", "--sbatch=--qos=high", "--srun=--container-image=nvcr.io#nvidia/pytorch:25.01",
+                       "--srun=--container-mounts=/data:/data", *CLUSTER, "plan.pp=2", "--", "pretrain_gpt.py",
+                       *megatron_args])
     out = capsys.readouterr().out
     assert status == 0
     lines = out.splitlines()
@@ -238,14 +278,20 @@ def test_sbatch_script_text(tmp_path, capsys):
         "#SBATCH --qos=high",
     ]
     assert any(line.startswith("# plan when written: tp=1 pp=2 dp=2 ") for line in lines)
+    # the digest of the same problem on 2 x 2 devices, planned here through the API
+    digest = api.plan_loaded(load(problem_overrides("pretrain_gpt.py", megatron_args, [*CLUSTER, "plan.pp=2"])
+                                  + ["cluster.num_devices=4"])).digest
+    assert f"# plan digest {digest} (every node must plan the same: --expect-plan)" in lines
     assert lines[-1] == (
-        "exec srun --ntasks-per-node=1 --kill-on-bad-exit=1 nest-megatron launch cluster=dgx_h100_superpod "
+        "exec srun --ntasks-per-node=1 --kill-on-bad-exit=1 '--container-image=nvcr.io#nvidia/pytorch:25.01' "
+        f"--container-mounts=/data:/data nest-megatron launch --expect-plan {digest} cluster=dgx_h100_superpod "
         "cluster.levels.0.fan_out=2 plan.pp=2 -- pretrain_gpt.py --num-layers 2 --hidden-size 64 "
         "--num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 --global-batch-size 8 "
         "--vocab-size 128 --bf16 --data-path 'my data'")
     # bash reads the line back into the same words (what srun receives)
     printed = subprocess.run(["bash", "-c", lines[-1].replace("exec srun ", "printf '%s\\n' ", 1)],
                              capture_output=True, text=True).stdout.splitlines()
+    assert printed[2] == "--container-image=nvcr.io#nvidia/pytorch:25.01"  # quoted: an unquoted # starts a comment
     assert printed[-2:] == ["--data-path", "my data"]
 
 
@@ -256,7 +302,7 @@ def test_sbatch_defaults_gpus_per_node_to_the_clusters_node_size(tmp_path, capsy
     assert status == 0, capsys.readouterr().err
     text = script.read_text()
     assert "#SBATCH --gpus-per-node=8\n" in text  # a DGX H100 node holds 8
-    assert f"out={script}" not in text and "nest-megatron launch model=tiny_gpt" in text
+    assert f"out={script}" not in text and re.search(r" nest-megatron launch --expect-plan [0-9a-f]{12} model=tiny_gpt ", text)
     assert script.stat().st_mode & 0o111  # executable
     assert capsys.readouterr().out == f"sbatch script written to {script}\n"
 
@@ -267,6 +313,8 @@ def test_sbatch_defaults_gpus_per_node_to_the_clusters_node_size(tmp_path, capsy
     ([], "--nodes is required: the number of nodes to book"),
     (["--nodes", "2", "--partition", "a b"], "--partition 'a b': one word of printable characters"),
     (["--nodes", "2", "--sbatch=qos=high"], "--sbatch 'qos=high': give one long sbatch option such as --qos=high"),
+    (["--nodes", "2", "--srun=-l"], "--srun '-l': give one long srun option such as --container-image=IMAGE"),
+    (["--nodes", "2", "--srun=--container-mounts=/a /b"], "--srun '--container-mounts=/a /b': give one long srun option"),
     # 2 nodes x 4 = 8 devices, but the cluster's nodes hold 2
     (["--nodes", "2", "--gpus-per-node", "4"], "cluster dgx_h100_superpod has 2 devices per node, but the launch "
                                                "starts 4 per node"),
@@ -274,7 +322,8 @@ def test_sbatch_defaults_gpus_per_node_to_the_clusters_node_size(tmp_path, capsy
     (["--nodes", "2", "--", "pretrain_gpt.py", "--num-layers", "80", "--hidden-size", "8192",
       "--num-attention-heads", "64", "--seq-length", "4096", "--max-position-embeddings", "4096",
       "--global-batch-size", "8", "--vocab-size", "32000", "--bf16"], "no configuration of pretrain_gpt fits"),
-], ids=["time", "nodes0", "nodes-missing", "partition", "sbatch-option", "node-size", "infeasible"])
+], ids=["time", "nodes0", "nodes-missing", "partition", "sbatch-option", "srun-short", "srun-blank", "node-size",
+        "infeasible"])
 def test_sbatch_bad_input_is_one_line_and_writes_nothing(args, message, tmp_path, capsys):
     script = tmp_path / "job.sh"
     tail = [] if "--" in args else ["--", "pretrain_gpt.py", *MEGATRON_ARGS]

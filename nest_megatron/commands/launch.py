@@ -1,9 +1,11 @@
 """`nest-megatron launch [overrides] [options] -- SCRIPT ARGS...` and `nest-torchrun [torchrun flags] SCRIPT ARGS...`.
 
 Both read the model, batch and precision from the Megatron ARGS, the devices from torchrun's flags or
-SLURM, plan, rewrite the planner's flags and exec torchrun (this process becomes torchrun: same pid,
-signals go straight to it, its exit status is the job's). --dry-run prints the plan and the final
-command line(s) and starts nothing; so does any error, as one line with exit status 2.
+SLURM, plan, rewrite the planner's flags and run torchrun's agent in this process (signals reach it
+directly); the launch ends with 0 or the first failing worker's exit status (launch/torchrun.py).
+--dry-run prints the plan, its digest and the final command line(s) and starts nothing; so does any
+error, as one line with exit status 2. --expect-plan DIGEST (written by `nest-megatron sbatch`) refuses
+a node whose plan differs from the job's.
 """
 
 from __future__ import annotations
@@ -14,24 +16,28 @@ import sys
 from nest_megatron.commands.common import fail, stdout_console
 from nest_megatron.errors import NestError
 from nest_megatron.launch.devices import resolve
-from nest_megatron.launch.prepare import Prepared, prepare
-from nest_megatron.launch.torchrun import exec_command
+from nest_megatron.launch.prepare import Prepared, check_digest_format, check_expected_plan, prepare
+from nest_megatron.launch.torchrun import run_command, sigterm_stops_with_status
 from nest_megatron.report.table import render
 
-HELP = "plan a Megatron launch line, rewrite its parallel flags and exec torchrun"
+HELP = "plan a Megatron launch line, rewrite its parallel flags and run torchrun"
 EPILOG = """examples:
   nest-megatron launch cluster=dgx_h100_superpod --nnodes 16 --nproc-per-node 8 --master-addr n1 --dry-run \\
       -- pretrain_gpt.py --num-layers 80 --hidden-size 8192 ... --bf16
   srun --ntasks-per-node=1 nest-megatron launch cluster=dgx_h100_superpod -- pretrain_gpt.py ...
   nest-megatron launch model=tiny_gpt cluster.num_devices=2 --nproc-per-node 2 -- scripts/pretrain_gpt.py --train-iters 5
 pin what you chose by hand: --pin tp,pp (or solver.keep_user_parallelism=[tp,pp]) keeps the argv's
---tensor-model-parallel-size / --pipeline-model-parallel-size as constraints of the plan."""
+--tensor-model-parallel-size / --pipeline-model-parallel-size as constraints of the plan.
+exit status: 0, the first failing worker's exit status (a signal death as 128 + signal), 1 when a signal
+stopped the launch, 2 for bad input (nothing started)."""
 
 
 def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the plan and the torchrun command(s); start nothing")
     parser.add_argument("--pin", default="", help="comma-separated: keep these of the argv as plan constraints "
                         "(tp, pp, cp, ep, etp, vpp, sp, mbs, zero, recompute, order)")
+    parser.add_argument("--expect-plan", metavar="DIGEST", help="refuse to start (exit 2) unless this node's plan "
+                        "has this digest (nest-megatron sbatch writes it, so that every node runs the same plan)")
     torchrun = parser.add_argument_group("devices (torchrun's flags; otherwise from SLURM)")
     torchrun.add_argument("--nnodes")
     torchrun.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node")
@@ -51,7 +57,8 @@ def show(prepared: Prepared, *, dry_run: bool) -> None:
     """The plan (tables) and each node's command line: on stdout for --dry-run, one line on stderr otherwise."""
     p = prepared.plan.parallel
     summary = (f"nest-megatron: tp={p['tp']} pp={p['pp']} dp={p['dp']} cp={p['cp']} ep={p['ep']} vpp={p['vpp']} "
-               f"mbs={prepared.plan.micro_batch_size} zero={prepared.plan.zero_stage} on {prepared.plan.world_size} ranks")
+               f"mbs={prepared.plan.micro_batch_size} zero={prepared.plan.zero_stage} on {prepared.plan.world_size} ranks, "
+               f"plan {prepared.plan.digest}")
     if not dry_run:
         print(summary, file=sys.stderr, flush=True)
         return
@@ -75,23 +82,34 @@ def execute(prepared: Prepared, *, dry_run: bool, command: str) -> int:
         print(f"nest-megatron: node {prepared.devices.node_rank} runs no rank of this plan (its devices stay idle)",
               file=sys.stderr)
         return 0
-    exec_command(prepared.this_node)  # does not return
-    return 0
+    try:
+        return run_command(prepared.this_node)
+    except NestError as err:  # torchrun could not be imported: nothing started
+        return fail(command, err)
 
 
 def run(args: argparse.Namespace) -> int:
+    with sigterm_stops_with_status():
+        return _launch(args)
+
+
+def _launch(args: argparse.Namespace) -> int:
     try:
         if not args.script_argv:
             raise NestError("no training script: give it after --, e.g. nest-megatron launch cluster=... -- pretrain_gpt.py ARGS")
+        if args.expect_plan is not None:
+            check_digest_format(args.expect_plan)
         script, *script_args = args.script_argv
         overrides = args.overrides
         devices = resolve(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
                           master_addr=args.master_addr, master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint)
         prepared = prepare(overrides=overrides, script=script, script_args=script_args, devices=devices,
                            pins=args.pin.split(",") if args.pin else [])
-        return execute(prepared, dry_run=args.dry_run, command="launch")
+        if args.expect_plan is not None:
+            check_expected_plan(prepared.plan, args.expect_plan)
     except (NestError, OSError) as err:
         return fail("launch", err)
+    return execute(prepared, dry_run=args.dry_run, command="launch")
 
 
 # --- nest-torchrun --------------------------------------------------------------------------------------------
@@ -123,6 +141,11 @@ def torchrun_main(argv: list[str] | None = None) -> int:
     """`nest-torchrun [overrides] [--dry-run] [--pin tp,pp] [torchrun flags] SCRIPT ARGS...`: torchrun's own
     command line, planned; torchrun's flags are kept as typed, the script's arguments are rewritten."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    with sigterm_stops_with_status():
+        return _torchrun(argv)
+
+
+def _torchrun(argv: list[str]) -> int:
     overrides, dry_run, pins, argv = _leading_options(argv)
     try:
         from torch.distributed.run import get_args_parser  # torchrun's own parser: its flags, exactly
@@ -141,6 +164,6 @@ def torchrun_main(argv: list[str] | None = None) -> int:
                           rdzv_endpoint=parsed.rdzv_endpoint or None, standalone=parsed.standalone)
         prepared = prepare(overrides=overrides, script=parsed.training_script, script_args=parsed.training_script_args,
                            devices=devices, pins=pins, user_torchrun_flags=flags)
-        return execute(prepared, dry_run=dry_run, command="torchrun")
     except (NestError, OSError) as err:
         return fail("torchrun", err)
+    return execute(prepared, dry_run=dry_run, command="torchrun")

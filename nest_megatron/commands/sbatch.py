@@ -1,8 +1,9 @@
 """`nest-megatron sbatch [overrides] [--nodes N --gpus-per-node G ...] -- SCRIPT ARGS...`: a ready sbatch script.
 
 The launch is planned now, on the nodes asked for, so that a model that does not fit or a cluster that does not
-match fails here, as one line, and no script is written; the plan goes into the script as comments. At run
-time every node plans again (the same plan) under `srun nest-megatron launch`.
+match fails here, as one line, and no script is written; the plan goes into the script as comments and its
+digest onto the launch line. At run time every node plans again under `srun nest-megatron launch
+--expect-plan DIGEST`, which refuses to start a node whose plan differs.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-exclusive", action="store_true", help="omit #SBATCH --exclusive")
     parser.add_argument("--sbatch", action="append", default=None, metavar="OPTION",
                         help="one more #SBATCH option, e.g. --sbatch=--qos=high (repeatable)")
+    parser.add_argument("--srun", action="append", default=None, metavar="OPTION",
+                        help="one more option of the srun line, e.g. --srun=--container-image=IMAGE (repeatable)")
     parser.add_argument("--pin", help="passed to launch: keep these of the argv as plan constraints (tp,pp,...)")
 
 
@@ -48,7 +51,8 @@ def _plan_lines(prepared: Prepared) -> list[str]:
     plan, p = prepared.plan, prepared.plan.parallel
     lines = [f"plan when written: tp={p['tp']} pp={p['pp']} dp={p['dp']} cp={p['cp']} ep={p['ep']} vpp={p['vpp']} "
              f"mbs={plan.micro_batch_size} zero={plan.zero_stage}, predicted step "
-             f"{plan.predicted['step_time_s']:.3g} s, peak memory {plan.predicted['peak_memory_gib']:.1f} GiB"]
+             f"{plan.predicted['step_time_s']:.3g} s, peak memory {plan.predicted['peak_memory_gib']:.1f} GiB",
+             f"plan digest {plan.digest} (every node must plan the same: --expect-plan)"]
     order = [c.node_rank for c in prepared.commands]
     if order != sorted(order):
         lines.append(f"node ranks by allocation order (the plan's placement): {order}")
@@ -70,14 +74,14 @@ def build(args: argparse.Namespace) -> tuple[str, str | None]:
         gpus = load(problem_overrides(script_argv[0], script_argv[1:], user)).problem.topology.devices_per_node
     options = SbatchOptions(nodes=args.nodes, gpus_per_node=gpus, job_name=args.job_name or "nest-megatron",
                             partition=args.partition, time=args.time, account=args.account, output=args.output,
-                            exclusive=not args.no_exclusive, extra=list(args.sbatch or []))
+                            exclusive=not args.no_exclusive, extra=list(args.sbatch or []), srun=list(args.srun or []))
     options.validate()
     # Host names are known only once SLURM allocates; the placement depends only on their order.
     devices = Devices(num_nodes=args.nodes, per_node=gpus, hosts=tuple(f"node{i}" for i in range(args.nodes)),
                       master_addr="node0", source="sbatch")
     prepared = prepare(overrides=forwarded, script=script_argv[0], script_args=script_argv[1:], devices=devices,
                        pins=args.pin.split(",") if args.pin else [])
-    launch_options = ["--pin", args.pin] if args.pin else []
+    launch_options = ["--expect-plan", prepared.plan.digest] + (["--pin", args.pin] if args.pin else [])
     return sbatch_script(options, launch_options + forwarded, script_argv, plan_lines=_plan_lines(prepared)), out
 
 

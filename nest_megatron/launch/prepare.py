@@ -30,6 +30,7 @@ from nest_megatron.launch.torchrun import NodeCommand, node_command, torchrun_fl
 from nest_megatron.plan import Plan
 
 KEEP_KEY = "solver.keep_user_parallelism"
+DIGEST_FORMAT = re.compile(r"^[0-9a-f]{12}$")
 
 
 @dataclass
@@ -127,6 +128,20 @@ def prepare(*, overrides: list[str], script: str, script_args: list[str], device
 
     commands, this_node = _commands(plan, devices, script, final, user_torchrun_flags)
     return Prepared(plan=plan, loaded=loaded, devices=devices, script_args=final, commands=commands, this_node=this_node)
+
+
+def check_digest_format(expected: str) -> None:
+    if not DIGEST_FORMAT.match(expected):
+        raise NestError(f"--expect-plan {expected!r}: give the 12 hex digits of a plan digest "
+                        "(nest-megatron sbatch writes it; launch --dry-run prints it)")
+
+
+def check_expected_plan(plan: Plan, expected: str) -> None:
+    """Refuse a node whose plan is not the job's: Megatron would start with other sizes on this node."""
+    if plan.digest != expected:
+        raise NestError(f"this node planned {plan.digest}, but the job expects plan {expected} (--expect-plan): "
+                        "nothing started; a different nest-megatron version, cluster config or profile cache on "
+                        "this node (or on the node that wrote the job) changes the plan")
 
 
 def megatron_env(plan: Plan) -> dict[str, str | None]:

@@ -1,8 +1,9 @@
 """A ready sbatch script: one task per node, each running `nest-megatron launch` under srun.
 
 Every node plans again at run time from the same overrides and the same Megatron arguments (the plan is
-deterministic), takes its node rank from the plan's placement and starts its torchrun agent; the script
-only books the nodes and starts those agents. `exec srun` makes the job's exit status the training's.
+deterministic), checks that it got the plan the script was written with (--expect-plan), takes its node
+rank from the plan's placement and starts its torchrun agent; the script only books the nodes and starts
+those agents. `exec srun` makes the job's exit status the training's (srun's: the highest of the nodes').
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class SbatchOptions:
     output: str | None = None  # SLURM's --output pattern; None: SLURM's slurm-%j.out
     exclusive: bool = True
     extra: list[str] = field(default_factory=list)  # further sbatch options, e.g. --qos=high
+    srun: list[str] = field(default_factory=list)  # further srun options, e.g. --container-image=nvcr.io#nvidia/pytorch
 
     def validate(self) -> None:
         if self.nodes < 1:
@@ -43,9 +45,11 @@ class SbatchOptions:
         if self.time is not None and not TIME_FORMAT.match(self.time):
             raise NestError(f"--time {self.time!r}: give minutes, [hours:]minutes:seconds or "
                             "days-hours[:minutes[:seconds]], e.g. 4:00:00")
-        for option in self.extra:
-            if not option.startswith("--") or not PLAIN_VALUE.match(option):
-                raise NestError(f"--sbatch {option!r}: give one long sbatch option such as --qos=high")
+        for flag, options, example in (("--sbatch", self.extra, "--qos=high"),
+                                       ("--srun", self.srun, "--container-image=IMAGE")):
+            for option in options:
+                if not option.startswith("--") or not PLAIN_VALUE.match(option):
+                    raise NestError(f"{flag} {option!r}: give one long {flag[2:]} option such as {example}")
 
     def directives(self) -> list[str]:
         lines = [f"--job-name={self.job_name}", f"--nodes={self.nodes}", "--ntasks-per-node=1",
@@ -74,7 +78,9 @@ def sbatch_script(options: SbatchOptions, overrides: list[str], script_argv: lis
     comments = [
         "# Each node plans again at run time (deterministically, the same plan), takes its node rank from the",
         "# plan's placement and starts its torchrun agent; SLURM_GPUS_ON_NODE gives the processes per node.",
+        "# A node whose plan differs from this one (--expect-plan) starts nothing and fails the job (exit 2).",
     ]
     comments += [f"# {line}" for line in plan_lines]
-    srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *launch_command(overrides, script_argv)]
+    srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *options.srun,
+            *launch_command(overrides, script_argv)]
     return "\n".join(header + [""] + comments + ["", "exec " + shlex.join(srun), ""])

@@ -1,16 +1,18 @@
-"""The torchrun command of a planned launch, and the exec that replaces this process with it.
+"""The torchrun command of a planned launch, and running it: torchrun's agent in this process.
 
 `nest-megatron launch` builds torchrun's flags from the devices (one agent per node, static
 rendezvous: --master-addr/--master-port/--node-rank, the only one that honours a node rank);
-`nest-torchrun` keeps the user's own torchrun flags as typed. Either way the process execs torchrun,
-so signals reach it directly and its exit status is the job's.
+`nest-torchrun` keeps the user's own torchrun flags as typed. Either way the agent runs here
+(`torch.distributed.run.main`), so that the launch can end with the failing worker's exit status.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import signal
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from nest_megatron.errors import NestError
@@ -57,12 +59,73 @@ def node_command(flags: list[str], script: str, script_args: list[str], *, node_
     return NodeCommand(node_rank=node_rank, argv=[TORCHRUN, *flags, script, *script_args], env=dict(env or {}))
 
 
-def exec_command(command: NodeCommand) -> None:
-    """Replace this process with the command (same pid: signals and the exit status are torchrun's)."""
-    env = command.environment(dict(os.environ))
+# Status of a launch whose agent was stopped by a signal (SIGTERM from srun, scancel, a time limit): torchrun's
+# own. Under srun the job's status is the highest of its tasks', so the nodes that srun stops after another
+# node's worker failed must not hide that worker's status behind 128 + SIGTERM.
+STOPPED_STATUS = 1
+
+
+@contextmanager
+def sigterm_stops_with_status():
+    """Inside: a SIGTERM ends this process with STOPPED_STATUS, not as a signal death (128 + 15), since srun
+    stops every other node when one node's launch fails and reports the highest status of its tasks. After:
+    SIGTERM is ignored, as the status is decided and the process is only ending (Python would restore the
+    default action while it finalizes). run_command lifts it while torchrun runs. The launch owns this
+    process's signals, as torchrun's agent does."""
+
+    def stop(signum, frame):
+        print(f"nest-megatron: stopped by {signal.Signals(signum).name}; the launch exits with {STOPPED_STATUS}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(STOPPED_STATUS)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def exit_status(exitcode: int) -> int:
+    """A worker's Popen return code as a shell reports it: a signal death (-N) is 128 + N."""
+    return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def run_command(command: NodeCommand) -> int:
+    """Run the command's torchrun agent in this process; its status: 0, the first failing worker's exit status,
+    or STOPPED_STATUS when a signal stopped the agent.
+
+    In this process rather than exec'ed: torchrun ends with 1 whatever its workers' status, while the
+    ChildFailedError its main raises carries each failure's exit code. Signals still reach the agent:
+    it installs its handlers (SIGTERM, SIGINT, SIGHUP, SIGQUIT) in this main thread, stops its workers and
+    raises SignalException."""
+    try:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import main as torch_distributed_run
+    except ImportError as err:
+        raise NestError(f"cannot start torchrun: {err}; is torch installed in this environment?") from None
+    environment = command.environment(dict(os.environ))
+    os.environ.clear()
+    os.environ.update(environment)  # torchrun's workers inherit this process's environment
     sys.stdout.flush()
     sys.stderr.flush()
+    # torchrun's rendezvous waits in C++, where a Python handler would run only once it ends (minutes): SIGTERM
+    # kills there, as under torchrun, until the agent installs its own handlers when it starts the workers.
+    ours = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        os.execvpe(command.argv[0], command.argv, env)
-    except OSError as err:  # only returns on failure
-        raise NestError(f"cannot start {command.argv[0]}: {err.strerror}; is torch installed in this environment?") from None
+        torch_distributed_run(command.argv[1:])
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        status = exit_status(failure.exitcode)
+        how = f"died of {failure.signal_name()}" if failure.exitcode < 0 else f"exited with {failure.exitcode}"
+        print(err, file=sys.stderr)  # torchrun's own report of every failed worker
+        print(f"nest-megatron: first failure: rank {rank} {how}; the launch exits with {status}", file=sys.stderr,
+              flush=True)
+        return status
+    except SignalException as err:
+        print(f"nest-megatron: torchrun's agent stopped on {err.sigval.name}; the launch exits with {STOPPED_STATUS}",
+              file=sys.stderr, flush=True)
+        return STOPPED_STATUS
+    finally:
+        signal.signal(signal.SIGTERM, ours)
+    return 0
