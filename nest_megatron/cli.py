@@ -17,6 +17,7 @@ COMMANDS = {
     "sbatch": "sbatch",
     "trace": "trace",
     "profile": "profile",
+    "sweep": "sweep",
 }
 
 USAGE = "nest-megatron COMMAND [overrides] [options]   (nest-megatron COMMAND --help for each)"

@@ -18,7 +18,7 @@ LAYERS = [
     ["report"],
     ["config.load", "trace", "profile"],
     ["api"],
-    ["launch", "integrations"],
+    ["launch", "integrations", "sweep"],
     ["commands"],
     ["cli", "reference"],
 ]
