@@ -305,6 +305,8 @@ def main(argv: list[str]) -> int:
     if missing:
         return fail(f"{', '.join(missing)} not importable by {sys.executable}; install them, or on a node with no network "
                     "pass --wheels DIR made by scripts/offline_wheels.sh")
+    if args.cpu_smoke and args.out_dir is None:  # its table and profile are no record: keep them out of the repo
+        return fail("--cpu-smoke needs --out-dir DIR for its table and profile")
     accelerator, device, gpus = machine(args.cpu_smoke)
     iters = args.iters or (2 if args.cpu_smoke else 20)
     model = MODEL_SMOKE if args.cpu_smoke else MODEL_1B

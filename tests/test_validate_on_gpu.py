@@ -94,6 +94,13 @@ def test_cpu_smoke_run_on_a_bare_python_with_offline_wheels(tmp_path):
     assert float(rows["mbs1"][5]) == pytest.approx(plan.predicted["step_time_s"], rel=1e-3)
 
 
+def test_the_smoke_run_writes_nothing_into_the_repo():
+    done = subprocess.run(["bash", str(VALIDATE), "--cpu-smoke"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHON": sys.executable})
+    assert (done.returncode, done.stderr.strip()) == (2, "validate_on_gpu: error: --cpu-smoke needs --out-dir DIR for "
+                                                         "its table and profile")
+
+
 def test_without_a_gpu_it_says_so_in_one_line():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
