@@ -87,6 +87,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     model.add_argument("--moe-router-topk", type=int, default=2)
     model.add_argument("--moe-ffn-hidden-size", type=int, default=None)
     model.add_argument("--moe-layer-freq", type=int, default=1)
+    model.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall", "flex"],
+                       help="used on GPUs; on CPU always allgather (megatron-core's alltoall needs CUDA)")
 
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -269,6 +271,14 @@ def padded_vocab(args) -> int:
     return math.ceil(args.vocab_size / multiple) * multiple
 
 
+def dispatcher(args, use_cuda: bool) -> str:
+    """The MoE token dispatcher: the one asked for on GPUs; on CPU allgather, the one megatron-core runs there."""
+    if use_cuda or args.num_experts is None or args.moe_token_dispatcher_type == "allgather":
+        return args.moe_token_dispatcher_type
+    note(f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type}: runs on GPUs only; allgather on CPU")
+    return "allgather"
+
+
 def transformer_config(args, use_cuda: bool, vpp: int | None):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -291,7 +301,7 @@ def transformer_config(args, use_cuda: bool, vpp: int | None):
         moe_router_topk=args.moe_router_topk,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_layer_freq=args.moe_layer_freq,
-        moe_token_dispatcher_type="allgather",
+        moe_token_dispatcher_type=dispatcher(args, use_cuda),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vpp,

@@ -109,3 +109,17 @@ def test_cpu_runtime_sends_cuda_requests_to_the_cpu():
         assert weight.type() == "torch.cuda.FloatTensor" and weight.bfloat16().type() == "torch.cuda.BFloat16Tensor"
         assert weight.type(torch.float64).dtype == torch.float64  # a conversion is not a query: untouched
     assert torch.ones(1).type() == "torch.FloatTensor"  # outside the mode, nothing changed
+
+
+@pytest.mark.slow
+def test_moe_launch_trains_with_expert_parallelism():
+    """A MoE model with EP=2: the plan's argv asks for the alltoall dispatcher it prices; megatron-core runs that
+    one on GPUs only, so the CPU example trainer says so and uses allgather; the experts train across 2 ranks."""
+    result = launch(["plan.ep=2", "plan.tp=1", "plan.pp=1"], [*MEGATRON_ARGS, "--num-experts", "4"])
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-4000:]
+    built = dict(item.split("=") for item in BUILT.search(log).group(1).split())
+    assert (built["ep"], built["dp"], built["tp"]) == ("2", "2", "1"), log[-2000:]
+    assert "pretrain_gpt: note: --moe-token-dispatcher-type alltoall: runs on GPUs only; allgather on CPU" in log
+    losses = [float(m.group(3)) for m in ITERATION.finditer(log)]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses

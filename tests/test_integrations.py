@@ -154,6 +154,7 @@ def test_nemo_overrides_of_a_moe_plan(moe_plan):
     assert (recipe.data.micro_batch_size, recipe.data.global_batch_size) == (2, 64)
     c = recipe.model.config
     assert (c.recompute_granularity, c.recompute_method, c.recompute_num_layers) == ("full", "uniform", 1)
+    assert c.moe_token_dispatcher_type == "alltoall"  # the dispatcher the plan prices; TransformerConfig's is allgather
     assert recipe.optim.config.use_distributed_optimizer is True  # ZeRO-1 = Megatron's distributed optimizer
 
 
@@ -162,6 +163,7 @@ def test_nemo_overrides_of_a_zero3_interleaved_plan(fsdp_plan):
     s = recipe.trainer.strategy
     assert s.virtual_pipeline_model_parallel_size == 2
     assert s.expert_model_parallel_size == 1 and s.expert_tensor_parallel_size is None  # dense: NeMo's default kept
+    assert recipe.model.config.moe_token_dispatcher_type == "allgather"  # dense: no dispatcher set
     assert (s.fsdp, s.ddp.data_parallel_sharding_strategy, s.save_ckpt_format) == ("megatron", "optim_grads_params",
                                                                                   "fsdp_dtensor")
     assert s.ddp.average_in_collective is False
@@ -226,7 +228,7 @@ def test_bridge_overrides_of_a_moe_plan(moe_plan):
     cfg = apply_to_config(bridge_container_stand_in(), moe_plan)
     m = cfg.model
     assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.expert_model_parallel_size) == (2, 2, 2)
-    assert m.expert_tensor_parallel_size == 1
+    assert m.expert_tensor_parallel_size == 1 and m.moe_token_dispatcher_type == "alltoall"
     assert m.virtual_pipeline_model_parallel_size is None and m.sequence_parallel is True
     assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == ("full", "uniform", 1)
     assert (cfg.train.micro_batch_size, cfg.train.global_batch_size) == (2, 64)
@@ -299,7 +301,7 @@ def test_bridge_command_cli_form(capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["model=tiny_gpt", *BASE, "plan.tp=3"], "no configuration of tiny_gpt fits"),  # 3 divides no size here
+    (["model=tiny_gpt", *BASE, "plan.tp=3"], "plan.tp=3: must divide num_attention_heads=8"),  # tiny_gpt: 8 heads
     (["model=no_such_model"], "model"),
 ])
 def test_nemo_command_bad_input_is_one_line(args, message, tmp_path, capsys):

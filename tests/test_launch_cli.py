@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,10 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from nest_megatron import api
+from nest_megatron import api, cli
+from nest_megatron.commands.launch import torchrun_main
 from nest_megatron.errors import NestError
 from nest_megatron.launch.devices import expand_nodelist, resolve
 from nest_megatron.launch.prepare import prepare
+from nest_megatron.launch.torchrun import check_script
 
 WORKER = """import json, os, signal, sys, time
 out = os.environ["WORKER_OUT"]
@@ -34,8 +38,10 @@ def stopped(signum, frame):
         f.write(signal.Signals(signum).name)
     sys.exit(0)
 signal.signal(signal.SIGTERM, stopped)
-with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+# written under another name, renamed when whole: the test polls for records and must never read half of one
+with open(os.path.join(out, f"rank{rank}.tmp"), "w") as f:
     json.dump(record, f)
+os.replace(os.path.join(out, f"rank{rank}.tmp"), os.path.join(out, f"rank{rank}.json"))
 if os.environ.get("WORKER_WAIT"):
     time.sleep(120)
 code = int(os.environ.get("WORKER_RANK1_EXIT", "0")) if rank == "1" else 0
@@ -285,3 +291,77 @@ def test_devices_from_torchrun_flags_and_slurm():
         resolve(env={"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NODEID": "5", "SLURM_GPUS_ON_NODE": "8"})
     with pytest.raises(NestError, match="^devices per node unknown: SLURM_GPUS_ON_NODE is not set"):
         resolve(env={"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NODEID": "0"})
+
+
+# -- a script that is not there, MoE's dispatcher, what a dry run says of each node --------------------------
+
+def test_missing_script_is_one_line_and_starts_nothing(worker):
+    """Checked on the node that runs it (every node runs launch itself), before planning; a dry run only prints."""
+    env, script, out = worker
+    where = f"on this node ({socket.gethostname()}, working directory {os.getcwd()})"
+    assert_one_line_error(launch("launch", *TINY, "--nproc-per-node", "2", "--", "nope_pretrain.py", env=env), out,
+                          f"nest-megatron launch: error: nope_pretrain.py: no such training script {where}")
+    assert_one_line_error(launch(*TINY, "--standalone", "--nproc-per-node", "2", "nope_pretrain.py", env=env,
+                                 script="nest-torchrun"), out,
+                          f"nest-megatron torchrun: error: nope_pretrain.py: no such training script {where}")
+    assert launch("launch", *TINY, "--dry-run", "--nproc-per-node", "2", "--", "nope_pretrain.py", env=env).returncode == 0
+
+
+def test_torchruns_module_and_no_python_forms_are_looked_up_their_way(tmp_path):
+    check_script("no_such_module", module=True)  # -m: Python's to find, in the workers' environment
+    check_script("true", no_python=True)  # --no-python: a program on PATH
+    with pytest.raises(NestError) as err:
+        check_script("no-such-program", no_python=True)
+    assert str(err.value) == (f"no-such-program: no such program on this node ({socket.gethostname()}), neither a "
+                              "path nor on PATH (--no-python runs it as a program)")
+    with pytest.raises(NestError):
+        check_script(str(tmp_path))  # a folder is no script
+
+
+DENSE_MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --vocab-size 128 --bf16 "
+               "--micro-batch-size 2 --global-batch-size 8").split()
+MOE_MODEL = [*DENSE_MODEL, "--num-experts", "4"]
+
+
+def dry_run(capsys, *args: str) -> list[str]:
+    assert cli.main(["launch", "cluster=dgx_h100_superpod", "cluster.num_devices=2", "--nproc-per-node", "2",
+                     "--dry-run", *args]) == 0, capsys.readouterr().err
+    return capsys.readouterr().out.splitlines()
+
+
+def test_moe_launch_runs_the_dispatcher_the_plan_prices(capsys):
+    """Megatron's default dispatcher is allgather; the plan prices alltoall, so the launch line says alltoall,
+    once, whatever the user gave, and says that it replaced the user's."""
+    lines = dry_run(capsys, "--", "t.py", *MOE_MODEL)
+    argv = shlex.split(lines[-1])
+    assert argv[argv.index("--moe-token-dispatcher-type") + 1] == "alltoall"
+    assert not any("note:" in line for line in lines)
+
+    lines = dry_run(capsys, "--", "t.py", *MOE_MODEL, "--moe-token-dispatcher-type", "allgather")
+    argv = shlex.split(lines[-1])
+    assert argv.count("--moe-token-dispatcher-type") == 1 and argv[argv.index("--moe-token-dispatcher-type") + 1] == "alltoall"
+    assert ("nest-megatron: note: --moe-token-dispatcher-type allgather replaced by alltoall: the plan prices the "
+            "alltoall dispatcher's traffic") in lines
+
+    # a dense model: the plan sets no dispatcher, Megatron ignores the user's, which stays as typed
+    argv = shlex.split(dry_run(capsys, "--", "t.py", *DENSE_MODEL, "--moe-token-dispatcher-type", "flex")[-1])
+    assert argv[argv.index("--moe-token-dispatcher-type") + 1] == "flex" and argv.count("--moe-token-dispatcher-type") == 1
+
+
+def torchrun_dry_run(capsys, *flags: str) -> list[str]:
+    """nest-torchrun --dry-run on 2 nodes of 8 (a DGX H100 pod): the command lines it prints, with their labels."""
+    assert torchrun_main(["model=tiny_gpt", "cluster=dgx_h100_superpod", "--dry-run", "--nnodes", "2",
+                          "--nproc-per-node", "8", *flags, "train.py"]) == 0, capsys.readouterr().err
+    lines = capsys.readouterr().out.splitlines()
+    return lines[next(i for i, line in enumerate(lines) if line.startswith("# ")):]
+
+
+def test_nest_torchrun_dry_run_prints_what_each_node_runs(capsys):
+    # dynamic rendezvous, no --node-rank: the rendezvous numbers the nodes; every node runs the same line
+    lines = torchrun_dry_run(capsys, "--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:29500")
+    assert len(lines) == 2 and lines[0] == "# every node (2) runs the same command:"
+    assert " torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint n1:29500 train.py " in lines[1]
+    # --node-rank 1 as typed: that is this node's command only (node 0's would carry --node-rank 0)
+    lines = torchrun_dry_run(capsys, "--node-rank", "1", "--master-addr", "n1")
+    assert len(lines) == 2 and lines[0] == "# node rank 1 (this node; each node runs its own command):"
+    assert " torchrun --nnodes 2 --nproc-per-node 8 --node-rank 1 --master-addr n1 train.py " in lines[1]

@@ -33,6 +33,8 @@ MEGATRON_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-he
                  "--vocab-size", "128", "--bf16", "--train-iters", "3", "--lr", "3e-3", "--hidden-dropout", "0",
                  "--attention-dropout", "0"]
 ITERATION = re.compile(r"^iteration (\d+)/\d+ \| lm loss: (\S+) \|", re.M)
+# The script calls nest-megatron by its absolute path: under pytest, the console script beside this Python.
+LAUNCHER = str(Path(sys.executable).parent / "nest-megatron")
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +195,7 @@ def test_failed_training_fails_the_job_with_the_ranks_status(cluster, tmp_path):
     (exec srun) ends with it. Also the --srun options: NEST_PROBE_EXIT reaches the ranks only through the srun
     line's --export (the job's own environment lacks it), and --label prefixes every line with its task."""
     script = write_script(tmp_path, "--srun=--export=ALL,NEST_PROBE_EXIT=3", "--srun=--label")
-    assert " --kill-on-bad-exit=1 --export=ALL,NEST_PROBE_EXIT=3 --label nest-megatron launch " in script.read_text()
+    assert f" --kill-on-bad-exit=1 --export=ALL,NEST_PROBE_EXIT=3 --label {LAUNCHER} launch " in script.read_text()
     status, log, state = submit(cluster, script, tmp_path, NEST_PROBE_ONLY="1")
     assert status == 3, log[-3000:]
     assert re.search(r"exitcode\s*:\s*3", log), log[-3000:]  # torchrun's failure report names the rank's status
@@ -278,6 +280,9 @@ def test_sbatch_script_text(tmp_path, capsys):
         "#SBATCH --qos=high",
     ]
     assert any(line.startswith("# plan when written: tp=1 pp=2 dp=2 ") for line in lines)
+    # in a container (--container-image) the launcher is the container's: the bare name, said in a comment
+    assert "# nest-megatron from the PATH of the nodes (or of the container): when written, none was found as an " \
+           "executable, or srun runs it in a container." in lines
     # the digest of the same problem on 2 x 2 devices, planned here through the API
     digest = api.plan_loaded(load(problem_overrides("pretrain_gpt.py", megatron_args, [*CLUSTER, "plan.pp=2"])
                                   + ["cluster.num_devices=4"])).digest
@@ -295,6 +300,28 @@ def test_sbatch_script_text(tmp_path, capsys):
     assert printed[-2:] == ["--data-path", "my data"]
 
 
+def test_sbatch_script_carries_the_config_path_and_the_launchers_path(tmp_path, capsys, monkeypatch):
+    """A job submitted with --export=NONE gets neither the submitter's environment nor its PATH: the script sets
+    NEST_MEGATRON_CONFIG_PATH itself (absolute, quoted) and calls nest-megatron by its absolute path."""
+    configs = tmp_path / "my configs"
+    (configs / "cluster").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NEST_MEGATRON_CONFIG_PATH", "my configs")  # relative at submit time
+    assert cli.main(["sbatch", "--nodes", "1", "model=tiny_gpt", "cluster=dgx_h100_superpod", "--", "t.py"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"export NEST_MEGATRON_CONFIG_PATH='{configs}'" in lines
+    assert lines[-1].startswith(f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=1 {LAUNCHER} launch --expect-plan ")
+    # bash reads the export back as the folder, blank included
+    script = "\n".join(line for line in lines if line.startswith("export "))
+    echoed = subprocess.run(["bash", "-c", script + '\nprintf %s "$NEST_MEGATRON_CONFIG_PATH"'], capture_output=True,
+                            text=True).stdout
+    assert echoed == str(configs)
+
+    monkeypatch.delenv("NEST_MEGATRON_CONFIG_PATH")
+    assert cli.main(["sbatch", "--nodes", "1", "model=tiny_gpt", "cluster=dgx_h100_superpod", "--", "t.py"]) == 0
+    assert "NEST_MEGATRON_CONFIG_PATH" not in capsys.readouterr().out
+
+
 def test_sbatch_defaults_gpus_per_node_to_the_clusters_node_size(tmp_path, capsys):
     script = tmp_path / "job.sh"
     status = cli.main(["sbatch", "--nodes", "1", "model=tiny_gpt", "cluster=dgx_h100_superpod",
@@ -302,7 +329,7 @@ def test_sbatch_defaults_gpus_per_node_to_the_clusters_node_size(tmp_path, capsy
     assert status == 0, capsys.readouterr().err
     text = script.read_text()
     assert "#SBATCH --gpus-per-node=8\n" in text  # a DGX H100 node holds 8
-    assert f"out={script}" not in text and re.search(r" nest-megatron launch --expect-plan [0-9a-f]{12} model=tiny_gpt ", text)
+    assert f"out={script}" not in text and re.search(rf" {re.escape(LAUNCHER)} launch --expect-plan [0-9a-f]{{12}} model=tiny_gpt ", text)
     assert script.stat().st_mode & 0o111  # executable
     assert capsys.readouterr().out == f"sbatch script written to {script}\n"
 

@@ -17,7 +17,7 @@ from nest_megatron.commands.common import fail, stdout_console
 from nest_megatron.errors import NestError
 from nest_megatron.launch.devices import resolve
 from nest_megatron.launch.prepare import Prepared, check_digest_format, check_expected_plan, prepare
-from nest_megatron.launch.torchrun import run_command, sigterm_stops_with_status
+from nest_megatron.launch.torchrun import check_script, run_command, sigterm_stops_with_status
 from nest_megatron.report.table import render
 
 HELP = "plan a Megatron launch line, rewrite its parallel flags and run torchrun"
@@ -59,16 +59,32 @@ def show(prepared: Prepared, *, dry_run: bool) -> None:
     summary = (f"nest-megatron: tp={p['tp']} pp={p['pp']} dp={p['dp']} cp={p['cp']} ep={p['ep']} vpp={p['vpp']} "
                f"mbs={prepared.plan.micro_batch_size} zero={prepared.plan.zero_stage} on {prepared.plan.world_size} ranks, "
                f"plan {prepared.plan.digest}")
+    notes = [f"nest-megatron: note: {note}" for note in prepared.notes]
     if not dry_run:
-        print(summary, file=sys.stderr, flush=True)
+        print("\n".join([summary, *notes]), file=sys.stderr, flush=True)
         return
     console = stdout_console()
     render(prepared.plan, console)
-    print(summary)
-    for command in prepared.commands:
-        label = f"node rank {command.node_rank}" if len(prepared.commands) > 1 else "command"
-        print(f"# {label}:")
-        print(command.render())
+    print("\n".join([summary, *notes]))
+    print("\n".join(command_lines(prepared)))
+
+
+def command_lines(prepared: Prepared) -> list[str]:
+    """Each node's command under a label that says whose it is. nest-torchrun's commands are the user's
+    torchrun flags as typed: one command, this node's (its --node-rank), or the same on every node."""
+    commands, nodes = prepared.commands, prepared.devices.num_nodes
+    if len(commands) > 1 and len({c.render() for c in commands}) == 1:
+        return [f"# every node ({nodes}) runs the same command:", commands[0].render()]
+    lines = []
+    for command in commands:
+        if len(commands) > 1:
+            label = f"node rank {command.node_rank}"
+        elif nodes > 1 and command.node_rank is not None:
+            label = f"node rank {command.node_rank} (this node; each node runs its own command)"
+        else:
+            label = "command"
+        lines += [f"# {label}:", command.render()]
+    return lines
 
 
 def execute(prepared: Prepared, *, dry_run: bool, command: str) -> int:
@@ -100,6 +116,8 @@ def _launch(args: argparse.Namespace) -> int:
         if args.expect_plan is not None:
             check_digest_format(args.expect_plan)
         script, *script_args = args.script_argv
+        if not args.dry_run:
+            check_script(script)
         overrides = args.overrides
         devices = resolve(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
                           master_addr=args.master_addr, master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint)
@@ -159,6 +177,8 @@ def _torchrun(argv: list[str]) -> int:
         except SystemExit as exit_:
             return int(exit_.code or 0) and 2
         flags = argv[: len(argv) - len(parsed.training_script_args) - 1]
+        if not dry_run:
+            check_script(parsed.training_script, module=parsed.module, no_python=parsed.no_python)
         devices = resolve(nnodes=parsed.nnodes, nproc_per_node=parsed.nproc_per_node, node_rank=parsed.node_rank,
                           master_addr=parsed.master_addr, master_port=parsed.master_port,
                           rdzv_endpoint=parsed.rdzv_endpoint or None, standalone=parsed.standalone)

@@ -9,10 +9,13 @@ digest onto the launch line. At run time every node plans again under `srun nest
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import sys
 from pathlib import Path
 
 from nest_megatron.commands.common import fail, write_atomically
-from nest_megatron.config.load import load
+from nest_megatron.config.load import CONFIG_PATH_ENV, load, user_config_dirs
 from nest_megatron.errors import NestError
 from nest_megatron.launch.devices import Devices
 from nest_megatron.launch.prepare import Prepared, prepare, problem_overrides, split_keep
@@ -59,6 +62,19 @@ def _plan_lines(prepared: Prepared) -> list[str]:
     return lines
 
 
+def launcher_path(srun_options: list[str]) -> str:
+    """The running nest-megatron executable's absolute path (the console script this process was started as,
+    else the one beside this Python, else the one on PATH), so that the nodes need it on no PATH; the bare name
+    when none is found, or when srun starts the launch in a container (pyxis --container-image), where a path
+    of the submitting host means nothing."""
+    if any(option.startswith("--container-image") for option in srun_options):
+        return "nest-megatron"
+    candidates = [sys.argv[0] if Path(sys.argv[0]).name == "nest-megatron" else None,
+                  str(Path(sys.executable).parent / "nest-megatron"), shutil.which("nest-megatron")]
+    found = next((c for c in candidates if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
+    return os.path.abspath(found) if found else "nest-megatron"
+
+
 def build(args: argparse.Namespace) -> tuple[str, str | None]:
     """(script text, out path or None): everything checked, nothing written."""
     if not args.script_argv:
@@ -82,7 +98,16 @@ def build(args: argparse.Namespace) -> tuple[str, str | None]:
     prepared = prepare(overrides=forwarded, script=script_argv[0], script_args=script_argv[1:], devices=devices,
                        pins=args.pin.split(",") if args.pin else [])
     launch_options = ["--expect-plan", prepared.plan.digest] + (["--pin", args.pin] if args.pin else [])
-    return sbatch_script(options, launch_options + forwarded, script_argv, plan_lines=_plan_lines(prepared)), out
+    return sbatch_script(options, launch_options + forwarded, script_argv, plan_lines=_plan_lines(prepared),
+                         launcher=launcher_path(options.srun), config_path=_config_path()), out
+
+
+def _config_path() -> str | None:
+    """NEST_MEGATRON_CONFIG_PATH as the plan used it (folders made absolute: the job may start elsewhere), or None
+    when it is not set (or empty)."""
+    if not os.environ.get(CONFIG_PATH_ENV):
+        return None
+    return os.pathsep.join(str(folder) for folder in user_config_dirs())
 
 
 def run(args: argparse.Namespace) -> int:

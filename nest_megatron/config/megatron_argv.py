@@ -10,13 +10,16 @@ This module reads such an argv (pure: no torch, no environment) and gives
   Megatron's own default where the flag is absent, so nothing is inherited from another model;
 - `FLAG_OF_KEY`: schema key -> the flag that sets it, to name the flag in an error.
 
-Unknown flags are not this module's business: they pass through. Flags that contradict each other,
+Unknown flags pass through (Megatron-LM has hundreds, a script may add its own), except one a letter or two
+away from a flag this module knows: that is a typo (`misspelt`), which Megatron-LM would reject only once
+the job has its nodes. Flags that contradict each other,
 or values the planner cannot price (multi-latent attention, a per-layer MoE pattern, ...), raise
 one NestError line naming the flag.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,6 +99,8 @@ PLANNER_FLAGS: dict[str, str] = {
     "--recompute-num-layers": "int",
     "--recompute-activations": "true",
     "--ckpt-format": "str",  # planner-owned only with Megatron-FSDP (fsdp_dtensor); see launch/rewrite.py
+    # MoE plans price the alltoall dispatcher's traffic (Megatron's default is allgather); see launch/rewrite.py
+    "--moe-token-dispatcher-type": "str",
 }
 
 KNOWN_FLAGS: dict[str, str] = {
@@ -112,6 +117,16 @@ UNPLANNABLE: dict[str, str] = {
     "--encoder-num-layers": "encoder-decoder models are not in the cost model; use --num-layers",
     "--decoder-num-layers": "encoder-decoder models are not in the cost model; use --num-layers",
 }
+
+# Real Megatron-LM flags (main, d98e8a6) as close to a known flag as a typo would be: never called misspelt.
+# tests/test_argv_typos.py checks every flag of Megatron-LM's parser against `misspelt`.
+NEAR_REAL_FLAGS = frozenset({"--no-bias-gelu-fusion", "--pad-vocab-size", "--no-pad-vocab-size"})
+# difflib's similarity ratio 2M/(len a + len b) from which an unknown flag is taken for a known one. 0.9 is one
+# wrong, missing or extra letter in a flag of 10 or more characters (`--micro-batch-sise`: 0.94), two in one
+# of 20 or more, and never a short flag (`--fp8` vs `--fp16`: 0.73), where one letter makes another real
+# flag. An edit distance <= 2 would call `--fp8` a typo of `--fp16`. Megatron-LM's parser has no flag at
+# 0.9 or more from a known one besides NEAR_REAL_FLAGS and the --no-X / --disable-X negations.
+TYPO_SIMILARITY = 0.9
 
 # Vocabulary sizes of the tokenizers whose size is fixed by their type.
 TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257}
@@ -140,6 +155,19 @@ class Scanned:
         return self.values.get(flag, default)
 
 
+def misspelt(flag: str) -> str | None:
+    """The known flag that `flag` is probably a typo of; None for a known flag or one far from all (it passes
+    through). A --no-X / --disable-X form of a known --X is Megatron's negation of it, not a typo."""
+    known = [*KNOWN_FLAGS, *UNPLANNABLE]
+    if flag in KNOWN_FLAGS or flag in UNPLANNABLE or flag in NEAR_REAL_FLAGS:
+        return None
+    for prefix in ("--no-", "--disable-"):
+        if flag.startswith(prefix) and "--" + flag[len(prefix):] in known:
+            return None
+    close = difflib.get_close_matches(flag, known, n=1, cutoff=TYPO_SIMILARITY)
+    return close[0] if close else None
+
+
 def _convert(flag: str, kind: str, text: str):
     try:
         return {"int": int, "float": float, "str": str}[kind](text)
@@ -149,6 +177,8 @@ def _convert(flag: str, kind: str, text: str):
 
 def scan(argv: list[str]) -> Scanned:
     """Classify `argv`: the known flags' values and token spans (`--flag v` and `--flag=v` forms).
+
+    An unknown flag that is `misspelt` (a typo of a known one) is an error naming the flag it resembles.
 
     A known flag given twice with different values is a contradiction (argparse would silently keep
     the last one); a known flag missing its value is an error.
@@ -162,6 +192,9 @@ def scan(argv: list[str]) -> Scanned:
             raise NestError(f"{name}: {UNPLANNABLE[name]}")
         kind = KNOWN_FLAGS.get(name) if token.startswith("--") else None
         if kind is None:
+            meant = misspelt(name) if token.startswith("--") else None
+            if meant:
+                raise NestError(f"{name}: not a Megatron flag; did you mean {meant}?")
             i += 1
             continue
         if kind in ("true", "false"):

@@ -88,7 +88,7 @@ def parallel_args(
     overlap_param_gather: bool,
     layers_per_stage: tuple[int, ...] | None = None,
 ) -> list[str]:
-    """The flags the planner owns: parallel sizes, batch, ZeRO, recompute and layout."""
+    """The flags the planner owns: parallel sizes, batch, ZeRO, recompute, layout and the MoE token dispatcher."""
     args = [
         "--tensor-model-parallel-size", str(cfg.tp),
         "--pipeline-model-parallel-size", str(cfg.pp),
@@ -98,6 +98,8 @@ def parallel_args(
     ]
     if model.is_moe:
         args += ["--expert-model-parallel-size", str(cfg.ep), "--expert-tensor-parallel-size", str(cfg.etp)]
+        # The cost model prices the alltoall dispatcher's traffic; Megatron's default is allgather.
+        args += ["--moe-token-dispatcher-type", "alltoall"]
     if cfg.sp:
         args.append("--sequence-parallel")
     if cfg.vpp > 1:

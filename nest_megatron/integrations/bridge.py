@@ -4,7 +4,7 @@ Field names follow megatron-bridge 0.3.1 (PyPI), megatron/bridge/training/config
 - ConfigContainer: model, train, optimizer, ddp, checkpoint, dist;
 - model.*: the GPTModelProvider, a megatron.core TransformerConfig (tensor_/pipeline_/virtual_pipeline_/
   context_/expert_model_parallel_size, expert_tensor_parallel_size, sequence_parallel,
-  pipeline_model_parallel_layout, recompute_granularity / method / num_layers), as
+  pipeline_model_parallel_layout, recompute_granularity / method / num_layers, moe_token_dispatcher_type), as
   recipes/llama/llama3.py sets them (cfg.model.tensor_model_parallel_size = 1);
 - train.micro_batch_size / global_batch_size: TrainingConfig;
 - optimizer.use_distributed_optimizer and ddp.use_distributed_optimizer: Bridge turns both on when either is
@@ -35,6 +35,7 @@ def bridge_overrides(plan: Plan) -> Overrides:
     }
     if is_moe(plan):
         out["model.expert_tensor_parallel_size"] = p["etp"]
+        out["model.moe_token_dispatcher_type"] = flag_value(plan, "--moe-token-dispatcher-type")  # the one priced
     out |= {
         "model.sequence_parallel": bool(p["sp"]),
         "model.pipeline_model_parallel_layout": flag_value(plan, "--pipeline-model-parallel-layout"),

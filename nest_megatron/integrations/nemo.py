@@ -6,8 +6,9 @@ Field names follow NeMo 2.7.3 (nemo_toolkit 2.7.3 on PyPI; NVIDIA/NeMo at 8cfedd
   sequence_parallel, pipeline_model_parallel_layout, use_tp_pp_dp_mapping, fsdp, save_ckpt_format, ddp);
 - trainer.strategy.ddp: a megatron.core DistributedDataParallelConfig (recipes/llama3_8b.py, trainer());
 - data.*: nemo/collections/llm/gpt/data/mock.py, MockDataModule(micro_batch_size, global_batch_size);
-- model.config.*: megatron.core TransformerConfig (recompute_granularity / method / num_layers), as the
-  recipes set them (recipes/qwen3_32b.py: recipe.model.config.recompute_granularity = "full");
+- model.config.*: megatron.core TransformerConfig (recompute_granularity / method / num_layers,
+  moe_token_dispatcher_type), as the recipes set them (recipes/qwen3_32b.py:
+  recipe.model.config.recompute_granularity = "full");
 - optim.config.use_distributed_optimizer: megatron.core OptimizerConfig (recipes/optim/adam.py).
 NeMo copies optim.config.use_distributed_optimizer into the DDP config itself (MegatronStrategy.setup).
 NeMo 3.0 dropped nemo.collections.llm, hence the [nemo] extra's <2.8 bound.
@@ -51,6 +52,8 @@ def nemo_overrides(plan: Plan, devices_per_node: int | None = None) -> Overrides
     }
     if is_moe(plan):
         out[f"{s}.expert_tensor_parallel_size"] = p["etp"]
+        # the dispatcher the plan prices (megatron.core TransformerConfig, whose default is allgather)
+        out["model.config.moe_token_dispatcher_type"] = flag_value(plan, "--moe-token-dispatcher-type")
     out |= {
         f"{s}.sequence_parallel": bool(p["sp"]),
         f"{s}.pipeline_model_parallel_layout": flag_value(plan, "--pipeline-model-parallel-layout"),

@@ -7,7 +7,7 @@ deterministic), so no node has to tell another what was chosen.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from nest_megatron import api
@@ -25,7 +25,7 @@ from nest_megatron.errors import NestError
 from nest_megatron.launch.devices import Devices
 from nest_megatron.launch.megatron_rules import violations
 from nest_megatron.launch.placement import HostAssignment, host_assignments, master_host
-from nest_megatron.launch.rewrite import model_part, parse_pins, pin_overrides, rewrite
+from nest_megatron.launch.rewrite import model_part, parse_pins, pin_overrides, replaced_dispatcher, rewrite
 from nest_megatron.launch.torchrun import NodeCommand, node_command, torchrun_flags
 from nest_megatron.plan import Plan
 
@@ -41,6 +41,7 @@ class Prepared:
     script_args: list[str]  # the final Megatron argv
     commands: list[NodeCommand]  # one per node that runs ranks, in node-index order
     this_node: NodeCommand | None  # the command of the node this process runs on; None: known only per node
+    notes: list[str] = field(default_factory=list)  # what the rewrite changed that the user may not expect
 
 
 def split_keep(overrides: list[str]) -> tuple[list[str], list[str]]:
@@ -127,7 +128,9 @@ def prepare(*, overrides: list[str], script: str, script_args: list[str], device
         raise NestError(f"the rewritten argv breaks a Megatron rule (a planner bug, please report): {broken[0]}")
 
     commands, this_node = _commands(plan, devices, script, final, user_torchrun_flags)
-    return Prepared(plan=plan, loaded=loaded, devices=devices, script_args=final, commands=commands, this_node=this_node)
+    notes = [note for note in (replaced_dispatcher(script_args, plan),) if note]
+    return Prepared(plan=plan, loaded=loaded, devices=devices, script_args=final, commands=commands, this_node=this_node,
+                    notes=notes)
 
 
 def check_digest_format(expected: str) -> None:
@@ -172,6 +175,13 @@ def _commands(plan: Plan, devices: Devices, script: str, final: list[str],
                             "realise; launch it with `nest-megatron launch` (or srun nest-megatron launch)")
         commands = [node_command(user_flags, script, final, node_rank=a.node_rank, env={**a.env(), **megatron_env(plan)})
                     for a in assignments]
+        if devices.node_rank is not None:
+            # The flags as typed (--node-rank R, or SLURM's node) are this node's: its command is the only true one.
+            commands = [commands[devices.node_rank]]
+        elif len({c.render() for c in commands}) > 1:
+            raise NestError(f"the plan orders the GPUs differently on each of the {devices.num_nodes} nodes, which "
+                            "torchrun flags without --node-rank cannot realise; give each node its --node-rank, or "
+                            "launch it with `nest-megatron launch`")
     else:
         if devices.num_nodes > 1 and not devices.hosts and assignments[0].node_rank != 0:
             raise NestError(f"the plan puts node rank 0 on node index {[a.node_rank for a in assignments].index(0)}; "

@@ -121,6 +121,24 @@ def _alone(name: str, value: int, model: ModelConfig) -> str | None:
     return name_flags(line).split(": ", 1)[-1] if line and line.startswith(f"plan.{name}=") else None
 
 
+DISPATCHER = "--moe-token-dispatcher-type"
+
+
+def replaced_dispatcher(argv: list[str], plan: Plan) -> str | None:
+    """A note when the user's --moe-token-dispatcher-type is not the plan's, else None.
+
+    The plan's wins, as the parallel sizes do, rather than a refusal: the plan's step time, memory and
+    choice of EP hold only for the dispatcher whose traffic the cost model prices (alltoall), which is
+    also the one Megatron-LM recommends with expert parallelism; keeping the user's would run a job that
+    the plan does not describe. The replacement is said in the launch summary, never silent; --pin
+    cannot keep it (there is no plan priced for another dispatcher)."""
+    planned = scan(plan.megatron_args).get(DISPATCHER)
+    given = scan(argv).get(DISPATCHER)
+    if planned is None or given is None or given == planned:
+        return None
+    return (f"{DISPATCHER} {given} replaced by {planned}: the plan prices the {planned} dispatcher's traffic")
+
+
 def planner_part(args: list[str]) -> list[str]:
     """The tokens of the planner's flags in `args` (a plan's megatron_args), in their order."""
     s = scan(args)
@@ -136,7 +154,8 @@ def model_part(args: list[str]) -> list[str]:
 def rewrite(argv: list[str], plan: Plan, *, model_args: list[str] = ()) -> list[str]:
     """The user's argv without the planner's flags, then `model_args` (when the argv has no model), then
     the plan's parallel flags. --ckpt-format belongs to the planner only when the plan uses Megatron-FSDP
-    (it sets fsdp_dtensor) or the user's value is fsdp_dtensor (only Megatron-FSDP reads it)."""
+    (it sets fsdp_dtensor) or the user's value is fsdp_dtensor (only Megatron-FSDP reads it);
+    --moe-token-dispatcher-type only when the plan sets it (a MoE plan: alltoall)."""
     s = scan(argv)
     plan_args = planner_part(plan.megatron_args)
     fsdp = "--use-megatron-fsdp" in plan_args
@@ -144,6 +163,8 @@ def rewrite(argv: list[str], plan: Plan, *, model_args: list[str] = ()) -> list[
     def owned(flag: str) -> bool:
         if flag == "--ckpt-format":
             return fsdp or s.get("--ckpt-format") == "fsdp_dtensor"
+        if flag == DISPATCHER:  # a dense plan sets none; Megatron ignores the user's then
+            return DISPATCHER in plan_args
         return flag in PLANNER_FLAGS
 
     dropped = {i for flag, start, stop in s.spans if owned(flag) for i in range(start, stop)}

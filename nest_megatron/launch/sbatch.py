@@ -69,8 +69,11 @@ def launch_command(overrides: list[str], script_argv: list[str], launcher: str =
 
 
 def sbatch_script(options: SbatchOptions, overrides: list[str], script_argv: list[str], *,
-                  plan_lines: list[str] = ()) -> str:
-    """The script text. plan_lines: the plan made when the script was written, kept as comments."""
+                  plan_lines: list[str] = (), launcher: str = "nest-megatron", config_path: str | None = None) -> str:
+    """The script text. plan_lines: the plan made when the script was written, kept as comments; launcher: the
+    nest-megatron executable the nodes run (an absolute path, or the bare name looked up on the nodes' PATH);
+    config_path: NEST_MEGATRON_CONFIG_PATH at submit time, exported so that every node plans with the same
+    configs."""
     options.validate()
     if not script_argv:
         raise NestError("no training script: give it after --, e.g. -- pretrain_gpt.py --num-layers 32 ...")
@@ -81,6 +84,16 @@ def sbatch_script(options: SbatchOptions, overrides: list[str], script_argv: lis
         "# A node whose plan differs from this one (--expect-plan) starts nothing and fails the job (exit 2).",
     ]
     comments += [f"# {line}" for line in plan_lines]
+    if launcher == "nest-megatron":
+        comments.append("# nest-megatron from the PATH of the nodes (or of the container): when written, none was "
+                        "found as an executable, or srun runs it in a container.")
+    else:
+        comments.append("# nest-megatron by the path it was submitted with, so that the nodes need it on no PATH "
+                        "(sbatch --export=NONE).")
+    exports = []
+    if config_path is not None:
+        # the configs the plan was made with, also when the job's environment is not the submitter's (--export=NONE)
+        exports = [f"export NEST_MEGATRON_CONFIG_PATH={shlex.quote(config_path)}", ""]
     srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *options.srun,
-            *launch_command(overrides, script_argv)]
-    return "\n".join(header + [""] + comments + ["", "exec " + shlex.join(srun), ""])
+            *launch_command(overrides, script_argv, launcher)]
+    return "\n".join(header + [""] + comments + [""] + exports + ["exec " + shlex.join(srun), ""])

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
+import socket
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -52,6 +54,22 @@ def torchrun_flags(devices: Devices, *, node_rank: int | None) -> list[str]:
     if node_rank is not None:
         flags += ["--node-rank", str(node_rank)]
     return flags + ["--master-addr", devices.master_addr, "--master-port", str(devices.master_port)]
+
+
+def check_script(script: str, *, module: bool = False, no_python: bool = False) -> None:
+    """Refuse, before anything starts, a training script this node cannot run (torchrun would start its workers
+    and dump each one's failure). Checked on the node that runs it: every node of a job calls launch itself.
+    A module (-m) is Python's to find; a --no-python program is looked up as the shell would (PATH)."""
+    if module:
+        return
+    if no_python:
+        if shutil.which(script) is None:
+            raise NestError(f"{script}: no such program on this node ({socket.gethostname()}), "
+                            "neither a path nor on PATH (--no-python runs it as a program)")
+        return
+    if not os.path.isfile(script):
+        raise NestError(f"{script}: no such training script on this node ({socket.gethostname()}, "
+                        f"working directory {os.getcwd()})")
 
 
 def node_command(flags: list[str], script: str, script_args: list[str], *, node_rank: int | None = None,
