@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from nest_megatron.config.load import Loaded, load
 from nest_megatron.cost.evaluate import estimate
-from nest_megatron.errors import InfeasibleError
+from nest_megatron.errors import InfeasibleError, NestError
 from nest_megatron.hardware.accelerator import GIB
 from nest_megatron.plan import Plan, build_plan
 from nest_megatron.profile.for_plan import profiled_problem
@@ -31,6 +31,8 @@ def plan_loaded(loaded: Loaded) -> Plan:
     cfg = loaded.config
     problem, compute = profiled_problem(loaded.problem, cfg)
     result = SOLVERS[cfg.solver.name](problem, cfg.solver, cfg.plan, micro_batch_size=cfg.train.micro_batch_size)
+    if result.empty_space is not None:
+        raise NestError(f"no launchable configuration: {result.empty_space}")
     if result.best is None:
         raise InfeasibleError(
             f"no configuration of {cfg.model.name} fits on {problem.num_devices} x {problem.accelerator.name} "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # command name -> module under nest_megatron.commands (imported only when that command runs)
@@ -53,7 +54,18 @@ def overview() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        code = dispatch(sys.argv[1:] if argv is None else list(argv))
+        sys.stdout.flush()  # here, where a closed pipe can still be caught, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`nest-megatron plan --json | head`): no traceback; the Python docs' recipe
+        # points stdout at devnull so that the flush at exit cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(overview())
         return 0 if argv else 2

@@ -315,7 +315,7 @@ def main(argv: list[str]) -> int:
     # sequence parallel: the local spec's torch norm refuses it without Apex (megatron/core/transformer/torch_norm.py).
     problem = [*model, f"cluster={CLUSTERS[accelerator]}", f"accelerator={accelerator}", f"cluster.num_devices={gpus}",
                f"train.global_batch_size={gbs}", f"solver.micro_batch_sizes={'[1]' if args.cpu_smoke else '[1,2,4]'}",
-               "solver.zero_stages=[0,1]", "plan.sp=false"]
+               "solver.zero_stages=[0,1]", "plan.sp=false", *(["profile.allow_cpu=true"] if args.cpu_smoke else [])]
     tag = "cpu-smoke" if args.cpu_smoke else accelerator
     day = datetime.date.today().isoformat()
     if args.out_dir is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -185,3 +186,31 @@ def test_argv_names_the_kernels_the_memory_model_assumed():
     assert "--transformer-impl" not in argv  # analytic: whatever implementation has these kernels
     flash = api.evaluate([*SMALL, "plan.tp=2"]).megatron_args
     assert "--attention-backend" not in flash and "--no-bias-swiglu-fusion" not in flash
+
+
+@pytest.mark.parametrize("argv", [["plan", "--json", *SMALL], ["plan", *SMALL], ["--help"]])
+def test_a_reader_that_went_away_is_no_traceback(argv, tmp_path):
+    # `nest-megatron plan --json ... | head -1` with head already gone: stdout is a pipe whose read end is
+    # closed before the command writes, so its first write fails (EPIPE), whatever the pipe's buffer holds.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "nest_megatron.cli", *argv], cwd=tmp_path, stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.stderr == ""  # no BrokenPipeError traceback, nor "Exception ignored ... flush" at exit
+    assert proc.returncode == 1  # the Python docs' exit status for EPIPE
+
+
+def test_evaluate_table_piped_is_whole_and_says_evaluate(tmp_path):
+    # Piped (not a terminal): the tables print as wide as they need, so no header is cut to "weigh…".
+    proc = run("evaluate", *SMALL, "plan.tp=2", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].strip() == "nest-megatron evaluate: tiny_gpt on 16 x h100_sxm (dgx_h100_superpod)"
+    assert any("│ evaluate: 1 configuration in " in line for line in lines)  # one, not "1 configurations"
+    header = next(line for line in lines if line.startswith("┃ stage"))
+    assert [cell.strip() for cell in header.strip("┃").split("┃")] == [
+        "stage", "weights", "grads", "optimizer", "activations", "logits", "workspace", "total", "capacity"]
+    assert "…" not in proc.stdout

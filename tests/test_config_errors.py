@@ -122,6 +122,7 @@ SOLVER_KEYS = {
 }
 PROFILE_KEYS = {
     "warmup": ("1", 1), "repeats": ("2", 2), "local_devices": ("2", 2), "layers": ("false", False), "use": ("false", False),
+    "allow_cpu": ("true", True),
 }
 PLAN_KEYS = {
     "tp": ("2", 2), "pp": ("2", 2), "dp": ("4", 4), "cp": ("1", 1), "ep": ("1", 1), "etp": ("1", 1), "vpp": ("1", 1),
@@ -218,6 +219,14 @@ BAD = {
     "bad attention backend": (["model.attention_backend=fast"], r"model\.attention_backend=fast: allowed are flash, unfused",
                               ["model.attention_backend=unfused"]),
     "not key=value": (["tiny_gpt"], r"'tiny_gpt': overrides are key=value", ["model=tiny_gpt"]),
+    # h100_spine_leaf (the default cluster) has 3 levels: node, rack, spine
+    "level index past the last": (["cluster.levels.5.fan_out=2"],
+                                  r"^cluster\.levels\.5\.fan_out: cluster h100_spine_leaf has 3 levels, indices 0\.\.2$",
+                                  ["cluster.levels.2.fan_out=2"]),
+    "misspelt level key": (["cluster.levels.0.fanout=2"],
+                           r"^cluster\.levels\.0\.fanout: no such key; did you mean cluster\.levels\.0\.fan_out\? "
+                           r"keys of a cluster level: name, fan_out, bandwidth_gb_per_s, latency_s, oversubscription$",
+                           ["cluster.levels.0.fan_out=2"]),
 }
 
 

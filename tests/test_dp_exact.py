@@ -21,7 +21,17 @@ from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.ranks import node_permutations
 from nest_megatron.parallel.rules import violation
-from nest_megatron.solver.dp import balanced_split, best_split, brute_force_split, context_bound, lower_bound, solve
+from nest_megatron.solver.dp import (
+    balanced_split,
+    best_for,
+    best_split,
+    brute_force_split,
+    context_bound,
+    lower_bound,
+    placements,
+    solve,
+)
+from nest_megatron.solver.enumerate import solve as enumerate_solve
 from nest_megatron.solver.space import candidates
 
 
@@ -198,3 +208,48 @@ def test_the_number_of_recomputed_layers_is_searched_when_asked():
     args = plan.megatron_args
     assert args[args.index("--recompute-method") + 1] == "block"
     assert args[args.index("--recompute-num-layers") + 1] == "1"
+
+
+def test_runners_up_are_the_next_fastest_distinct_rows():
+    # 128 GPUs give tiny_gpt many placements of one configuration at the same step time: the plan lists each
+    # row a user reads (sizes, mbs, ZeRO, recompute) once, by its fastest configuration, and never the plan's own.
+    loaded = load(["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=128", "train.global_batch_size=128",
+                   "solver.top_k=3", "solver.zero_stages=[1]", "solver.recompute=[none]"])
+    problem, solver = loaded.problem, loaded.config.solver
+    result = solve(problem, solver, PlanChoice(), micro_batch_size=None)
+    listed = [result.best, *(e for e in result.runners_up if e.fits)]
+
+    def row(cfg):
+        return cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.vpp, cfg.mbs, cfg.zero, cfg.recompute
+
+    # Independently: every configuration under every placement, its best split without cutoffs or pruning.
+    fastest_of_row: dict[tuple, float] = {}
+    for cfg in candidates(problem, solver, PlanChoice(), micro_batch_size=None, any_split=True):
+        for i, mapping in enumerate(placements(problem, cfg)):
+            found = best_for(context(problem, cfg, rank_to_device=mapping))
+            if found is not None:
+                fastest_of_row[row(cfg)] = min(found[1], fastest_of_row.get(row(cfg), math.inf))
+    top = sorted(fastest_of_row.values())[: solver.top_k + 1]
+    assert len({row(e.config) for e in listed}) == len(listed) == solver.top_k + 1
+    assert [e.step_time for e in listed] == pytest.approx(top, rel=1e-12)
+    assert [e.step_time for e in listed] == pytest.approx([fastest_of_row[row(e.config)] for e in listed], rel=1e-12)
+
+
+def test_the_enumerator_lists_distinct_rows_too():
+    # tiny_moe on two stages: the two rank orders (and expert TP 1 or 2) of one row are separate configurations.
+    loaded = load(["model=tiny_moe", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64",
+                   "plan.pp=2", "solver.top_k=3", "solver.recompute=[none]"])
+    problem, solver, pins = loaded.problem, loaded.config.solver, loaded.config.plan
+    result = enumerate_solve(problem, solver, pins, micro_batch_size=None)
+    listed = [result.best, *(e for e in result.runners_up if e.fits)]
+
+    def row(cfg):
+        return cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.vpp, cfg.mbs, cfg.zero, cfg.recompute
+
+    fastest_of_row: dict[tuple, float] = {}  # independently: every configuration scored, the fastest that fits per row
+    for cfg in candidates(problem, solver, pins, micro_batch_size=None):
+        est = estimate(problem, cfg)
+        if est.fits:
+            fastest_of_row[row(cfg)] = min(est.step_time, fastest_of_row.get(row(cfg), math.inf))
+    assert len({row(e.config) for e in listed}) == len(listed) == solver.top_k + 1
+    assert [e.step_time for e in listed] == pytest.approx(sorted(fastest_of_row.values())[: solver.top_k + 1], rel=1e-12)

@@ -23,6 +23,7 @@ from nest_megatron.cost.schedule import megatron_order
 from nest_megatron.plan import Plan
 from nest_megatron.report.explain import (
     SCHEDULE_TOLERANCE,
+    placement_marks,
     plan_config,
     plan_context,
     report_data,
@@ -128,6 +129,19 @@ def test_placement_draws_every_device_coloured_by_stage(report, tiny_plan):
     assert data.stage_of_device == by_device.tolist()
     outlined = drawn["placement.png"]["group_members_drawn"]
     assert outlined == {"tp": p["tp"], "dp": p["dp"], "pp": p["pp"]}
+
+
+@pytest.mark.parametrize("cp, label", [
+    # TP 2 x CP 2 on 16 GPUs leaves DP 4; Megatron's dp-cp group of rank 0 holds DP x CP = 4 x 2 = 8 ranks.
+    (2, "DP x CP group of 8 (rank 0's)"),
+    # Without context parallel it is the data-parallel group alone: 16 / 2 = DP 8.
+    (1, "DP group of 8 (rank 0's)"),
+])
+def test_placement_names_the_data_parallel_group_with_context_parallel(cp, label):
+    plan = api.evaluate([*TINY, "plan.tp=2", f"plan.cp={cp}", "plan.pp=1"])
+    _, groups = placement_marks(plan, plan_config(plan), exposed=dict.fromkeys(["tp", "cp", "dp", "ep", "pp"], 0.0))
+    dp_label = next(g.label for g in groups if g.kind == "dp")
+    assert dp_label.startswith(label), dp_label
 
 
 @pytest.mark.slow
@@ -310,7 +324,7 @@ def test_plan_report_that_cannot_be_written(tmp_path, capsys):
     plan_file = tmp_path / "plan.json"
     assert cli.main(["plan", *ONE_F_ONE_B, f"out={plan_file}", f"report={blocker}"]) == 2
     err = capsys.readouterr().err
-    assert err == f"nest-megatron plan: error: {blocker}: exists and is not a folder; give the report a folder of its own\n"
+    assert err == f"nest-megatron plan: error: report={blocker}: is a file; give a folder\n"
     assert not plan_file.exists() and blocker.read_text() == "not a folder"
 
 
@@ -340,4 +354,30 @@ def test_bad_input_one_line_and_nothing_written(tiny_plan, tmp_path, capsys):
         assert cli.main(["explain", *argv, f"out={out}", "--no-baselines"]) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("nest-megatron explain: error: ") and message in err, err
+        assert not out.exists()
+
+
+def test_an_edited_plan_that_cannot_be_explained_is_refused_in_one_line(tiny_plan, tmp_path, capsys):
+    # The tiny plan, edited by hand; each line is what the edit breaks, worked out from the edit.
+    plan = tiny_plan.to_dict()
+    split = tiny_plan.layers_per_stage
+    cases = [
+        # TP 3 x CP 1 x PP 2 x DP 2 = 12 of the 16 devices, but 3 does not divide tiny_gpt's 8 heads.
+        ({"parallel": {**plan["parallel"], "tp": 3, "cp": 1, "dp": 2}},
+         "the plan breaks a Megatron rule: plan.tp=3: must divide num_attention_heads=8"),
+        # tiny_gpt has 4 layers; the overrides now build 5, which the plan's split does not hold.
+        ({"overrides": [*plan["overrides"], "model.num_layers=5"]},
+         f"the plan's layers_per_stage={split} hold 4 layers, but its overrides build tiny_gpt with model.num_layers=5"),
+        ({"global_batch_size": 32},
+         "the plan's global_batch_size=32, but its overrides build train.global_batch_size=64"),
+        ({"rank_to_device": [0] * 16},
+         "rank_to_device: must place the tp*cp*pp*dp = 16 ranks on distinct devices 0..15 (it lists 16)"),
+        ({"parallel": {**plan["parallel"], "tp": "2"}}, "parallel.tp='2': must be an integer"),
+    ]
+    for edit, line in cases:
+        path = tmp_path / "edited.json"
+        path.write_text(json.dumps({**plan, **edit}))
+        out = tmp_path / "out"
+        assert cli.main(["explain", str(path), f"out={out}", "--no-baselines"]) == 2, edit
+        assert capsys.readouterr().err == f"nest-megatron explain: error: {line}\n"
         assert not out.exists()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from nest_megatron import api
-from nest_megatron.config.load import CONFIG_PATH_ENV
+from nest_megatron.config.load import CONFIG_PATH_ENV, load
 from nest_megatron.errors import NestError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,8 +68,9 @@ def test_a_users_own_cluster_comes_from_the_config_path(tmp_path, monkeypatch):
 
 def test_without_the_config_path_a_users_cluster_is_unknown_and_the_shipped_ones_are_listed(monkeypatch):
     monkeypatch.delenv(CONFIG_PATH_ENV, raising=False)
-    with pytest.raises(NestError, match=r"^cluster=my_pod: unknown cluster; choose one of: .*dgx_h100_superpod"):
+    with pytest.raises(NestError, match=r"^cluster=my_pod: unknown cluster; choose one of: .*dgx_h100_superpod") as err:
         api.plan([*TINY, "cluster=my_pod"])
+    assert str(err.value).endswith(f"(your own clusters go in a folder listed in {CONFIG_PATH_ENV}, as cluster/my_pod.yaml)")
 
 
 def test_a_config_path_that_is_not_a_folder_is_one_line(tmp_path, monkeypatch):
@@ -84,3 +85,39 @@ def test_a_user_file_named_like_a_shipped_one_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv(CONFIG_PATH_ENV, str(tmp_path))
     with pytest.raises(NestError, match=rf"^{clash}: a shipped cluster has the name dgx_h100_superpod; rename yours"):
         api.plan(TINY)
+
+
+# (what is changed in the copy of the shipped cluster, the message after "PATH: "); the shipped file's levels are
+# on lines 9-11: `  - {name: node,  fan_out: 8,  bandwidth_gb_per_s: 450, latency_s: 3.0e-6}` first
+BROKEN_FILES = {
+    "unclosed flow mapping": (("fan_out: 8,  bandwidth_gb_per_s: 450, latency_s: 3.0e-6}", "fan_out: 8"),
+                              "line 10, column 5: expected ',' or '}', but got '{' "
+                              "(while parsing a flow mapping from line 9); fix the YAML"),
+    "misspelt level key": (("bandwidth_gb_per_s: 450", "bandwith_gb_per_s: 450"),
+                           "bandwith_gb_per_s: no such key; did you mean bandwidth_gb_per_s? keys of a cluster level: "
+                           "name, fan_out, bandwidth_gb_per_s, latency_s, oversubscription"),
+    "wrong type": (("fan_out: 32", "fan_out: many"), "fan_out: expected Integer, not many"),
+}
+
+
+@pytest.mark.parametrize("change, says", list(BROKEN_FILES.values()), ids=list(BROKEN_FILES))
+def test_a_mistake_in_a_users_cluster_file_is_one_line_naming_the_file(change, says, tmp_path, monkeypatch):
+    path = _my_cluster(tmp_path, "my_pod")
+    old, new = change
+    assert path.read_text().count(old) == 1
+    path.write_text(path.read_text().replace(old, new))
+    monkeypatch.setenv(CONFIG_PATH_ENV, str(tmp_path))
+    with pytest.raises(NestError) as err:
+        load([*TINY, "cluster=my_pod"])
+    assert str(err.value) == f"{path}: {says}"
+
+
+def test_an_unknown_accelerator_in_a_users_defaults_names_the_file(tmp_path, monkeypatch):
+    path = _my_cluster(tmp_path, "my_pod")
+    path.write_text(path.read_text().replace("@_global_.accelerator: h100_sxm", "@_global_.accelerator: h300"))
+    monkeypatch.setenv(CONFIG_PATH_ENV, str(tmp_path))
+    with pytest.raises(NestError) as err:
+        load([*TINY, "cluster=my_pod"])
+    assert str(err.value) == (f"{path}: defaults: accelerator h300: unknown accelerator; choose one of: a100_80gb, b200, "
+                              f"h100_sxm, h200, tpuv4 (your own accelerators go in a folder listed in {CONFIG_PATH_ENV}, "
+                              "as accelerator/h300.yaml)")

@@ -189,6 +189,57 @@ def test_plan_says_when_there_is_no_profile(monkeypatch, tmp_path):
     assert api.evaluate([*PROBLEM, "plan.tp=8"]).search["compute"].startswith("roofline")
 
 
+def test_profiles_measured_on_a_cpu_do_not_price_a_gpu(tmp_path):
+    # The CPU smoke run's cache: profiles of h100_sxm timed on the CPU (device "cpu"), here with the timings
+    # of a chosen compute model so that a fit from them is recognisable.
+    problem = load(PROBLEM).problem
+    truth = chosen_compute(problem)
+    cache = Cache(tmp_path / "profiles.json")
+    cpu_entries = [dataclasses.replace(e, device="cpu") for e in synthetic_entries(problem, truth)]
+    for e in cpu_entries:
+        cache.add(e)
+    cache.save()
+    measured = len(cache.entries)  # distinct keys (synthetic_entries repeats some shapes)
+    pins = ["plan.tp=4", "plan.pp=1", "plan.mbs=1", "plan.zero=1", "plan.recompute=none"]
+    cfg = ParallelConfig(tp=4, sp=True, dp=2, mbs=1, zero=1)
+    done = api.evaluate([*PROBLEM, *pins, f"cache={cache.path}"])
+    assert done.search["compute"] == (f"roofline with the shipped efficiencies ({measured} profiles of "
+                                      f"h100_sxm in {cache.path} were measured on cpu; profile.allow_cpu=true uses them)")
+    assert done.predicted["step_time_s"] == pytest.approx(estimate(problem, cfg).step_time, rel=1e-9)
+    # the CPU smoke run asks for them
+    allowed = api.evaluate([*PROBLEM, *pins, f"cache={cache.path}", "profile.allow_cpu=true"])
+    assert allowed.search["compute"].startswith(f"fitted from {measured} profiles in {cache.path}")
+    expected = estimate(dataclasses.replace(problem, compute=truth), cfg)
+    assert allowed.predicted["step_time_s"] == pytest.approx(expected.step_time, rel=1e-4)
+
+    # GPU profiles beside them: the fit uses the H100 ones only and says what it left out. The H100 ones are
+    # the same timings (keyed apart by device), so the fit still recovers `truth`.
+    for e in cpu_entries:
+        cache.add(dataclasses.replace(e, device="NVIDIA H100 80GB HBM3"))
+    cache.add(entry("gemm", 1.0, shape={"m": 1, "n": 1, "k": 1}, device="NVIDIA A100-SXM4-80GB"))  # another GPU
+    cache.save()
+    mixed = api.evaluate([*PROBLEM, *pins, f"cache={cache.path}"])
+    assert mixed.search["compute"].startswith(f"fitted from {measured} profiles in {cache.path}: ")
+    assert mixed.search["compute"].endswith(f" (not used: {measured + 1} profiles of h100_sxm in {cache.path} "
+                                            "were measured on NVIDIA A100-SXM4-80GB, cpu)")
+    assert mixed.predicted["step_time_s"] == pytest.approx(expected.step_time, rel=1e-4)
+
+
+def test_profile_checks_its_cache_path_before_it_profiles(capsys, monkeypatch, tmp_path):
+    from nest_megatron.profile import runner
+
+    def never(*args, **kwargs):
+        raise AssertionError("profiled before the cache path was checked")
+
+    monkeypatch.setattr(runner, "run_tasks", never)
+    (tmp_path / "adir").mkdir()
+    problem = ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=1", "solver.micro_batch_sizes=[1]"]
+    assert one_line_error(capsys, "profile", *problem, "cache=/proc/x.json").strip() == (
+        "nest-megatron profile: error: cache=/proc/x.json: cannot write in /proc (No such file or directory)")
+    assert one_line_error(capsys, "profile", *problem, f"cache={tmp_path / 'adir'}").strip() == (
+        f"nest-megatron profile: error: cache={tmp_path / 'adir'}: is a folder; give a file path")
+
+
 @pytest.mark.parametrize("override, says", [
     ("cache=/nonexistent/profiles.json", "cache=/nonexistent/profiles.json: no such profile cache"),
     ("profile.repeats=0", "profile.repeats=0: must be positive"),
@@ -228,8 +279,11 @@ def test_profile_command_times_tiny_gpt_in_process_across_processes_and_as_a_sha
     assert dense[2].strategy["sp"] is True and dense[4].strategy["sp"] is True and dense[2].versions["torch"]
     assert "compute model for h100_sxm:" in done.stdout and f"written to {path}" in done.stdout
 
+    assert ("no GPU: timing on the CPU; these profiles will not price plans for accelerator=h100_sxm unless "
+            "profile.allow_cpu=true") in done.stdout.splitlines()
+
     planned = cli("plan", "model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=4",
-                  "train.global_batch_size=8", f"cache={path}", "--json")
+                  "train.global_batch_size=8", f"cache={path}", "profile.allow_cpu=true", "--json")
     assert planned.returncode == 0, planned.stderr
     assert json.loads(planned.stdout)["search"]["compute"].startswith(f"fitted from {len(entries)} profiles in {path}")
 

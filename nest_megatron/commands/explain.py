@@ -15,11 +15,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from nest_megatron.commands.common import fail, stdout_console
+from nest_megatron.commands.common import check_writable, fail, stdout_console
 from nest_megatron.config.load import Loaded, load
 from nest_megatron.errors import NestError
 from nest_megatron.plan import Plan
-from nest_megatron.report.explain import FIGURES, report_data, write_report
+from nest_megatron.report.explain import FIGURES, plan_mismatch, report_data, write_report
 from nest_megatron.solver.baselines import flat_network, manual
 from nest_megatron.solver.registry import SOLVERS
 
@@ -80,8 +80,11 @@ def explain(loaded: Loaded, plan: Plan, out: Path, *, baselines: bool, progress:
     """Run the baselines on `loaded`'s problem, render the report of `plan` and move it into `out`
     (index.html last, so a report is either whole or absent); return index.html's path."""
     problem, cfg = loaded.problem, loaded.config
-    if plan.num_devices != problem.num_devices or len(plan.rank_to_device) > problem.num_devices:
+    if plan.num_devices != problem.num_devices:
         raise NestError(f"the plan is for {plan.num_devices} devices but its overrides build {problem.num_devices}")
+    mismatch = plan_mismatch(plan, problem)
+    if mismatch:
+        raise NestError(mismatch)
     if out.exists() and not out.is_dir():
         raise NestError(f"{out}: exists and is not a folder; give the report a folder of its own")
     steps = (BASELINE_STEPS if baselines else 0) + len(FIGURES) + 1
@@ -113,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         out = output_dir(args.plan, args.options)
         plan = read_plan(args.plan)
+        check_writable(out, "out", folder=True)
         loaded = load(plan.overrides)
         with progress_bar(quiet=args.quiet) as progress:
             index = explain(loaded, plan, out, baselines=not args.no_baselines, progress=progress)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from nest_megatron import api
-from nest_megatron.commands.common import fail, stdout_console, write_atomically
+from nest_megatron.commands.common import check_writable, fail, stdout_console, write_atomically
 from nest_megatron.commands.explain import explain, progress_bar
 from nest_megatron.config.load import load
 from nest_megatron.errors import NestError
@@ -29,11 +29,15 @@ def run(args: argparse.Namespace) -> int:
     console = stdout_console()
     try:
         loaded = load(args.overrides)
+        out, report = loaded.config.out, loaded.config.report
+        if out:  # before the search, so that a path that cannot be written fails at once
+            check_writable(Path(out), "out")
+        if report:
+            check_writable(Path(report), "report", folder=True)
         with progress_bar(quiet=args.quiet) as progress:
             task = progress.add_task("searching" if args.command == "plan" else "pricing", total=None)
             plan = api.plan_loaded(loaded) if args.command == "plan" else api.evaluate_loaded(loaded)
             progress.update(task, total=1, completed=1)
-            out, report = loaded.config.out, loaded.config.report
             if report:  # before out=, so that a report that cannot be written leaves no plan file either
                 report = explain(loaded, plan, Path(report), baselines=True, progress=progress)
             if out:

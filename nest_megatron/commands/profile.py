@@ -9,15 +9,12 @@ import argparse
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from nest_megatron.commands.common import fail, stdout_console
+from nest_megatron.commands.common import check_writable, fail, stdout_console
 from nest_megatron.config.load import load
 from nest_megatron.errors import NestError
+from nest_megatron.profile.for_plan import GPU_ACCELERATORS, accelerator_of_device  # noqa: F401 (scripts/ import it from here)
 
 HELP = "time layers and ops on the local devices into the profile cache that plan uses"
-
-# Substrings of torch's device names -> the accelerator config that describes that GPU.
-GPU_ACCELERATORS = {"H100": "h100_sxm", "H200": "h200", "A100": "a100_80gb", "B200": "b200"}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: model=llama3_8b profile.repeats=20 cache=PATH ...")
@@ -30,11 +27,11 @@ def local_setup(accelerator: str, local_devices: int | None) -> tuple[str, int, 
     import torch
 
     if not torch.cuda.is_available():
-        note = (f"no GPU: timing on the CPU; plans for accelerator={accelerator} with this cache will be "
-                "priced at this CPU's speed")
+        note = (f"no GPU: timing on the CPU; these profiles will not price plans for accelerator={accelerator} "
+                "unless profile.allow_cpu=true")
         return "cpu", local_devices or 1, note
     name, count = torch.cuda.get_device_name(0), torch.cuda.device_count()
-    detected = next((acc for key, acc in GPU_ACCELERATORS.items() if key in name), None)
+    detected = accelerator_of_device(name)
     if detected and detected != accelerator:
         raise NestError(f"accelerator={accelerator}: this machine has {name}; profile it as accelerator={detected}")
     if local_devices is not None and local_devices > count:
@@ -51,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         from nest_megatron.profile.fit import fit
         from nest_megatron.profile.runner import plan_tasks, run_tasks, strategies
 
+        check_writable(cache_path(cfg.cache), "cache")  # before the profiling run, not after it
         cache = Cache.load(cache_path(cfg.cache))
         device, local_devices, note = local_setup(problem.accelerator.name, cfg.profile.local_devices)
         found = strategies(problem, cfg.solver, cfg.plan, micro_batch_size=cfg.train.micro_batch_size)

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
@@ -21,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from nest_megatron.config.schema import (
     AcceleratorConfig,
     ClusterConfig,
+    LevelConfig,
     ModelConfig,
     PlanChoice,
     ProfileConfig,
@@ -101,20 +103,102 @@ def _compose(overrides: list[str]):
             raise NestError(f"'{item}': overrides are key=value (e.g. model=llama3_70b, cluster.num_devices=1024)")
         key, value = item.split("=", 1)
         if key in GROUPS and value not in options(key):
-            raise NestError(f"{key}={value}: unknown {key}; choose one of: {', '.join(options(key))}")
-    user_dirs = user_config_dirs()
-    search = [f"hydra.searchpath=[{','.join(folder.as_uri() for folder in user_dirs)}]"] if user_dirs else []
+            raise NestError(_unknown_option_message(f"{key}={value}", key, value))
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            cfg = compose(config_name="config", overrides=[*overrides, *search])
+        cfg = _hydra_compose(overrides)
+    except yaml.YAMLError as err:  # a config file of the user's that is not YAML
+        raise NestError(_yaml_message(err)) from None
     except (ConfigCompositionException, MissingConfigException, HydraException, OmegaConfBaseException) as err:
         raise NestError(_composition_message(err, overrides)) from None
     return cfg
 
 
+def _hydra_compose(overrides: list[str]):
+    """Hydra's composition of `overrides`, the user's config folders searched before the shipped ones."""
+    user_dirs = user_config_dirs()
+    search = [f"hydra.searchpath=[{','.join(folder.as_uri() for folder in user_dirs)}]"] if user_dirs else []
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return compose(config_name="config", overrides=[*overrides, *search])
+
+
+def _unknown_option_message(where: str, group: str, name: str) -> str:
+    return (f"{where}: unknown {group}; choose one of: {', '.join(options(group))} (your own {group}s go in a folder "
+            f"listed in {CONFIG_PATH_ENV}, as {group}/{name}.yaml)")
+
+
+def _config_file(group: str, name: str) -> Path | None:
+    """The YAML file that `group`=`name` composes: the user's folders first, then the shipped configs."""
+    return next((p for folder in [*user_config_dirs(), CONFIG_DIR] if (p := folder / group / f"{name}.yaml").exists()),
+                None)
+
+
+def _yaml_message(err: yaml.YAMLError) -> str:
+    mark = getattr(err, "problem_mark", None)
+    if mark is None:
+        return f"a config file is not valid YAML: {' '.join(str(err).split())}"
+    problem = getattr(err, "problem", None) or "not valid YAML"
+    context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+    opened = f" ({context} from line {start.line + 1})" if context and start else ""
+    return f"{mark.name}: line {mark.line + 1}, column {mark.column + 1}: {problem}{opened}; fix the YAML"
+
+
+# The schema of what a config file's keys go into, as the messages call it
+SCHEMA_NAMES = {**{schema: section for section, schema in SECTIONS.items()}, LevelConfig: "a cluster level"}
+
+
+def _file_message(where: str, cause: Exception | None) -> str | None:
+    """A problem inside one config file (`where` is Hydra's 'group/name'), as one line naming the file, or None."""
+    group, _, name = where.partition("/")
+    path = _config_file(group, name) if group in GROUPS else None
+    if path is None or not isinstance(cause, OmegaConfBaseException):
+        return None
+    key = getattr(cause, "full_key", None) or getattr(cause, "key", None) or "?"
+    schema = getattr(cause, "object_type", None)
+    if "not in" in str(cause) and schema in SCHEMA_NAMES:
+        allowed = [f.name for f in fields(schema)]
+        close = difflib.get_close_matches(str(key).split(".")[-1], allowed, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        return f"{path}: {key}: no such key; {hint}keys of {SCHEMA_NAMES[schema]}: {', '.join(allowed)}"
+    text = str(cause).splitlines()[0]
+    wrong_type = re.match(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", text)
+    return f"{path}: {key}: " + (f"expected {wrong_type.group(2)}, not {wrong_type.group(1)}" if wrong_type else text)
+
+
+def _missing_option_message(group: str, name: str, overrides: list[str]) -> str:
+    """An option that a config file's defaults name (overrides on the command line are checked before)."""
+    chosen = [_config_file(k, v) for k, _, v in (o.partition("=") for o in overrides) if k in GROUPS]
+    mine = [p for folder in user_config_dirs() for g in GROUPS for p in sorted((folder / g).glob("*.yaml"))]
+    pattern = re.compile(rf"{group}\S*:\s*{re.escape(name)}\b")
+    source = next((p for p in [*chosen, *mine] if p and pattern.search(p.read_text())), None)
+    return _unknown_option_message(f"{source}: defaults: {group} {name}" if source else f"{group}={name}", group, name)
+
+
+def _levels_message(overrides: list[str]) -> str | None:
+    """An override of a level the cluster does not have (cluster.levels.5.fan_out=2 on a 3-level cluster)."""
+    indexed = [(o, int(m.group(1))) for o in overrides if (m := re.match(r"cluster\.levels\.(\d+)\b", o))]
+    if not indexed:
+        return None
+    cluster = _hydra_compose([o for o in overrides if not re.match(r"cluster\.levels\.\d", o)]).cluster
+    count = len(cluster.levels)
+    return next((f"{o.split('=', 1)[0]}: cluster {cluster.name} has {count} levels, indices 0..{count - 1}"
+                 for o, i in indexed if i >= count), None)
+
+
 def _composition_message(err: Exception, overrides: list[str]) -> str:
     text = " ".join(str(err).split())
     cause = " ".join(str(err.__cause__ or "").split())
+    in_file = re.match(r"In '([\w/.-]+)': ", text)
+    if in_file and (message := _file_message(in_file.group(1), err.__cause__ or err.__context__)):
+        return message
+    not_found = re.search(r"Could not find '(\w+)/([\w.-]+)'", text)
+    if not_found:
+        return _missing_option_message(not_found.group(1), not_found.group(2), overrides)
+    try:
+        levels = _levels_message(overrides)
+    except (HydraException, OmegaConfBaseException):
+        levels = None
+    if levels:
+        return levels
     wrong_type = re.search(r"Error merging override ([\w.]+)=(\S*)", text)
     if wrong_type and cause:
         expected = re.search(r"(?:converted to|a valid) (\w+)", cause)
@@ -128,6 +212,12 @@ def _composition_message(err: Exception, overrides: list[str]) -> str:
 
 
 def _unknown_key_message(dotted: str) -> str:
+    level = re.match(r"cluster\.levels\.\d+\.(\w+)$", dotted)
+    if level:
+        allowed = [f.name for f in fields(LevelConfig)]
+        close = difflib.get_close_matches(level.group(1), allowed, n=1)
+        hint = f"did you mean {dotted.rsplit('.', 1)[0]}.{close[0]}? " if close else ""
+        return f"{dotted}: no such key; {hint}keys of a cluster level: {', '.join(allowed)}"
     section, _, key = dotted.partition(".")
     if section in SECTIONS and key:
         allowed = [f.name for f in fields(SECTIONS[section])]

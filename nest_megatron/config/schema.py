@@ -67,9 +67,9 @@ class AcceleratorConfig:
     hbm_bandwidth_gb_per_s: float = MISSING  # 1e9 B/s
     # The fractions of the peaks that kernels reach; a profile cache (`nest-megatron profile`) fits
     # them from measurements instead.
-    gemm_efficiency: float = 0.75  # of peak, a large GEMM
-    attention_efficiency: float = 0.55  # of peak, a fused attention kernel
-    memory_bound_efficiency: float = 0.8  # of HBM bandwidth, a memory-bound kernel
+    gemm_efficiency: float = 0.75  # fraction of the bf16 peak a large GEMM reaches (a profile fits it)
+    attention_efficiency: float = 0.55  # fraction of the bf16 peak a fused attention kernel reaches (a profile fits it)
+    memory_bound_efficiency: float = 0.8  # fraction of HBM bandwidth a memory-bound kernel reaches (a profile fits it)
     # CUDA context, NCCL buffers, cuBLAS workspace and allocator fragmentation, GiB.
     reserved_memory_gib: float = 3.0
 
@@ -172,6 +172,8 @@ class ProfileConfig:
     local_devices: Optional[int] = None
     layers: bool = True  # also time whole megatron-core layers, not only their GEMMs / attention / memory ops
     use: bool = True  # plan and evaluate use the compute model fitted from the cache when it has profiles
+    # price a GPU accelerator with profiles measured on a CPU: the CPU smoke run of the GPU validation, never a real plan
+    allow_cpu: bool = False
 
 
 @dataclass

@@ -86,5 +86,10 @@ class Cache:
         entries = sorted(self.entries.values(), key=lambda e: e.key)
         text = json.dumps({"format": FORMAT, "entries": [asdict(e) for e in entries]}, indent=1)
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(self.path)
+        try:
+            tmp.write_text(text)
+            tmp.replace(self.path)
+        except OSError as err:
+            raise NestError(f"cache={self.path}: cannot write it ({err.strerror})") from None
+        finally:
+            tmp.unlink(missing_ok=True)  # gone after the rename; a failed write's part

@@ -24,9 +24,11 @@ from nest_megatron.hardware.accelerator import GIB
 from nest_megatron.hardware.topology import Topology
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.ranks import decoder_sizes, expert_sizes, rank_groups
+from nest_megatron.parallel.rules import violation
 from nest_megatron.plan import Plan
 from nest_megatron.report.plots import memory, placement, schedule
 from nest_megatron.report.plots.placement import GroupMark
+from nest_megatron.report.table import configurations
 
 SCHEDULE_TOLERANCE = 0.01  # the drawn iteration is within 1% of the predicted step time (cost/schedule.py)
 GROUP_TOKENS = {"tp": "tp", "cp": "cp", "dp": "dp-cp", "ep": "ep", "pp": "pp"}  # kind -> rank_groups token
@@ -40,6 +42,49 @@ def plan_config(plan: Plan) -> ParallelConfig:
                           sp=p["sp"], mbs=plan.micro_batch_size, zero=plan.zero_stage, recompute=recompute,
                           recompute_num_layers=r["num_layers"] if r["method"] == "block" else None,
                           order=plan.rank_order)
+
+
+SIZES = ("tp", "pp", "dp", "cp", "ep", "etp", "vpp")
+
+
+def plan_mismatch(plan: Plan, problem: Problem) -> str | None:
+    """Why `plan` (read from a file, maybe edited) cannot be the plan of `problem` (its overrides' problem), as
+    one line: a field of the wrong type, a Megatron rule it breaks, or a value its problem contradicts. None
+    when it can be explained."""
+    p, r = plan.parallel, plan.recompute
+    if not isinstance(p, dict) or not isinstance(r, dict):
+        return "parallel and recompute: must be JSON objects, as `plan` writes them"
+    for name in SIZES:
+        if type(p.get(name)) is not int:
+            return f"parallel.{name}={p.get(name)!r}: must be an integer"
+    if not isinstance(p.get("sp"), bool):
+        return f"parallel.sp={p.get('sp')!r}: must be true or false"
+    for name in ("micro_batch_size", "global_batch_size", "zero_stage"):
+        if type(getattr(plan, name)) is not int:
+            return f"{name}={getattr(plan, name)!r}: must be an integer"
+    for name in ("layers_per_stage", "rank_to_device"):
+        values = getattr(plan, name)
+        if not isinstance(values, list) or any(type(v) is not int for v in values):
+            return f"{name}: must be a list of integers"
+    if not isinstance(plan.rank_order, str) or set(r) != {"granularity", "method", "num_layers"}:
+        return "rank_order and recompute: must be as `plan` writes them (a string; granularity, method, num_layers)"
+    if plan.global_batch_size != problem.global_batch_size:
+        return (f"the plan's global_batch_size={plan.global_batch_size}, but its overrides build "
+                f"train.global_batch_size={problem.global_batch_size}")
+    layers = problem.model.cfg.num_layers
+    if sum(plan.layers_per_stage) != layers:
+        return (f"the plan's layers_per_stage={plan.layers_per_stage} hold {sum(plan.layers_per_stage)} layers, but "
+                f"its overrides build {problem.model.cfg.name} with model.num_layers={layers}")
+    cfg = plan_config(plan)
+    broken = violation(cfg, model=problem.model, num_devices=problem.num_devices,
+                       global_batch_size=problem.global_batch_size, layers_per_stage=tuple(plan.layers_per_stage))
+    if broken:
+        return f"the plan breaks a Megatron rule: {broken}"
+    mapping = plan.rank_to_device
+    if len(mapping) != cfg.world or len(set(mapping)) != len(mapping) or not all(0 <= d < plan.num_devices for d in mapping):
+        return (f"rank_to_device: must place the tp*cp*pp*dp = {cfg.world} ranks on distinct devices 0..{plan.num_devices - 1}"
+                f" (it lists {len(mapping)})")
+    return None
 
 
 def plan_context(problem: Problem, plan: Plan) -> Context:
@@ -119,8 +164,10 @@ def placement_marks(plan: Plan, cfg: ParallelConfig, exposed: dict[str, float]) 
             continue
         level = plan.group_levels.get(kind)
         where = f"over the {level} level" if level else "inside one device"
+        # The data-parallel group outlined is Megatron's dp-cp group: with context parallel it spans both.
+        name = "DP x CP" if kind == "dp" and cfg.cp > 1 else kind.upper()
         marks.append(GroupMark(kind, tuple(int(d) for d in mapping[group]),
-                               f"{kind.upper()} group of {len(group)} (rank 0's): {where}, "
+                               f"{name} group of {len(group)} (rank 0's): {where}, "
                                + (f"{_seconds(exposed[kind])}/iteration exposed" if exposed[kind] > 0
                                   else "hidden behind compute")))
     return stage_of_device.tolist(), marks
@@ -206,7 +253,7 @@ def render_html(data: ReportData, out: Path) -> str:
         ["predicted step", f"{pred['step_time_s']:.4g} s, {pred['tokens_per_s']:,.0f} tokens/s, "
                            f"{pred['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {pred['mfu']:.1%}"],
         ["peak memory", f"{pred['peak_memory_gib']:.1f} of {pred['capacity_gib']:.1f} GiB"],
-        ["search", f"{plan.search['solver']}: {plan.search['configs_evaluated']} configurations in "
+        ["search", f"{plan.search['solver']}: {configurations(plan.search['configs_evaluated'])} in "
                    f"{plan.search['time_s']:.2f} s"],
     ]
     tl = data.timeline

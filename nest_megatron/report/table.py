@@ -5,15 +5,34 @@ from __future__ import annotations
 import shlex
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from nest_megatron.plan import Plan
 
 
+def configurations(count: int) -> str:
+    return f"{count} configuration{'' if count == 1 else 's'}"
+
+
+def print_table(console: Console, table: Table) -> None:
+    """On a terminal, fitted to its width; piped, as wide as the table needs (no headers cut to "weigh…")."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    width = console.width  # print's own width= is capped at the console's
+    console.width = Measurement.get(console, console.options.update_width(10_000), table).maximum
+    try:
+        console.print(table)
+    finally:
+        console.width = width
+
+
 def render(plan: Plan, console: Console) -> None:
     p, pred = plan.parallel, plan.predicted
-    head = Table(title=f"nest-megatron plan: {plan.model} on {plan.num_devices} x {plan.accelerator} ({plan.cluster})",
-                 show_header=False)
+    command = "evaluate" if plan.search["solver"] == "evaluate" else "plan"  # a scored choice, or a search
+    head = Table(title=f"nest-megatron {command}: {plan.model} on {plan.num_devices} x {plan.accelerator} "
+                       f"({plan.cluster})", show_header=False)
     head.add_column("what", style="bold")
     head.add_column("value")
     head.add_row("parallel", f"TP {p['tp']}  PP {p['pp']}  DP {p['dp']}  CP {p['cp']}  EP {p['ep']}  "
@@ -30,11 +49,11 @@ def render(plan: Plan, console: Console) -> None:
                               f"{pred['tflops_per_gpu']:.0f} TFLOP/s/GPU   MFU {pred['mfu']:.1%}")
     if plan.idle_devices:
         head.add_row("idle devices", str(plan.idle_devices))
-    head.add_row("search", f"{plan.search['solver']}: {plan.search['configs_evaluated']} configurations in "
+    head.add_row("search", f"{plan.search['solver']}: {configurations(plan.search['configs_evaluated'])} in "
                            f"{plan.search['time_s']:.2f} s")
     if "compute" in plan.search:
         head.add_row("compute model", plan.search["compute"])
-    console.print(head)
+    print_table(console, head)
 
     mem = Table(title="memory per pipeline stage (GiB)")
     keys = list(pred["memory_breakdown_gib"][0])
@@ -44,7 +63,7 @@ def render(plan: Plan, console: Console) -> None:
         total = pred["memory_per_stage_gib"][i]
         style = "red" if total > pred["capacity_gib"] else None
         mem.add_row(str(i), *(f"{stage[k]:.1f}" for k in keys), f"{total:.1f}", f"{pred['capacity_gib']:.1f}", style=style)
-    console.print(mem)
+    print_table(console, mem)
 
     time_table = Table(title="step time breakdown (s)")
     time_table.add_column("part")
@@ -52,6 +71,6 @@ def render(plan: Plan, console: Console) -> None:
     for k, v in pred["breakdown"].items():
         if v > 0:
             time_table.add_row(k, f"{v:.3f}")
-    console.print(time_table)
+    print_table(console, time_table)
     console.print("[bold]Megatron arguments:[/bold]")
     console.print(shlex.join(plan.megatron_args), soft_wrap=True, highlight=False)

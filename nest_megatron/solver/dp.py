@@ -20,7 +20,6 @@ with `estimate` for the tests.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
 from dataclasses import replace
@@ -49,8 +48,8 @@ from nest_megatron.cost.tables import range_sums
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.ranks import decoder_sizes, host_placements
 from nest_megatron.parallel.rules import num_microbatches
-from nest_megatron.solver.enumerate import SearchResult
-from nest_megatron.solver.space import candidates
+from nest_megatron.solver.enumerate import SearchResult, row_key
+from nest_megatron.solver.space import candidates, empty_space_reason
 
 FRONT_CAPACITY = 64  # Pareto points kept per state; exceeding it is an error, never a silent cut
 
@@ -325,38 +324,52 @@ def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_bat
         pending.append((bounds[key], i, cfg))
     pending.sort()
     layers = problem.model.cfg.num_layers
-    fastest: list[tuple[float, int, Context, tuple[int, ...]]] = []  # max-heap of the top_k + 1
-    tiebreak = itertools.count()  # equal step times: the earlier found ranks first
-    too_big: list[Estimate] = []
+    # The top_k + 1 fastest distinct rows (row_key: what a runner-up line shows), each by its fastest
+    # configuration: (step time, order found, context, split). Equal step times: the earlier found ranks first.
+    kept: dict[tuple, tuple[float, int, Context, tuple[int, ...]]] = {}
+    found_order = itertools.count()
+    too_big: dict[tuple, Estimate] = {}
     contexts: dict = {}
     solved = 0
+
+    def cutoff() -> float:
+        """The step time a configuration must beat to enter the kept rows."""
+        return max(item[0] for item in kept.values()) if len(kept) > solver.top_k else np.inf
+
     for bound, _, cfg in pending:
-        if len(fastest) > solver.top_k and bound >= -fastest[0][0]:
+        if bound >= cutoff():
             break
         solved += 1
+        row = row_key(cfg)
         for i, mapping in enumerate(placements(problem, cfg)):
             ctx = shared_context(problem, cfg, mapping, i, contexts)
-            cutoff = -fastest[0][0] if len(fastest) > solver.top_k else np.inf
+            beat = cutoff()
             # No placement changes memory: when the even split of virtual stages does not fit under
             # the first, it fits under none.
             fits = not (i == 0 and cfg.vpp > 1) or fits_in(ctx, uniform_split(layers, cfg.pp))
-            if fits and context_bound(ctx) >= cutoff:  # priced on its placement, it cannot make the kept plans
+            if fits and context_bound(ctx) >= beat:  # priced on its placement, it cannot make the kept plans
                 continue
-            found = best_for(ctx, cutoff=cutoff) if fits else None
+            found = best_for(ctx, cutoff=beat) if fits else None
             if found is None:
-                if cutoff == np.inf and len(too_big) < 3:  # nothing fits (rather than nothing beats the kept)
-                    too_big.append(estimate_in(ctx, balanced_split(layers, cfg.pp)))
+                # Nothing fits (rather than nothing beats the kept): a row of the plans that did not fit.
+                if beat == np.inf and len(too_big) < 3 and row not in too_big:
+                    too_big[row] = estimate_in(ctx, balanced_split(layers, cfg.pp))
                 if not fits:
                     break
                 continue
-            heapq.heappush(fastest, (-found[1], next(tiebreak), ctx, found[0]))
-            if len(fastest) > solver.top_k + 1:
-                heapq.heappop(fastest)
-    ranked = [estimate_in(ctx, split) for _, _, ctx, split in sorted(fastest, key=lambda item: (-item[0], item[1]))]
+            if row in kept and kept[row][0] <= found[1]:
+                continue  # this row is already kept, faster
+            kept[row] = (found[1], next(found_order), ctx, found[0])
+            if len(kept) > solver.top_k + 1:
+                del kept[max(kept, key=lambda r: kept[r][:2])]
+    ranked = [estimate_in(ctx, split) for _, _, ctx, split in sorted(kept.values(), key=lambda item: item[:2])]
+    best_row = row_key(ranked[0].config) if ranked else None
     return SearchResult(
         best=ranked[0] if ranked else None,
-        runners_up=ranked[1:] + too_big,
+        runners_up=ranked[1:] + [est for row, est in too_big.items() if row != best_row],
         configs_evaluated=solved,
         time_s=time.perf_counter() - start,
         configs_in_space=len(pending),
+        empty_space=None if space else empty_space_reason(problem, solver, pins, micro_batch_size=micro_batch_size,
+                                                          any_split=True),
     )

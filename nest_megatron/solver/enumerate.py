@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import heapq
 import time
 from dataclasses import dataclass
 
@@ -11,8 +10,9 @@ from nest_megatron.cost.evaluate import Estimate, estimate
 from nest_megatron.cost.memory import memory_per_stage
 from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.tables import layer_costs, stage_sums
+from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.rules import num_microbatches
-from nest_megatron.solver.space import candidates
+from nest_megatron.solver.space import candidates, empty_space_reason
 
 
 @dataclass
@@ -22,6 +22,7 @@ class SearchResult:
     configs_evaluated: int  # configurations scored
     time_s: float
     configs_in_space: int = 0  # configurations the space holds (pruned ones included)
+    empty_space: str | None = None  # when it holds none: the Megatron rule that rules them out, as one line
 
 
 def fits_in_memory(problem: Problem, cfg) -> bool:
@@ -36,22 +37,30 @@ def fits_in_memory(problem: Problem, cfg) -> bool:
     return all(stage.total <= acc.memory_bytes for stage in memory)
 
 
+def row_key(cfg: ParallelConfig) -> tuple:
+    """What a runner-up row shows the user (plan.summary, report/explain.py describe): configurations that
+    differ only elsewhere (rank order, placement, expert TP, recomputed layers) read as the same row."""
+    return cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.vpp, cfg.mbs, cfg.zero, cfg.recompute
+
+
 def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None) -> SearchResult:
     start = time.perf_counter()
-    fastest: list[tuple[float, int, Estimate]] = []  # a max-heap of the top_k fitting plans
-    too_big: list[Estimate] = []
+    fastest: dict[tuple, tuple[float, int, Estimate]] = {}  # row -> its fastest plan that fits, in order found
+    too_big: dict[tuple, Estimate] = {}
     evaluated = 0
     for i, cfg in enumerate(candidates(problem, solver, pins, micro_batch_size=micro_batch_size)):
         evaluated += 1
+        row = row_key(cfg)
         if not fits_in_memory(problem, cfg):
-            if len(too_big) < solver.top_k:
-                too_big.append(estimate(problem, cfg))
+            if len(too_big) < 3 and row not in too_big:
+                too_big[row] = estimate(problem, cfg)
             continue
         est = estimate(problem, cfg)
-        heapq.heappush(fastest, (-est.step_time, i, est))
-        if len(fastest) > solver.top_k + 1:
-            heapq.heappop(fastest)
-    ranked = [e for _, _, e in sorted(fastest, key=lambda x: -x[0])]
+        if row not in fastest or est.step_time < fastest[row][0]:
+            fastest[row] = (est.step_time, i, est)
+    ranked = [e for _, _, e in sorted(fastest.values(), key=lambda item: item[:2])[: solver.top_k + 1]]
     best = ranked[0] if ranked else None
-    return SearchResult(best=best, runners_up=ranked[1:] + too_big[:3], configs_evaluated=evaluated,
-                        time_s=time.perf_counter() - start, configs_in_space=evaluated)
+    runners_up = ranked[1:] + [est for row, est in too_big.items() if best is None or row != row_key(best.config)]
+    empty = empty_space_reason(problem, solver, pins, micro_batch_size=micro_batch_size) if not evaluated else None
+    return SearchResult(best=best, runners_up=runners_up, configs_evaluated=evaluated,
+                        time_s=time.perf_counter() - start, configs_in_space=evaluated, empty_space=empty)

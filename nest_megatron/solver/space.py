@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Iterator
 
 from nest_megatron.config.schema import PlanChoice, SolverConfig
@@ -16,11 +17,11 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def evaluate_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | None) -> ParallelConfig:
-    """The one configuration `evaluate` scores: the user's choice, Megatron's defaults elsewhere."""
+def choice_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | None) -> ParallelConfig:
+    """The user's choice, Megatron's defaults elsewhere (not checked against Megatron's rules)."""
     tp, pp, cp = choice.tp or 1, choice.pp or 1, choice.cp or 1
     dp = choice.dp or problem.num_devices // (tp * cp * pp)
-    cfg = ParallelConfig(
+    return ParallelConfig(
         tp=tp, pp=pp, cp=cp, dp=max(dp, 1),
         ep=choice.ep or 1,
         etp=choice.etp or (tp if problem.model.is_moe else 1),
@@ -32,6 +33,11 @@ def evaluate_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | 
         recompute_num_layers=choice.recompute_num_layers,
         order=choice.order or "tp-cp-ep-dp-pp",
     )
+
+
+def evaluate_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | None) -> ParallelConfig:
+    """The one configuration `evaluate` scores: the user's choice, Megatron's defaults elsewhere."""
+    cfg = choice_config(problem, choice, default_mbs=default_mbs)
     problem_line = violation(cfg, model=problem.model, num_devices=problem.num_devices, global_batch_size=problem.global_batch_size)
     if problem_line:
         raise NestError(f"invalid configuration: {problem_line}")
@@ -43,6 +49,49 @@ def candidates(
 ) -> Iterator[ParallelConfig]:
     """Every configuration that uses all devices, satisfies Megatron's rules and the pins; with
     `any_split`, also those whose layers only split unevenly over the stages."""
+    for cfg, broken in _configurations(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=any_split):
+        if broken is None:
+            yield cfg
+
+
+def empty_space_reason(
+    problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None, any_split: bool = False
+) -> str:
+    """Why `candidates` yields nothing, as one line: the Megatron rule the pinned values break (Megatron's
+    defaults elsewhere), else the rule most configurations of the search space break."""
+    pinned = {name: value for name, value in vars(pins).items() if value is not None}
+    if pinned:
+        cfg = choice_config(problem, pins, default_mbs=micro_batch_size)
+        line = violation(cfg, model=problem.model, num_devices=problem.num_devices,
+                         global_batch_size=problem.global_batch_size, any_split=any_split)
+        if line is None and problem.num_devices % (cfg.tp * cfg.cp * cfg.pp):
+            line = _unused_devices(cfg.tp, cfg.cp, cfg.pp, problem.num_devices)
+        if line is not None:
+            return f"{line} ({', '.join(f'plan.{name}={value}' for name, value in pinned.items())} pinned)"
+    space = list(_configurations(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=any_split))
+    # Sizes whose product leaves devices over are no configuration; they speak only when nothing else does.
+    broken = [line for cfg, line in space if cfg is not None] or [line for _, line in space]
+    if not broken:
+        return "the search space is empty (a solver.* list holds nothing to try)"
+    # Lines name their value before the first colon; the values of the other sizes vary after it.
+    per_rule = Counter(line.partition(":")[0] for line in broken)
+    rule, count = per_rule.most_common(1)[0]
+    line = next(line for line in broken if line.partition(":")[0] == rule)
+    if count == len(broken):
+        return f"{line} (this rules out all {count} configurations in the search space)"
+    return f"{line} (this rules out {count} of the {len(broken)} configurations in the search space, other rules the rest)"
+
+
+def _unused_devices(tp: int, cp: int, pp: int, devices: int) -> str:
+    return (f"cluster.num_devices={devices}: must be a multiple of tp*cp*pp = {tp}*{cp}*{pp} = {tp * cp * pp} "
+            "(the planner uses every device)")
+
+
+def _configurations(
+    problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None, any_split: bool
+) -> Iterator[tuple[ParallelConfig | None, str | None]]:
+    """The search space within the pins: (cfg, None) for each configuration Megatron launches, (cfg or None,
+    the rule's line) for each it does not."""
     model, devices = problem.model, problem.num_devices
     node = problem.topology.devices_per_node
 
@@ -59,6 +108,7 @@ def candidates(
     recomputed_counts = axis(pins.recompute_num_layers, list(solver.recompute_num_layers))
     for tp, cp, pp in itertools.product(tps, cps, pps):
         if devices % (tp * cp * pp):
+            yield None, _unused_devices(tp, cp, pp, devices)
             continue
         dp = pins.dp or devices // (tp * cp * pp)
         experts = model.cfg.num_experts or 1
@@ -72,6 +122,5 @@ def candidates(
             for recomputed in recomputed_counts if recompute == "full" else [None]:
                 cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
                                      recompute=recompute, recompute_num_layers=recomputed, order=order)
-                if violation(cfg, model=model, num_devices=devices, global_batch_size=problem.global_batch_size,
-                             any_split=any_split) is None:
-                    yield cfg
+                yield cfg, violation(cfg, model=model, num_devices=devices, global_batch_size=problem.global_batch_size,
+                                     any_split=any_split)
