@@ -14,6 +14,8 @@ import tokenize
 from pathlib import Path
 
 from nest_megatron import cli
+from nest_megatron.config.load import load
+from nest_megatron.config.megatron_argv import FLAG_OF_KEY
 from nest_megatron.config.schema import (
     AcceleratorConfig,
     ClusterConfig,
@@ -52,13 +54,22 @@ def field_comments(cls: type) -> dict[str, str]:
             above = []
             while line - 1 - len(above) in standalone:
                 above.insert(0, standalone[line - 1 - len(above)])
-            out[node.target.id] = " ".join([*above, trailing.get(line, "")]).strip()
+            # A comment block above several fields introduces them; a field's own trailing comment says what it is.
+            out[node.target.id] = trailing.get(line) or " ".join(above)
     return out
 
 
-def default_text(f: dataclasses.Field) -> str:
-    """The default as an override would spell it (YAML / JSON: null, true, [1, 2])."""
+# Sections whose default group file (train: default, solver: dp) sets values over the schema's: the reference
+# shows what a key is when no override names it.
+COMPOSED = ("train", "solver")
+
+
+def default_text(f: dataclasses.Field, composed: object | None = None) -> str:
+    """The default as an override would spell it (YAML / JSON: null, true, [1, 2]); `composed`: the section
+    as the default config composes it."""
     value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    if composed is not None:
+        value = getattr(composed, f.name)
     if value is dataclasses.MISSING or value == "???":
         return "required"
     return f"`{value}`" if isinstance(value, str) else f"`{json.dumps(value)}`"
@@ -80,6 +91,7 @@ def commands_table() -> list[str]:
 
 def keys_tables() -> list[str]:
     lines = []
+    config = load([]).config
     for prefix, cls in SECTIONS:
         comments = field_comments(cls)
         lines += ["", f"**{prefix or 'top level'}** (`{cls.__name__}`: {(cls.__doc__ or '').strip().splitlines()[0]})", "",
@@ -89,10 +101,12 @@ def keys_tables() -> list[str]:
                 continue  # a section of its own
             key = f"{prefix}.{f.name}" if prefix else f.name
             meaning = comments.get(f.name, "")
-            if prefix == "model" and f.name not in ("name", "family", "source", "hf_config", "module"):
-                meaning = f"Megatron-LM's `--{f.name.replace('_', '-')}`" + (f"; {meaning}" if meaning else "")
+            flag = FLAG_OF_KEY.get(key) if prefix == "model" else None
+            if flag:  # the flag that sets it, as config/megatron_argv.py reads it (--disable-bias-linear, ...)
+                meaning = f"Megatron-LM's `{flag}`" + (f"; {meaning}" if meaning else "")
             meaning = meaning.replace("|", "\\|")
-            lines.append(f"| `{key}` | {type_text(f)} | {default_text(f)} | {meaning} |")
+            composed = getattr(config, prefix) if prefix in COMPOSED else None
+            lines.append(f"| `{key}` | {type_text(f)} | {default_text(f, composed)} | {meaning} |")
     return lines
 
 
