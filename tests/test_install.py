@@ -66,6 +66,13 @@ def test_a_users_own_cluster_comes_from_the_config_path(tmp_path, monkeypatch):
     assert (mine.parallel, mine.rank_to_device) == (shipped.parallel, shipped.rank_to_device)
 
 
+@pytest.mark.parametrize("folder", ["my configs", "bob's, configs"])
+def test_a_config_folder_may_hold_blanks_commas_and_quotes(tmp_path, monkeypatch, folder):
+    _my_cluster(tmp_path / folder, "my_pod")
+    monkeypatch.setenv(CONFIG_PATH_ENV, str(tmp_path / folder))
+    assert api.plan([*TINY, "cluster=my_pod"]).cluster == "my_pod"
+
+
 def test_without_the_config_path_a_users_cluster_is_unknown_and_the_shipped_ones_are_listed(monkeypatch):
     monkeypatch.delenv(CONFIG_PATH_ENV, raising=False)
     with pytest.raises(NestError, match=r"^cluster=my_pod: unknown cluster; choose one of: .*dgx_h100_superpod") as err:

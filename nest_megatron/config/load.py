@@ -80,6 +80,13 @@ def user_config_dirs() -> list[Path]:
     return dirs
 
 
+def _search_path(folder: Path) -> str:
+    """`folder` as a quoted Hydra search-path entry: Hydra takes the path after file:// as it is (no URI
+    decoding), and the quotes keep blanks and commas inside one entry."""
+    escaped = str(folder).replace("\\", "\\\\").replace("'", "\\'")
+    return f"'file://{escaped}'"
+
+
 def options(group: str) -> list[str]:
     return sorted({p.stem for folder in [*user_config_dirs(), CONFIG_DIR] for p in (folder / group).glob("*.yaml")})
 
@@ -116,7 +123,7 @@ def _compose(overrides: list[str]):
 def _hydra_compose(overrides: list[str]):
     """Hydra's composition of `overrides`, the user's config folders searched before the shipped ones."""
     user_dirs = user_config_dirs()
-    search = [f"hydra.searchpath=[{','.join(folder.as_uri() for folder in user_dirs)}]"] if user_dirs else []
+    search = [f"hydra.searchpath=[{','.join(_search_path(folder) for folder in user_dirs)}]"] if user_dirs else []
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         return compose(config_name="config", overrides=[*overrides, *search])
 
