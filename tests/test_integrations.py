@@ -334,5 +334,6 @@ def test_real_llama3_8b_recipe(moe_plan):
     assert s.virtual_pipeline_model_parallel_size is None and s.sequence_parallel is True
     assert (recipe.data.micro_batch_size, recipe.data.global_batch_size) == (2, 64)
     assert recipe.model.config.recompute_granularity == "full"
+    assert recipe.model.config.moe_token_dispatcher_type == "alltoall"  # what the plan is priced for
     assert recipe.optim.config.use_distributed_optimizer is True
     assert (recipe.trainer.num_nodes, recipe.trainer.devices) == (2, 8)
