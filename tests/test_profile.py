@@ -225,6 +225,29 @@ def test_profiles_measured_on_a_cpu_do_not_price_a_gpu(tmp_path):
     assert mixed.predicted["step_time_s"] == pytest.approx(expected.step_time, rel=1e-4)
 
 
+def test_cpu_profiles_in_the_users_cache_do_not_hide_the_shipped_gpu_profile(monkeypatch, tmp_path):
+    # `nest-megatron profile` on a login node fills the default cache with CPU timings of h100_sxm; the
+    # profile shipped for h100_sxm (measured on the GPU) still prices the plan, and the note says what was left out.
+    problem = load(PROBLEM).problem
+    truth = chosen_compute(problem)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(for_plan, "SHIPPED", tmp_path / "shipped")
+    users = Cache(tmp_path / "nest-megatron" / "profiles.json")
+    shipped = Cache(tmp_path / "shipped" / "h100_sxm.json")
+    for e in synthetic_entries(problem, truth):
+        users.add(dataclasses.replace(e, device="cpu"))
+        shipped.add(dataclasses.replace(e, device="NVIDIA H100 80GB HBM3"))
+    users.save()
+    shipped.save()
+    pins = ["plan.tp=4", "plan.pp=1", "plan.mbs=1", "plan.zero=1", "plan.recompute=none"]
+    done = api.evaluate([*PROBLEM, *pins])
+    assert done.search["compute"].startswith(f"fitted from {len(shipped.entries)} profiles in {shipped.path}: ")
+    assert done.search["compute"].endswith(f" (not used: {len(users.entries)} profiles of h100_sxm in {users.path} "
+                                           "were measured on cpu; profile.allow_cpu=true uses them)")
+    expected = estimate(dataclasses.replace(problem, compute=truth), ParallelConfig(tp=4, sp=True, dp=2, mbs=1, zero=1))
+    assert done.predicted["step_time_s"] == pytest.approx(expected.step_time, rel=1e-4)
+
+
 def test_profile_checks_its_cache_path_before_it_profiles(capsys, monkeypatch, tmp_path):
     from nest_megatron.profile import runner
 

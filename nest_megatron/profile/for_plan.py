@@ -42,14 +42,15 @@ def profiled_problem(problem: Problem, config: RootConfig) -> tuple[Problem, str
         raise NestError(f"cache={config.cache}: no such profile cache; run nest-megatron profile cache={config.cache}")
     source = path
     entries, ignored = _usable(Cache.load(path).select(accelerator=name), name, config.profile.allow_cpu)
-    if not entries and not ignored and not config.cache and (SHIPPED / f"{name}.json").exists():
+    if not entries and not config.cache and (SHIPPED / f"{name}.json").exists():
+        # The user's own cache holds none that may price this accelerator (perhaps CPU ones): the shipped profile.
         source = SHIPPED / f"{name}.json"
-        entries, ignored = _usable(Cache.load(source).select(accelerator=name), name, config.profile.allow_cpu)
+        entries, _ = _usable(Cache.load(source).select(accelerator=name), name, config.profile.allow_cpu)
     skipped = ""
     if ignored:
         devices = ", ".join(sorted({e.device for e in ignored}))
         hint = "; profile.allow_cpu=true uses them" if all(e.device == "cpu" for e in ignored) else ""
-        skipped = f"{len(ignored)} profiles of {name} in {source} were measured on {devices}{hint}"
+        skipped = f"{len(ignored)} profiles of {name} in {path} were measured on {devices}{hint}"
     if not entries:
         reason = skipped or f"no profiles of {name} in {path}; nest-megatron profile measures them"
         return problem, f"roofline with the shipped efficiencies ({reason})"
