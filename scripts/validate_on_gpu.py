@@ -379,6 +379,8 @@ def main(argv: list[str]) -> int:
     out.with_suffix(".log").write_text(profile_log + "".join(case.log for case in all_cases))
     if profile_error is None:
         shutil.move(cache, shipped)
+    else:  # a partial cache is no profile to ship
+        cache.unlink(missing_ok=True)
     say(f"table written to {out}, the runs' output to {out.with_suffix('.log')}"
         + (f"; profile cache to {shipped}" if profile_error is None else "") + f" ({elapsed:.0f} s)")
     print(table(all_cases))
