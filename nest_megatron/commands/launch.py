@@ -25,7 +25,8 @@ EPILOG = """examples:
   nest-megatron launch cluster=dgx_h100_superpod --nnodes 16 --nproc-per-node 8 --master-addr n1 --dry-run \\
       -- pretrain_gpt.py --num-layers 80 --hidden-size 8192 ... --bf16
   srun --ntasks-per-node=1 nest-megatron launch cluster=dgx_h100_superpod -- pretrain_gpt.py ...
-  nest-megatron launch model=tiny_gpt cluster.num_devices=2 --nproc-per-node 2 -- scripts/pretrain_gpt.py --train-iters 5
+  nest-megatron launch model=tiny_gpt cluster.num_devices=2 train.global_batch_size=8 --nproc-per-node 2 \
+      -- scripts/pretrain_gpt.py --train-iters 5
 pin what you chose by hand: --pin tp,pp (or solver.keep_user_parallelism=[tp,pp]) keeps the argv's
 --tensor-model-parallel-size / --pipeline-model-parallel-size as constraints of the plan.
 exit status: 0, the first failing worker's exit status (a signal death as 128 + signal), 1 when a signal
