@@ -339,7 +339,7 @@ def build_chunks(args, config, vocab: int) -> list[torch.nn.Module]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if args.num_experts:  # megatron-core's MoE router without Transformer Engine: see there
-        from nest_megatron.profile.megatron_layers import bind_missing_te_gemm
+        from nest_megatron.trace.cpu_megatron import bind_missing_te_gemm
 
         bind_missing_te_gemm()
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, normalization=args.normalization)

@@ -102,14 +102,14 @@ def machine(smoke: bool) -> tuple[str, str, int]:
     """(accelerator config, device name, GPUs) of this machine."""
     import torch
 
-    from nest_megatron.commands.profile import GPU_ACCELERATORS
+    from nest_megatron.profile.for_plan import GPU_ACCELERATORS, accelerator_of_device
 
     if smoke:
         return "h100_sxm", "cpu", 1
     if not torch.cuda.is_available():
         raise SystemExit(fail("no CUDA device visible; run with --cpu-smoke for the CPU dry run"))
     name, count = torch.cuda.get_device_name(0), torch.cuda.device_count()
-    accelerator = next((acc for key, acc in GPU_ACCELERATORS.items() if key in name), None)
+    accelerator = accelerator_of_device(name)
     if accelerator is None:
         raise SystemExit(fail(f"{name}: no accelerator config describes it; known: {', '.join(GPU_ACCELERATORS)}"))
     return accelerator, name, min(count, 8)

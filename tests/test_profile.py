@@ -369,7 +369,7 @@ def test_moe_router_runs_without_transformer_engine(monkeypatch):
     import torch
     from megatron.core.transformer.moe import moe_utils
 
-    from nest_megatron.profile.megatron_layers import bind_missing_te_gemm
+    from nest_megatron.trace.cpu_megatron import bind_missing_te_gemm
 
     monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)  # as megatron-core imports without TE
     tokens, experts = torch.randn(6, 4), torch.randn(3, 4)

@@ -12,7 +12,7 @@ from rich.table import Table
 from nest_megatron.commands.common import check_writable, fail, stdout_console
 from nest_megatron.config.load import load
 from nest_megatron.errors import NestError
-from nest_megatron.profile.for_plan import GPU_ACCELERATORS, accelerator_of_device  # noqa: F401 (scripts/ import it from here)
+from nest_megatron.profile.for_plan import accelerator_of_device
 
 HELP = "time layers and ops on the local devices into the profile cache that plan uses"
 

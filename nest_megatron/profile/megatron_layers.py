@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.profile.timing import median_seconds
+from nest_megatron.trace.cpu_megatron import bind_missing_te_gemm
 from nest_megatron.trace.transformer_config import transformer_config as trace_transformer_config
 
 SEED = 1234
@@ -64,17 +65,6 @@ def parallel_state_for(*, tp: int, ep: int, etp: int) -> None:
                                  expert_tensor_parallel_size=etp, create_gloo_process_groups=False)
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(SEED)
-
-
-def bind_missing_te_gemm() -> None:
-    """megatron-core 0.16 binds moe_utils.te_general_gemm only when Transformer Engine imports, yet
-    its MoE router reads the name whatever is installed (RouterGatingLinearFunction: `if
-    te_general_gemm is not None`): without TE every MoE forward raises NameError. None selects the
-    router's torch.mm path. (CPU runs get the same from trace/cpu_megatron.py's patch 4.)"""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
 
 def transformer_config(cfg: ModelConfig, *, tp: int, sp: bool, ep: int, etp: int):

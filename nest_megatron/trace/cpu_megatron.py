@@ -73,6 +73,17 @@ _PREPARED = False
 # ---------------------------------------------------------------------------
 # CPU patches
 # ---------------------------------------------------------------------------
+def bind_missing_te_gemm() -> None:
+    """megatron-core 0.16 binds moe_utils.te_general_gemm only when Transformer Engine imports, yet
+    its MoE router reads the name whatever is installed (RouterGatingLinearFunction: `if
+    te_general_gemm is not None`): without TE every MoE forward raises NameError, on a CPU and on a
+    GPU alike. None selects the router's torch.mm path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def prepare_cpu_megatron() -> None:
     """Make megatron-core 0.16.x usable on a CPU-only torch build.  Idempotent.
 
@@ -145,14 +156,10 @@ def prepare_cpu_megatron() -> None:
     mp_random._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
     mp_random._set_cuda_rng_state = lambda *a, **k: None
 
-    # Patch 4: moe_utils imports `te_general_gemm` only inside a try/except that
-    # leaves the name undefined without Transformer Engine, yet the MoE router
-    # tests `te_general_gemm is not None` -> NameError.  Define it as None so
-    # the torch fallback runs (irrelevant for this dense layer, kept for MoE).
+    # Patch 4: the MoE router without Transformer Engine (bind_missing_te_gemm; irrelevant for this dense
+    # layer, kept for MoE).
     try:
-        from megatron.core.transformer.moe import moe_utils
-
-        moe_utils.te_general_gemm = None
+        bind_missing_te_gemm()
     except Exception:  # pragma: no cover - MoE module layout changed
         pass
 
