@@ -17,6 +17,7 @@ from nest_megatron.config.schema import PlanChoice
 from nest_megatron.cost.evaluate import estimate
 from nest_megatron.parallel.rules import violation
 from nest_megatron.solver import baselines as bl
+from nest_megatron.solver import paper_grid
 from nest_megatron.solver.registry import SOLVERS
 from nest_megatron.solver.space import candidates
 
@@ -187,8 +188,8 @@ def test_paper_entries_of_llama3_70b_on_1024_h100_are_skipped_with_reasons():
     p = problem("model=llama3_70b", "cluster=h100_spine_leaf", "cluster.num_devices=1024", "train.global_batch_size=4096")
     found = bl.paper(p, cluster_name="h100_spine_leaf", model_name="llama3_70b", num_devices=1024)
     assert {name: (est, why) for name, est, why in found} == {
-        "Manual": (None, "global batch 4096 is not a multiple of d=12 x micro-batch 1"),
-        "MCMC": (None, "global batch 4096 is not a multiple of d=25 x micro-batch 1"),
+        "Manual": (None, "global batch 4096 is not a multiple of dp=12 x micro-batch 1"),
+        "MCMC": (None, "global batch 4096 is not a multiple of dp=25 x micro-batch 1"),
         "Phaze": (None, "p=28 does not divide 80 layers"),
     }
 
@@ -206,6 +207,42 @@ def test_paper_entries_are_scored_with_the_distributed_optimizer():
     assert manual.step_time == estimate(p, c).step_time
     assert found["MCMC"][0].config.pp == 32
     assert bl.paper(problem(*GPT), cluster_name="dgx_h100_superpod", model_name="tiny_gpt", num_devices=16) == []
+
+
+def test_paper_mixtral_entries_run_with_the_papers_expert_parallel_on_every_device():
+    # benchmarks/nest_paper_grid.yaml: mixtral_8x7b has expert_parallel 4; h100_spineLeaf 128 gives
+    # MCMC (p 32, d 1), Manual (p 16, d 2), Phaze (p 8, d 4), all t 1. Each replica spans EP 4
+    # devices, so Megatron's dp = 4d: 4, 8, 16, and tp*pp*dp = 32*4 = 16*8 = 8*16 = 128: none idle
+    # (with dp = d they ran on 32, 32, 32 ranks and left 96 idle).
+    found = paper_grid.baselines(cluster="h100_spine_leaf", num_devices=128, model="mixtral_8x7b", num_layers=32,
+                                 global_batch_size=4096)
+    assert {b.name: b.overrides for b in found} == {
+        "MCMC": ["plan.pp=32", "plan.dp=4", "plan.tp=1", "plan.ep=4", "plan.mbs=1"],
+        "Manual": ["plan.pp=16", "plan.dp=8", "plan.tp=1", "plan.ep=4", "plan.mbs=1"],
+        "Phaze": ["plan.pp=8", "plan.dp=16", "plan.tp=1", "plan.ep=4", "plan.mbs=1"],
+    }
+    p = problem("model=mixtral_8x7b", "cluster=h100_spine_leaf", "cluster.num_devices=128",
+                "train.global_batch_size=4096")
+    for name, est, why in bl.paper(p, cluster_name="h100_spine_leaf", model_name="mixtral_8x7b", num_devices=128):
+        c = est.config
+        # ZeRO 1 (the distributed optimizer): Megatron-FSDP (ZeRO 2/3) does not run with pp > 1.
+        assert (c.ep, c.zero, est.idle_devices, why) == (4, 1, 0, None), name
+    # 1,024 H100: Manual (p 16, d 16) -> dp 64, 16*64 = 1,024; Phaze (p 8, d 32) -> dp 128, 8*128 = 1,024;
+    # MCMC's p = 33 does not divide 32 layers.
+    found = paper_grid.baselines(cluster="h100_spine_leaf", num_devices=1024, model="mixtral_8x7b", num_layers=32,
+                                 global_batch_size=4096)
+    assert {b.name: b.overrides or b.skipped for b in found} == {
+        "MCMC": "p=33 does not divide 32 layers",
+        "Manual": ["plan.pp=16", "plan.dp=64", "plan.tp=1", "plan.ep=4", "plan.mbs=1"],
+        "Phaze": ["plan.pp=8", "plan.dp=128", "plan.tp=1", "plan.ep=4", "plan.mbs=1"],
+    }
+    # 64 TPU v4: Manual (p 32, d 1) needs 32*1*1*4 = 128 devices (the artifact reports Manual infeasible
+    # there); MCMC and Phaze (p 16, d 1) take 16*4 = 64.
+    found = {b.name: b.overrides or b.skipped
+             for b in paper_grid.baselines(cluster="tpuv4_fat_tree", num_devices=64, model="mixtral_8x7b",
+                                           num_layers=32, global_batch_size=4096)}
+    assert found["Manual"] == "p*d*t*ep = 32*1*1*4 = 128 devices, but the cluster has 64"
+    assert found["MCMC"] == found["Phaze"] == ["plan.pp=16", "plan.dp=4", "plan.tp=1", "plan.ep=4", "plan.mbs=1"]
 
 
 # --- the benchmark script ----------------------------------------------------------------------------------

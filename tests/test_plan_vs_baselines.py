@@ -37,8 +37,8 @@ def test_paper_baselines_of_this_cell_are_not_launchable():
     found = {b.name: b.skipped for b in baselines(cluster="h100_spine_leaf", num_devices=1024, model="llama3_70b",
                                                  num_layers=80, global_batch_size=4096)}
     assert found == {
-        "Manual": "global batch 4096 is not a multiple of d=12 x micro-batch 1",
-        "MCMC": "global batch 4096 is not a multiple of d=25 x micro-batch 1",
+        "Manual": "global batch 4096 is not a multiple of dp=12 x micro-batch 1",
+        "MCMC": "global batch 4096 is not a multiple of dp=25 x micro-batch 1",
         "Phaze": "p=28 does not divide 80 layers",
     }
 

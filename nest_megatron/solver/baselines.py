@@ -112,9 +112,10 @@ def paper(problem: Problem, *, cluster_name: str, model_name: str, num_devices: 
           micro_batch_size: int = 1) -> list[tuple[str, Estimate | None, str | None]]:
     """The paper's Manual / MCMC / Phaze entries for this cell, as (name, Estimate or None, why skipped).
 
-    Each (p, d, t) is scored with the distributed optimizer (zero=1), the given micro-batch, no
-    recompute, or selective recompute when it does not fit without; entries Megatron cannot
-    launch (benchmarks/nest_paper_grid.yaml says why) or that do not fit either way are skipped.
+    Each (p, d, t) (with the model's expert parallel: paper_grid) is scored with the distributed
+    optimizer (zero=1: Megatron-FSDP, ZeRO 2/3, does not run with pp > 1, which all but BERT's p=1
+    entries have), the given micro-batch, no recompute, or selective recompute when it does not fit without;
+    entries Megatron cannot launch (paper_grid says why) or that do not fit either way are skipped.
     An empty list: the grid has no entry for this cell.
     """
     out = []
