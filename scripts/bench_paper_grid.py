@@ -79,6 +79,8 @@ def config_text(est: Estimate | None) -> str:
         parts.append("pp-dp")
     if len(set(est.layers_per_stage)) > 1:
         parts.append("split " + "/".join(map(str, est.layers_per_stage)))
+    if est.idle_devices:
+        parts.append(f"idle {est.idle_devices}")
     return " ".join(parts)
 
 

@@ -276,6 +276,14 @@ def test_bench_cell_runner_on_a_tiny_cell(bench, tmp_path):
     assert "| tiny_gpt | dgx_h100_superpod | 16 | 1 |" in md and "no baseline entries" in md
 
 
+def test_bench_config_text_names_idle_devices(bench):
+    # tiny_gpt on 16 devices with tp 2, pp 2, dp 2: 2*2*2 = 8 ranks, 16 - 8 = 8 idle.
+    p = problem(*GPT)
+    est = estimate(p, replace(bl.manual(p).config, tp=2, pp=2, dp=2, sp=True))
+    assert bench.config_text(est).endswith(" idle 8")
+    assert "idle" not in bench.config_text(bl.manual(p))
+
+
 def test_bench_baseline_plan_names_the_baseline(bench):
     p = problem(*GPT)
     est = bl.manual(p)
