@@ -168,7 +168,7 @@ def test_evaluate_reports_idle_devices():
 def test_megatron_fsdp_refuses_the_tp_pp_dp_mapping():
     # Megatron-LM / Megatron-Bridge: "use_tp_pp_dp_mapping is not supported with Megatron FSDP".
     base = ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64",
-            "plan.tp=2", "plan.pp=2", "plan.dp=4"]
+            "plan.tp=2", "plan.pp=1", "plan.dp=8"]  # pp 1: Megatron-FSDP has no pipeline stages
     with pytest.raises(NestError, match=r"plan.zero=2 \(Megatron-FSDP\) with plan.order=tp-cp-ep-pp-dp"):
         api.evaluate(base + ["plan.zero=2", "plan.order=tp-cp-ep-pp-dp"])
     assert api.evaluate(base + ["plan.zero=2", "plan.order=tp-cp-ep-dp-pp"]).zero_stage == 2

@@ -122,15 +122,15 @@ def moe_plan():
 
 @pytest.fixture(scope="module")
 def fsdp_plan():
-    # tp=2 pp=2 vpp=2 -> dp = 4; ZeRO-3 (Megatron-FSDP optim_grads_params), selective recompute, mbs 1
-    return api.evaluate(["model=tiny_gpt", *BASE, "plan.tp=2", "plan.pp=2", "plan.vpp=2", "plan.zero=3",
+    # tp=2 pp=1 -> dp = 8 (Megatron-FSDP has no pipeline stages); ZeRO-3 (optim_grads_params), selective recompute
+    return api.evaluate(["model=tiny_gpt", *BASE, "plan.tp=2", "plan.pp=1", "plan.zero=3",
                          "plan.sp=false", "plan.recompute=selective", "plan.mbs=1"])
 
 
 @pytest.fixture(scope="module")
 def plain_plan():
-    # tp=1 pp=2 dp=8, no ZeRO, Megatron's tp-pp-dp order, no recompute
-    return api.evaluate(["model=tiny_gpt", *BASE, "plan.tp=1", "plan.pp=2", "plan.zero=0", "plan.mbs=1",
+    # tp=1 pp=2 vpp=2 dp=8, no ZeRO, Megatron's tp-pp-dp order, no recompute
+    return api.evaluate(["model=tiny_gpt", *BASE, "plan.tp=1", "plan.pp=2", "plan.vpp=2", "plan.zero=0", "plan.mbs=1",
                          "plan.order=tp-cp-ep-pp-dp", "plan.recompute=none"])
 
 
@@ -158,10 +158,10 @@ def test_nemo_overrides_of_a_moe_plan(moe_plan):
     assert recipe.optim.config.use_distributed_optimizer is True  # ZeRO-1 = Megatron's distributed optimizer
 
 
-def test_nemo_overrides_of_a_zero3_interleaved_plan(fsdp_plan):
+def test_nemo_overrides_of_a_zero3_plan(fsdp_plan):
     recipe = apply_to_recipe(nemo_recipe_stand_in(), fsdp_plan)
     s = recipe.trainer.strategy
-    assert s.virtual_pipeline_model_parallel_size == 2
+    assert s.virtual_pipeline_model_parallel_size is None
     assert s.expert_model_parallel_size == 1 and s.expert_tensor_parallel_size is None  # dense: NeMo's default kept
     assert recipe.model.config.moe_token_dispatcher_type == "allgather"  # dense: no dispatcher set
     assert (s.fsdp, s.ddp.data_parallel_sharding_strategy, s.save_ckpt_format) == ("megatron", "optim_grads_params",
@@ -179,6 +179,7 @@ def test_nemo_overrides_of_a_plain_plan_turn_things_off(plain_plan):
     assert recipe.optim.config.use_distributed_optimizer is False  # the recipe's True turned off for ZeRO-0
     assert recipe.model.config.recompute_granularity is None
     assert recipe.trainer.strategy.use_tp_pp_dp_mapping is True
+    assert recipe.trainer.strategy.virtual_pipeline_model_parallel_size == 2
 
 
 def test_uneven_split_becomes_the_layout_of_the_megatron_argv(plain_plan):
@@ -239,7 +240,7 @@ def test_bridge_overrides_of_a_moe_plan(moe_plan):
 
 def test_bridge_overrides_of_zero3_and_zero0(fsdp_plan, plain_plan):
     cfg = apply_to_config(bridge_container_stand_in(), fsdp_plan)
-    assert cfg.model.virtual_pipeline_model_parallel_size == 2
+    assert cfg.model.virtual_pipeline_model_parallel_size is None
     assert (cfg.ddp.use_megatron_fsdp, cfg.ddp.data_parallel_sharding_strategy) == (True, "optim_grads_params")
     assert cfg.checkpoint.ckpt_format == "fsdp_dtensor"
     start = bridge_container_stand_in()
@@ -247,6 +248,7 @@ def test_bridge_overrides_of_zero3_and_zero0(fsdp_plan, plain_plan):
     cfg = apply_to_config(start, plain_plan)
     assert cfg.optimizer.use_distributed_optimizer is False and cfg.ddp.use_distributed_optimizer is False
     assert cfg.dist.use_tp_pp_dp_mapping is True
+    assert cfg.model.virtual_pipeline_model_parallel_size == 2
 
 
 @pytest.mark.parametrize("name", ["moe_plan", "fsdp_plan", "plain_plan"])

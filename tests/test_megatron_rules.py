@@ -95,9 +95,28 @@ CASES = [
      ("--use-megatron-fsdp", 8),
      "--use-megatron-fsdp needs --ckpt-format fsdp_dtensor"),
     ("Megatron-FSDP does not take the tp-pp-dp rank order",
-     ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --pipeline-model-parallel-size 2", 8),
-     ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --pipeline-model-parallel-size 2 --use-tp-pp-dp-mapping", 8),
+     ("--use-megatron-fsdp --ckpt-format fsdp_dtensor", 8),
+     ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --use-tp-pp-dp-mapping", 8),
      "ZeRO stage=3 (Megatron-FSDP) with --use-tp-pp-dp-mapping: Megatron-FSDP does not support --use-tp-pp-dp-mapping"),
+    # its mesh is dp_cp x tp = the whole world (mcore_fsdp_adapter._get_dp_tp_mesh; tests/test_fsdp_mesh.py runs it)
+    ("Megatron-FSDP has no pipeline stages",
+     ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --tensor-model-parallel-size 2", 8),
+     ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --pipeline-model-parallel-size 2", 8),
+     "ZeRO stage=3 (Megatron-FSDP) with --pipeline-model-parallel-size=2: Megatron-FSDP's device mesh has no pipeline "
+     "dimension"),
+    ("Megatron-FSDP's no_shard strategy does not initialise on the meta device",
+     ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --init-model-with-meta-device", 8),
+     ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --data-parallel-sharding-strategy no_shard "
+      "--init-model-with-meta-device", 8),
+     "--init-model-with-meta-device with --data-parallel-sharding-strategy no_shard: not supported"),
+    ("TP communication overlap needs sequence parallel",
+     ("--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap", 8),
+     ("--tensor-model-parallel-size 2 --tp-comm-overlap", 8),
+     "--tp-comm-overlap needs --sequence-parallel and --tensor-model-parallel-size > 1"),
+    ("TP communication overlap needs tp > 1 (Megatron-LM turns sequence parallel off at tp 1)",
+     ("--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap", 8),
+     ("--tp-comm-overlap", 8),
+     "--tp-comm-overlap needs --sequence-parallel and --tensor-model-parallel-size > 1"),
     ("the interleaved schedule on 2 stages needs p2p overlap (Megatron's default)",
      ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2", 8),
      ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --no-overlap-p2p-communication", 8),
@@ -168,3 +187,57 @@ def test_every_paper_grid_plan_keeps_the_rules():
     assert len([p for p in plans if p.name.endswith("/dp")]) == 50  # 5 models x 5 sizes x 2 clusters
     broken = {p.name: violations(p.argv, world_size=p.world_size) for p in plans}
     assert {k: v for k, v in broken.items() if v} == {}
+
+
+@pytest.mark.parametrize("etp", [1, 2])
+def test_moe_bias_with_expert_tp_as_megatron_core_decides(etp):
+    """megatron-core's own TransformerConfig.__post_init__ decides whether a MoE with biased linear layers takes
+    expert TP `etp` (it asserts "Bias in Moe is only supported when ETP==1"); our rule must agree both ways."""
+    pytest.importorskip("megatron.core")
+    from megatron_helpers import load_model_config
+
+    from nest_megatron.model.spec import ModelSpec
+    from nest_megatron.parallel.config import ParallelConfig
+    from nest_megatron.parallel.rules import violation
+    from nest_megatron.trace.transformer_config import transformer_config
+
+    model = load_model_config("tiny_moe", add_bias_linear=True)  # 4 experts, 8 heads in 4 query groups
+    try:
+        transformer_config(model, tp=2, ep=2, etp=etp, sequence_parallel=True)
+        error = None
+    except AssertionError as e:
+        error = str(e)
+    megatron_accepts = error is None
+    assert megatron_accepts == (etp == 1)  # worked out from transformer_config.py:2615 (0.16.1: :1591)
+    assert megatron_accepts or error == "Bias in Moe is only supported when ETP==1"
+    # tp 2 x dp 2 = 4 ranks regroup as etp x ep = 2 x 2 or 1 x 2 (x expert dp 2): only the bias rule can break
+    cfg = ParallelConfig(tp=2, dp=2, ep=2, etp=etp, sp=True)
+    line = violation(cfg, model=ModelSpec(model), num_devices=4, global_batch_size=8)
+    assert (line is None) == megatron_accepts, line
+    if line:
+        assert line.startswith("plan.etp=2 with model.add_bias_linear=true: megatron-core supports biases")
+
+
+def test_plan_refuses_a_biased_moe_with_expert_tp():
+    # the issue's example: Mixtral with biases, tp 2 = etp 2 was accepted and died in TransformerConfig
+    from nest_megatron import api
+
+    base = ["model=mixtral_8x7b", "model.add_bias_linear=true", "cluster=dgx_h100_superpod", "cluster.num_devices=16",
+            "train.global_batch_size=64", "plan.tp=2", "plan.pp=2", "plan.ep=4"]
+    with pytest.raises(NestError, match=r"^invalid configuration: plan.etp=2 with model.add_bias_linear=true"):
+        api.evaluate([*base, "plan.etp=2"])
+
+
+def test_the_doc_lists_every_rule_with_its_source():
+    from pathlib import Path
+
+    from nest_megatron.launch.megatron_rules import ARGV_RULES, rules_doc
+    from nest_megatron.parallel.rules import RULES
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "megatron_rules.md"
+    assert doc.read_text() == rules_doc() + "\n", (
+        "docs/megatron_rules.md is stale: python -c 'from nest_megatron.launch.megatron_rules import rules_doc; "
+        "print(rules_doc())' > docs/megatron_rules.md")
+    for table in (RULES, ARGV_RULES):
+        assert len({r.id for r in table}) == len(table)
+        assert all(r.source and r.check.__doc__ for r in table)

@@ -5,21 +5,22 @@ megatron-core builds its groups (`initialize_model_parallel`, `TransformerConfig
 A launch that breaks one of them dies on every rank after minutes of start-up; `violations(argv,
 world_size=N)` finds them first. The rules about sizes (heads and query groups vs TP, expert grid,
 global batch vs micro-batch x DP, micro-batches vs stages, sequence parallel vs TP, ...) are the
-planner's own (`parallel.rules.violation`), applied to the configuration the argv spells; the rules
-about how flags combine are here.
+planner's own (`parallel.rules.RULES`), applied to the configuration the argv spells; the rules
+about how flags combine are `ARGV_RULES` here, in the same style (id, source at the pinned
+Megatron-LM commit, check). `rules_doc()` writes both tables as docs/megatron_rules.md.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from nest_megatron.config.megatron_argv import Scanned, model_values, scan
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.errors import NestError
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
-from nest_megatron.parallel.rules import violation
+from nest_megatron.parallel.rules import MEGATRON_LM_COMMIT, RULES, Rule, violation
 
 VIRTUAL_FLAGS = ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
                  "--pipeline-model-parallel-layout")
@@ -104,90 +105,236 @@ def name_flags(line: str) -> str:
     return line
 
 
+@dataclass(frozen=True)
+class Launch:
+    """What an argv rule looks at: the scanned argv, the world size, the model and the model-parallel sizes."""
+    s: Scanned
+    world_size: int
+    model: ModelConfig
+    tp: int
+    pp: int
+    cp: int
+
+    @property
+    def dp(self) -> int:
+        return max(self.world_size // (self.tp * self.pp * self.cp), 1)
+
+    @property
+    def first_last(self) -> tuple[int | None, int | None]:
+        return self.s.get("--decoder-first-pipeline-num-layers"), self.s.get("--decoder-last-pipeline-num-layers")
+
+
+def _vpp(launch: Launch) -> int:
+    """Virtual stages per pipeline rank as the flags set them (1 where they are broken; other rules say how)."""
+    s, pp, layers = launch.s, launch.pp, launch.model.num_layers
+    layout = s.get("--pipeline-model-parallel-layout")
+    if layout is not None:
+        return 1 if _layout_problem(layout, pp=pp, num_layers=layers) else len(layout_stages(layout)) // pp
+    if s.has("--num-layers-per-virtual-pipeline-stage"):
+        per_virtual = s.get("--num-layers-per-virtual-pipeline-stage")
+        if any(n is not None for n in launch.first_last) or layers % pp or (layers // pp) % per_virtual:
+            return 1
+        return layers // pp // per_virtual
+    return s.get("--num-virtual-stages-per-pipeline-rank", 1)
+
+
+def _first_last_rest(launch: Launch) -> tuple[int, int]:
+    """(middle stages, layers left for them) besides --decoder-first/last-pipeline-num-layers."""
+    first, last = launch.first_last
+    return launch.pp - (first is not None) - (last is not None), launch.model.num_layers - (first or 0) - (last or 0)
+
+
+def _layers_per_stage(launch: Launch) -> tuple[int, ...] | None:
+    """The layers each pipeline rank holds under a layout or first/last stage sizes; None for an even split."""
+    layout = launch.s.get("--pipeline-model-parallel-layout")
+    if layout is not None:
+        if _layout_problem(layout, pp=launch.pp, num_layers=launch.model.num_layers):
+            return None
+        stages, pp = layout_stages(layout), launch.pp
+        # Stage k of the layout runs on pipeline rank k % pp.
+        return tuple(sum(stages[k].count("t") for k in range(r, len(stages), pp)) for r in range(pp))
+    first, last = launch.first_last
+    if (first is None and last is None) or _first_last_split(launch):
+        return None
+    middle, rest = _first_last_rest(launch)
+    return (*([first] if first is not None else []), *[rest // middle] * middle, *([last] if last is not None else []))
+
+
+def _world_divisible(launch: Launch):
+    """The world size is a multiple of tp*pp*cp."""
+    if launch.world_size % (launch.tp * launch.pp * launch.cp):
+        return f"world size {launch.world_size} is not divisible by tp*pp*cp = {launch.tp}*{launch.pp}*{launch.cp}"
+
+
+def _virtual_flags(launch: Launch):
+    """At most one of the three ways to set virtual stages (Megatron-LM silently prefers one)."""
+    given = [f for f in VIRTUAL_FLAGS if launch.s.has(f)]
+    if len(given) > 1:
+        return f"{' and '.join(given)}: at most one of {', '.join(VIRTUAL_FLAGS)}"
+
+
+def _layout(launch: Launch):
+    """A layout has E first, L last, the model's transformer layers, and a multiple of pp stages."""
+    layout = launch.s.get("--pipeline-model-parallel-layout")
+    if layout is not None:
+        return _layout_problem(layout, pp=launch.pp, num_layers=launch.model.num_layers)
+
+
+def _layout_first_last(launch: Launch):
+    """A layout excludes --decoder-first/last-pipeline-num-layers."""
+    if launch.s.has("--pipeline-model-parallel-layout") and any(n is not None for n in launch.first_last):
+        return "--pipeline-model-parallel-layout with --decoder-first/last-pipeline-num-layers: choose one"
+
+
+def _per_virtual_uneven(launch: Launch):
+    """Layers per virtual stage only with an even split."""
+    s = launch.s
+    if (not s.has("--pipeline-model-parallel-layout") and s.has("--num-layers-per-virtual-pipeline-stage")
+            and any(n is not None for n in launch.first_last)):
+        return "--num-layers-per-virtual-pipeline-stage with an uneven split: use --num-virtual-stages-per-pipeline-rank"
+
+
+def _per_virtual_divides(launch: Launch):
+    """Layers per virtual stage divide the layers per stage."""
+    s, pp, layers = launch.s, launch.pp, launch.model.num_layers
+    per_virtual = s.get("--num-layers-per-virtual-pipeline-stage")
+    if (per_virtual is not None and not s.has("--pipeline-model-parallel-layout")
+            and all(n is None for n in launch.first_last) and (layers % pp or (layers // pp) % per_virtual)):
+        return f"--num-layers-per-virtual-pipeline-stage {per_virtual}: must divide num_layers/pp = {layers}/{pp}"
+
+
+def _first_last_split(launch: Launch):
+    """With first/last stage sizes, the other layers split evenly over the middle stages and virtual stages."""
+    if all(n is None for n in launch.first_last):
+        return None
+    middle, rest = _first_last_rest(launch)
+    vpp = _vpp(launch)
+    if rest < 0 or (middle == 0 and rest) or (middle > 0 and rest % (middle * vpp)):
+        return (f"--decoder-first/last-pipeline-num-layers: the other {rest} layers must split evenly over "
+                f"{middle} middle stages x {vpp} virtual stages")
+
+
+def _vpp_p2p_overlap(launch: Launch):
+    """Virtual stages with --no-overlap-p2p-communication need pp > 2."""
+    if _vpp(launch) > 1 and launch.s.has("--no-overlap-p2p-communication") and launch.pp <= 2:
+        return "virtual pipeline stages with --no-overlap-p2p-communication need --pipeline-model-parallel-size > 2"
+
+
+def _recompute_flags(launch: Launch):
+    """The recompute flags combine as Megatron reads them (selective alone; full with a method and a number)."""
+    return _recompute(launch.s)[2]
+
+
+def _micro_batch(launch: Launch):
+    """--micro-batch-size is given."""
+    if not launch.s.has("--micro-batch-size"):
+        return "--micro-batch-size: Megatron requires it"
+
+
+def _param_gather_optimizer(launch: Launch):
+    """--overlap-param-gather needs a sharded optimizer."""
+    s = launch.s
+    if s.has("--overlap-param-gather") and not (s.has("--use-distributed-optimizer") or s.has("--use-megatron-fsdp")):
+        return "--overlap-param-gather needs --use-distributed-optimizer (or --use-megatron-fsdp)"
+
+
+def _param_gather_grad_reduce(launch: Launch):
+    """--overlap-param-gather needs --overlap-grad-reduce."""
+    if launch.s.has("--overlap-param-gather") and not launch.s.has("--overlap-grad-reduce"):
+        return "--overlap-param-gather needs --overlap-grad-reduce"
+
+
+def _fsdp_checkpoint(launch: Launch):
+    """Megatron-FSDP checkpoints as fsdp_dtensor."""
+    if launch.s.has("--use-megatron-fsdp") and launch.s.get("--ckpt-format") != "fsdp_dtensor":
+        return "--use-megatron-fsdp needs --ckpt-format fsdp_dtensor"
+
+
+def _dtensor_needs_fsdp(launch: Launch):
+    """The fsdp_dtensor checkpoint only with Megatron-FSDP."""
+    if launch.s.get("--ckpt-format") == "fsdp_dtensor" and not launch.s.has("--use-megatron-fsdp"):
+        return "--ckpt-format fsdp_dtensor is only for --use-megatron-fsdp"
+
+
+def _sharding_needs_fsdp(launch: Launch):
+    """A sharding strategy only with Megatron-FSDP (Megatron-LM ignores it otherwise)."""
+    if launch.s.has("--data-parallel-sharding-strategy") and not launch.s.has("--use-megatron-fsdp"):
+        return "--data-parallel-sharding-strategy is only read with --use-megatron-fsdp"
+
+
+def _meta_device_no_shard(launch: Launch):
+    """Meta-device initialisation not with the no_shard strategy."""
+    s = launch.s
+    if ("--init-model-with-meta-device" in s.argv and s.has("--use-megatron-fsdp")
+            and s.get("--data-parallel-sharding-strategy") == "no_shard"):
+        return "--init-model-with-meta-device with --data-parallel-sharding-strategy no_shard: not supported; drop one"
+
+
+def _torch_fsdp2(launch: Launch):
+    """Torch FSDP2 not with pipeline or expert parallel or the distributed optimizer."""
+    s = launch.s
+    if s.has("--use-torch-fsdp2") and (
+            launch.pp > 1 or s.get("--expert-model-parallel-size", 1) > 1 or s.has("--use-distributed-optimizer")):
+        return "--use-torch-fsdp2: not with pipeline or expert parallel or --use-distributed-optimizer"
+
+
+def _sequence_parallel_tp(launch: Launch):
+    """--sequence-parallel needs TP > 1."""
+    if launch.s.has("--sequence-parallel") and launch.tp == 1:
+        return "--sequence-parallel needs --tensor-model-parallel-size > 1"
+
+
+def _tp_comm_overlap(launch: Launch):
+    """--tp-comm-overlap needs --sequence-parallel, which needs TP > 1."""
+    s = launch.s
+    if "--tp-comm-overlap" in s.argv and (not s.has("--sequence-parallel") or launch.tp == 1):
+        return ("--tp-comm-overlap needs --sequence-parallel and --tensor-model-parallel-size > 1 "
+                "(TP communication overlaps only the sequence-parallel all-gather / reduce-scatter)")
+
+
+ARGS = "megatron/training/arguments.py"
+# The flag combinations Megatron-LM rejects; the sizes are checked by parallel.rules.RULES on the configuration.
+ARGV_RULES = (
+    Rule("world-divisible", f"{ARGS}:432", _world_divisible),
+    Rule("virtual-flags", f"nest: {ARGS}:940-977 reads one and ignores the others", _virtual_flags),
+    Rule("layout", f"megatron/core/transformer/pipeline_parallel_layer_layout.py:41-107; {ARGS}:945", _layout),
+    Rule("layout-first-last", "megatron/core/transformer/transformer_config.py:2252", _layout_first_last),
+    Rule("per-virtual-uneven", f"{ARGS}:955", _per_virtual_uneven),
+    Rule("per-virtual-divides", f"{ARGS}:972", _per_virtual_divides),
+    Rule("first-last-split", "megatron/core/transformer/transformer_config.py:2296-2360", _first_last_split),
+    Rule("vpp-p2p-overlap", f"{ARGS}:1006", _vpp_p2p_overlap),
+    Rule("recompute-flags", f"{ARGS}:1426; megatron/core/transformer/transformer_config.py:1901-1931", _recompute_flags),
+    Rule("micro-batch", f"{ARGS}:693", _micro_batch),
+    Rule("param-gather-optimizer", f"{ARGS}:1025", _param_gather_optimizer),
+    Rule("param-gather-grad-reduce", f"{ARGS}:1028", _param_gather_grad_reduce),
+    Rule("fsdp-checkpoint", f"{ARGS}:1169", _fsdp_checkpoint),
+    Rule("dtensor-needs-fsdp", f"{ARGS}:1676", _dtensor_needs_fsdp),
+    Rule("sharding-needs-fsdp", "nest: Megatron-LM reads --data-parallel-sharding-strategy only with Megatron-FSDP",
+         _sharding_needs_fsdp),
+    Rule("meta-device-no-shard", f"{ARGS}:1183", _meta_device_no_shard),
+    Rule("torch-fsdp2", f"{ARGS}:1034-1039", _torch_fsdp2),
+    Rule("sequence-parallel-tp", f"nest: {ARGS}:1433 turns it off silently", _sequence_parallel_tp),
+    Rule("tp-comm-overlap", f"{ARGS}:1441-1442 (after :1433 turns sequence parallel off at tp 1)", _tp_comm_overlap),
+)
+
+
 def violations(argv: list[str], *, world_size: int) -> list[str]:
     """Every rule the final Megatron argv breaks at `world_size` ranks, one line each ([] when it launches)."""
     s = scan(argv)
     if not s.has("--num-layers"):
         return ["--num-layers: the argv describes no model"]
     m = ModelConfig(**model_values(s, vocab_size=s.get("--vocab-size", 1)))  # the vocabulary sets no rule
-    out = []
-    tp = s.get("--tensor-model-parallel-size", 1)
-    pp = s.get("--pipeline-model-parallel-size", 1)
-    cp = s.get("--context-parallel-size", 1)
-    if world_size % (tp * pp * cp):
-        out.append(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
-    dp = max(world_size // (tp * pp * cp), 1)
+    launch = Launch(s, world_size, m, tp=s.get("--tensor-model-parallel-size", 1),
+                    pp=s.get("--pipeline-model-parallel-size", 1), cp=s.get("--context-parallel-size", 1))
+    out = [line for rule in ARGV_RULES if (line := rule.check(launch)) is not None]
 
-    given = [f for f in VIRTUAL_FLAGS if s.has(f)]
-    if len(given) > 1:
-        out.append(f"{' and '.join(given)}: at most one of {', '.join(VIRTUAL_FLAGS)}")
-    vpp, layers_per_stage = 1, None
-    layout = s.get("--pipeline-model-parallel-layout")
-    first, last = s.get("--decoder-first-pipeline-num-layers"), s.get("--decoder-last-pipeline-num-layers")
-    if layout is not None:
-        problem = _layout_problem(layout, pp=pp, num_layers=m.num_layers)
-        if problem:
-            out.append(problem)
-        else:
-            stages = layout_stages(layout)
-            vpp = len(stages) // pp
-            # Stage k of the layout runs on pipeline rank k % pp: the layers each rank holds.
-            layers_per_stage = tuple(sum(stages[k].count("t") for k in range(r, len(stages), pp)) for r in range(pp))
-        if first is not None or last is not None:
-            out.append("--pipeline-model-parallel-layout with --decoder-first/last-pipeline-num-layers: choose one")
-    elif s.has("--num-layers-per-virtual-pipeline-stage"):
-        per_virtual = s.get("--num-layers-per-virtual-pipeline-stage")
-        if first is not None or last is not None:
-            out.append("--num-layers-per-virtual-pipeline-stage with an uneven split: use --num-virtual-stages-per-pipeline-rank")
-        elif m.num_layers % pp or (m.num_layers // pp) % per_virtual:
-            out.append(f"--num-layers-per-virtual-pipeline-stage {per_virtual}: must divide num_layers/pp = {m.num_layers}/{pp}")
-        else:
-            vpp = m.num_layers // pp // per_virtual
-    elif s.has("--num-virtual-stages-per-pipeline-rank"):
-        vpp = s.get("--num-virtual-stages-per-pipeline-rank")
-    if first is not None or last is not None:
-        middle = pp - (first is not None) - (last is not None)
-        rest = m.num_layers - (first or 0) - (last or 0)
-        if rest < 0 or (middle == 0 and rest) or (middle > 0 and rest % (middle * vpp)):
-            out.append(f"--decoder-first/last-pipeline-num-layers: the other {rest} layers must split evenly over "
-                       f"{middle} middle stages x {vpp} virtual stages")
-        elif layout is None:
-            ends = ([first] if first is not None else [], [last] if last is not None else [])
-            layers_per_stage = (*ends[0], *[rest // middle] * middle, *ends[1]) if middle else (*ends[0], *ends[1])
-    if vpp > 1 and s.has("--no-overlap-p2p-communication") and pp <= 2:
-        out.append("virtual pipeline stages with --no-overlap-p2p-communication need --pipeline-model-parallel-size > 2")
-
-    kind, recomputed, recompute_problem = _recompute(s)
-    if recompute_problem:
-        out.append(recompute_problem)
-
-    if not s.has("--micro-batch-size"):
-        out.append("--micro-batch-size: Megatron requires it")
-    mbs = s.get("--micro-batch-size", 1)
+    kind, recomputed, _ = _recompute(s)
+    mbs, dp, vpp, layers_per_stage = s.get("--micro-batch-size", 1), launch.dp, _vpp(launch), _layers_per_stage(launch)
     gbs = s.get("--global-batch-size", mbs * dp)
-
-    fsdp = s.has("--use-megatron-fsdp")
-    if s.has("--overlap-param-gather"):
-        if not (s.has("--use-distributed-optimizer") or fsdp):
-            out.append("--overlap-param-gather needs --use-distributed-optimizer (or --use-megatron-fsdp)")
-        if not s.has("--overlap-grad-reduce"):
-            out.append("--overlap-param-gather needs --overlap-grad-reduce")
-    if fsdp and s.get("--ckpt-format") != "fsdp_dtensor":
-        out.append("--use-megatron-fsdp needs --ckpt-format fsdp_dtensor")
-    if s.get("--ckpt-format") == "fsdp_dtensor" and not fsdp:
-        out.append("--ckpt-format fsdp_dtensor is only for --use-megatron-fsdp")
-    if s.has("--data-parallel-sharding-strategy") and not fsdp:
-        out.append("--data-parallel-sharding-strategy is only read with --use-megatron-fsdp")
-    if s.has("--use-torch-fsdp2"):
-        if pp > 1 or s.get("--expert-model-parallel-size", 1) > 1 or s.has("--use-distributed-optimizer"):
-            out.append("--use-torch-fsdp2: not with pipeline or expert parallel or --use-distributed-optimizer")
-    if s.has("--sequence-parallel") and tp == 1:
-        out.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
-
     cfg = ParallelConfig(
-        tp=tp, pp=pp, dp=dp, cp=cp,
+        tp=launch.tp, pp=launch.pp, dp=dp, cp=launch.cp,
         ep=s.get("--expert-model-parallel-size", 1),
-        etp=s.get("--expert-tensor-parallel-size", tp if m.num_experts else 1),
+        etp=s.get("--expert-tensor-parallel-size", launch.tp if m.num_experts else 1),
         vpp=vpp, sp=s.has("--sequence-parallel"), mbs=mbs,
         zero=_zero(s), recompute=kind, recompute_num_layers=recomputed,
         order="tp-cp-ep-pp-dp" if s.has("--use-tp-pp-dp-mapping") else "tp-cp-ep-dp-pp",
@@ -197,14 +344,38 @@ def violations(argv: list[str], *, world_size: int) -> list[str]:
         rule = violation(replace(cfg, vpp=1), model=ModelSpec(m), num_devices=world_size, global_batch_size=gbs,
                          layers_per_stage=layers_per_stage)
         microbatches = gbs // (mbs * dp)
-        if rule is None and microbatches % pp:
-            rule = f"{microbatches} micro-batches: the interleaved schedule needs a multiple of pp={pp}"
+        if rule is None and microbatches % launch.pp:
+            rule = f"{microbatches} micro-batches: the interleaved schedule needs a multiple of pp={launch.pp}"
     else:
         rule = violation(cfg, model=ModelSpec(m), num_devices=world_size, global_batch_size=gbs,
                          layers_per_stage=layers_per_stage)
     if rule and name_flags(rule) not in out:
         out.append(name_flags(rule))
     return out
+
+
+def rules_doc() -> str:
+    """docs/megatron_rules.md: every rule of both tables with what it asks and its source."""
+    lines = [
+        "# Megatron-LM's rules, as the planner applies them",
+        "",
+        "Generated by `nest_megatron.launch.megatron_rules.rules_doc()`; tests/test_megatron_rules.py fails when this",
+        "file and the tables differ. Sources are file:line of Megatron-LM at "
+        f"[`{MEGATRON_LM_COMMIT[:12]}`](https://github.com/NVIDIA/Megatron-LM/tree/{MEGATRON_LM_COMMIT}),",
+        "an upstream issue / PR, or `nest:` for the planner's own policy (Megatron-LM would launch, or silently",
+        "change the flag).",
+        "",
+    ]
+    for title, where, table in (
+        ("Configuration rules", "`nest_megatron/parallel/rules.py` `RULES`: the search space, `evaluate`, "
+         "the emitted argv; the first broken one is reported", RULES),
+        ("Launch-line rules", "`nest_megatron/launch/megatron_rules.py` `ARGV_RULES`: how the flags of a final "
+         "argv combine; then the configuration rules on the sizes it spells", ARGV_RULES),
+    ):
+        lines += [f"## {title}", "", f"{where}.", "", "| id | rule | source |", "|---|---|---|"]
+        lines += [f"| `{r.id}` | {r.check.__doc__.splitlines()[0]} | {r.source} |" for r in table]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def check(argv: list[str], *, world_size: int) -> None:
