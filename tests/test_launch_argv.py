@@ -133,7 +133,7 @@ def test_ckpt_format_is_the_users_unless_fsdp_decides_it():
     kept = rewrite([*LLAMA3_70B, "--ckpt-format", "torch_dist"], plan)
     assert kept[kept.index("--ckpt-format") + 1] == "torch_dist"
     assert "--ckpt-format" not in rewrite([*LLAMA3_70B, "--ckpt-format", "fsdp_dtensor"], plan)
-    fsdp = api.evaluate([*overrides_from_argv(LLAMA3_70B), "cluster.num_devices=64", "plan.tp=8", "plan.pp=4", "plan.zero=3"])
+    fsdp = api.evaluate([*overrides_from_argv(LLAMA3_70B), "cluster.num_devices=64", "plan.tp=8", "plan.pp=1", "plan.zero=3"])
     out = rewrite([*LLAMA3_70B, "--ckpt-format", "torch_dist"], fsdp)
     assert out.count("--ckpt-format") == 1 and out[out.index("--ckpt-format") + 1] == "fsdp_dtensor"
 

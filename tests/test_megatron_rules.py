@@ -241,3 +241,18 @@ def test_the_doc_lists_every_rule_with_its_source():
     for table in (RULES, ARGV_RULES):
         assert len({r.id for r in table}) == len(table)
         assert all(r.source and r.check.__doc__ for r in table)
+
+
+@pytest.mark.parametrize("zero, meta", [(2, False), (3, True)])
+def test_zero3_builds_the_model_on_the_meta_device(zero, meta):
+    """ZeRO-3 (optim_grads_params) asks Megatron-LM for --init-model-with-meta-device, so that no rank allocates the
+    unsharded model; the flag is the planner's: a user's copy is replaced by the plan's, once or not at all."""
+    from nest_megatron import api
+    from nest_megatron.launch.rewrite import model_part, rewrite
+
+    plan = api.evaluate(["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=8",
+                         "train.global_batch_size=64", "plan.tp=2", f"plan.zero={zero}"])
+    assert ("--init-model-with-meta-device" in plan.megatron_args) == meta
+    argv = rewrite([*model_part(plan.megatron_args), "--init-model-with-meta-device"], plan)
+    assert argv.count("--init-model-with-meta-device") == int(meta)
+    assert violations(argv, world_size=plan.world_size) == []

@@ -99,6 +99,7 @@ PLANNER_FLAGS: dict[str, str] = {
     "--recompute-num-layers": "int",
     "--recompute-activations": "true",
     "--ckpt-format": "str",  # planner-owned only with Megatron-FSDP (fsdp_dtensor); see launch/rewrite.py
+    "--init-model-with-meta-device": "true",  # with ZeRO-3 (emit/megatron.py ZERO_FLAGS)
     # MoE plans price the alltoall dispatcher's traffic (Megatron's default is allgather); see launch/rewrite.py
     "--moe-token-dispatcher-type": "str",
 }

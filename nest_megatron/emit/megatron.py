@@ -5,12 +5,15 @@ from __future__ import annotations
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 
-# How each ZeRO stage is realised in Megatron-LM.
+# How each ZeRO stage is realised in Megatron-LM. ZeRO-3 builds the model on the meta device and lets
+# Megatron-FSDP materialise only each rank's shard (training.py get_model); else every rank first
+# allocates the whole unsharded stage, which is what ZeRO-3 was chosen to avoid.
 ZERO_FLAGS = {
     0: [],
     1: ["--use-distributed-optimizer"],
     2: ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--ckpt-format", "fsdp_dtensor"],
-    3: ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--ckpt-format", "fsdp_dtensor"],
+    3: ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--ckpt-format", "fsdp_dtensor",
+        "--init-model-with-meta-device"],
 }
 
 
