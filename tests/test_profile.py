@@ -265,9 +265,9 @@ def test_profile_checks_its_cache_path_before_it_profiles(capsys, monkeypatch, t
 
 @pytest.mark.parametrize("override, says", [
     ("cache=/nonexistent/profiles.json", "cache=/nonexistent/profiles.json: no such profile cache"),
-    ("profile.repeats=0", "profile.repeats=0: must be positive"),
-    ("profile.warmup=-1", "profile.warmup=-1: must be >= 0"),
-    ("profile.local_devices=0", "profile.local_devices=0: must be positive"),
+    ("profile.repeats=0", "profile.repeats=0: allowed 1..1000"),
+    ("profile.warmup=-1", "profile.warmup=-1: allowed 0..1000"),
+    ("profile.local_devices=0", "profile.local_devices=0: allowed 1..1048576"),
     ("profile.repeat=3", "profile.repeat: no such key; did you mean profile.repeats?"),
 ])
 def test_bad_profile_input_is_one_line_and_exit_2(capsys, override, says):

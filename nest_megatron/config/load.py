@@ -7,6 +7,7 @@ value and what is allowed.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 from dataclasses import dataclass, fields
@@ -35,6 +36,7 @@ from nest_megatron.errors import NestError
 from nest_megatron.hardware.accelerator import accelerator_from_config
 from nest_megatron.hardware.topology import BUILDERS
 from nest_megatron.model.spec import ModelSpec
+from nest_megatron.parallel.config import RANK_ORDERS, RECOMPUTE_KINDS, ZERO_STAGES
 from nest_megatron.solver.registry import SOLVERS
 from nest_megatron.trace.source import resolve as resolve_model_source
 
@@ -248,19 +250,71 @@ def _typed(name: str, schema, node):
         raise NestError(f"{name}.{key}: {text}") from None
 
 
-def _positive(section: str, obj, *names: str) -> None:
-    for n in names:
-        value = getattr(obj, n)
-        if value is not None and value <= 0:
-            raise NestError(f"{section}.{n}={value}: must be positive")
+# Caps on sizes: powers of two at least 10x the largest value a published model or cluster uses, so that every real
+# input loads and a typo (a few zeros too many) is one line instead of a hang or a nonsense plan.
+# Devices: today's largest GPU clusters hold ~200k (xAI Colossus) and 1M-GPU sites are announced; a device count past
+# 2^20 is a typo that would keep the planner scanning its divisors for hours.
+MAX_DEVICES = 2**20
+MAX_LAYERS = 2**14  # DeepNet (Wang et al., 2022) trained 1,000 layers; LLMs use <= 128 (Llama 3 405B: 126)
+MAX_HIDDEN = 2**18  # MT-NLG 530B's 20,480 is the widest
+MAX_FFN = 2**20  # PaLM 540B's 73,728
+MAX_HEADS = 2**12  # Falcon 180B's 232 query heads
+MAX_KV_CHANNELS = 2**12  # Gemma's 256 per head
+MAX_SEQ = 2**24  # 1M-token contexts are trained (context parallel)
+MAX_VOCAB = 2**22  # Gemma 3's 262,144
+MAX_EXPERTS = 2**15  # Switch-C's 2,048
+MAX_BATCH = 2**20  # sequences: LAMB trained BERT at 65,536 a batch, LLMs use a few thousand
+# Search knob, capped by its cost: every value up to it is tried at every pipeline size (1,024 made a 16-GPU plan of
+# tiny_gpt 5x slower), while published interleaved schedules use a few chunks a rank.
+MAX_VIRTUAL_STAGES = 64
+MAX_PROFILE_RUNS = 1000  # runs of one kernel: a median of more moves nothing; more is a typo that holds a GPU for hours
+
+
+def _integer(key: str, value: int | None, lo: int, hi: int | None = None, bound: str = "") -> None:
+    """`value` (None: unset) in lo..hi (no cap when hi is None); `bound` names where hi comes from."""
+    if value is None or lo <= value and (hi is None or value <= hi):
+        return
+    raise NestError(f"{key}={value}: must be an integer >= {lo}" if hi is None
+                    else f"{key}={value}: allowed {lo}..{hi}{f' ({bound})' if bound else ''}")
+
+
+def _real(key: str, value: float | None, lo: float, *, above: bool = False) -> None:
+    """`value` (None: unset) a finite number >= lo, or > lo with `above`: NaN and infinity are no sizes."""
+    if value is None or math.isfinite(value) and (value > lo if above else value >= lo):
+        return
+    raise NestError(f"{key}={value}: must be a finite number {'>' if above else '>='} {lo:g}")
+
+
+def _one_of(key: str, value, allowed) -> None:
+    if value is not None and value not in allowed:
+        raise NestError(f"{key}={value}: allowed are {', '.join(map(str, allowed))}")
 
 
 def _check(root: RootConfig) -> None:
-    m, a, c, t = root.model, root.accelerator, root.cluster, root.train
-    _positive("model", m, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
-              "vocab_size", "num_query_groups", "kv_channels", "num_experts", "moe_router_topk", "moe_layer_freq")
-    if m.family not in ("gpt", "bert"):
-        raise NestError(f"model.family={m.family}: allowed are gpt, bert")
+    _check_model(root.model)
+    devices = _check_cluster(root.cluster)
+    _check_accelerator(root.accelerator, root.cluster.device_memory_gib)
+    _check_train_and_solver(root.train, root.solver)
+    _check_plan(root.plan, devices=devices, layers=root.model.num_layers, batch=root.train.global_batch_size)
+    p = root.profile
+    _integer("profile.warmup", p.warmup, 0, MAX_PROFILE_RUNS)
+    _integer("profile.repeats", p.repeats, 1, MAX_PROFILE_RUNS)
+    _integer("profile.local_devices", p.local_devices, 1, MAX_DEVICES)
+
+
+def _check_model(m: ModelConfig) -> None:
+    for key, cap in (("num_layers", MAX_LAYERS), ("hidden_size", MAX_HIDDEN), ("ffn_hidden_size", MAX_FFN),
+                     ("num_attention_heads", MAX_HEADS), ("kv_channels", MAX_KV_CHANNELS), ("seq_length", MAX_SEQ),
+                     ("vocab_size", MAX_VOCAB), ("make_vocab_size_divisible_by", MAX_VOCAB),
+                     ("num_experts", MAX_EXPERTS), ("moe_ffn_hidden_size", MAX_FFN),
+                     ("moe_shared_expert_intermediate_size", MAX_FFN), ("moe_layer_freq", MAX_LAYERS)):
+        _integer(f"model.{key}", getattr(m, key), 1, cap)
+    _integer("model.num_query_groups", m.num_query_groups, 1, m.num_attention_heads, "model.num_attention_heads")
+    if m.num_experts:
+        _integer("model.moe_router_topk", m.moe_router_topk, 1, m.num_experts, "model.num_experts")
+    else:
+        _integer("model.moe_router_topk", m.moe_router_topk, 1, MAX_EXPERTS)
+    _one_of("model.family", m.family, ("gpt", "bert"))
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
         raise NestError(
             f"model.num_attention_heads={m.num_attention_heads}: must divide model.hidden_size={m.hidden_size} "
@@ -269,45 +323,86 @@ def _check(root: RootConfig) -> None:
     groups = m.num_query_groups or m.num_attention_heads
     if m.num_attention_heads % groups:
         raise NestError(f"model.num_query_groups={groups}: must divide model.num_attention_heads={m.num_attention_heads}")
-    if m.num_experts and m.moe_router_topk > m.num_experts:
-        raise NestError(f"model.moe_router_topk={m.moe_router_topk}: at most model.num_experts={m.num_experts}")
     for key, allowed in (("attention_backend", ("flash", "unfused")), ("normalization", ("LayerNorm", "RMSNorm")),
                          ("position_embedding_type", ("learned_absolute", "rope"))):
-        if getattr(m, key) not in allowed:
-            raise NestError(f"model.{key}={getattr(m, key)}: allowed are {', '.join(allowed)}")
+        _one_of(f"model.{key}", getattr(m, key), allowed)
     for key in ("hidden_dropout", "attention_dropout"):
         if not 0 <= getattr(m, key) < 1:
             raise NestError(f"model.{key}={getattr(m, key)}: must be in [0, 1)")
-    _positive("accelerator", a, "peak_bf16_tflops", "memory_gib", "hbm_bandwidth_gb_per_s")
+
+
+def _check_accelerator(a: AcceleratorConfig, device_memory_gib: float | None) -> None:
+    for key in ("peak_bf16_tflops", "memory_gib", "hbm_bandwidth_gb_per_s"):
+        _real(f"accelerator.{key}", getattr(a, key), 0, above=True)
     for key in ("gemm_efficiency", "attention_efficiency", "memory_bound_efficiency"):
         if not 0 < getattr(a, key) <= 1:
             raise NestError(f"accelerator.{key}={getattr(a, key)}: must be in (0, 1]")
-    if c.topology not in BUILDERS:
-        raise NestError(f"cluster.topology={c.topology}: allowed are {', '.join(BUILDERS)}")
+    _real("accelerator.reserved_memory_gib", a.reserved_memory_gib, 0)
+    memory = device_memory_gib or a.memory_gib  # what the cluster models a device to hold (checked before)
+    if a.reserved_memory_gib >= memory:
+        raise NestError(f"accelerator.reserved_memory_gib={a.reserved_memory_gib}: must be below the device memory, "
+                        f"{memory} GiB")
+
+
+def _check_cluster(c: ClusterConfig) -> int:
+    """Check the cluster's keys; return its device count."""
+    _one_of("cluster.topology", c.topology, tuple(BUILDERS))
+    _real("cluster.device_memory_gib", c.device_memory_gib, 0, above=True)
+    _integer("cluster.num_devices", c.num_devices, 1, MAX_DEVICES)
     if c.topology == "torus":
-        if c.torus is None or not c.torus.dims or any(d <= 0 for d in c.torus.dims):
-            raise NestError("cluster.torus.dims: a torus needs a list of positive dimensions, e.g. [4, 4, 4]")
-        _positive("cluster.torus", c.torus, "link_bandwidth_gb_per_s")
-        if c.torus.hop_latency_s < 0:
-            raise NestError(f"cluster.torus.hop_latency_s={c.torus.hop_latency_s}: must be >= 0")
-    elif not c.levels:
-        raise NestError("cluster.levels: a hierarchical cluster needs at least one level")
-    for i, lv in enumerate(c.levels):
-        _positive(f"cluster.levels[{i}]", lv, "fan_out", "bandwidth_gb_per_s")
-        if lv.latency_s < 0:
-            raise NestError(f"cluster.levels[{i}].latency_s={lv.latency_s}: must be >= 0")
-        if lv.oversubscription < 1:
-            raise NestError(f"cluster.levels[{i}].oversubscription={lv.oversubscription}: must be >= 1")
-    _positive("cluster", c, "num_devices", "device_memory_gib")
-    _positive("train", t, "global_batch_size", "micro_batch_size")
-    s = root.solver
-    if s.name not in SOLVERS:
-        raise NestError(f"solver.name={s.name}: allowed are {', '.join(SOLVERS)}")
-    if not s.micro_batch_sizes or any(x <= 0 for x in s.micro_batch_sizes):
-        raise NestError(f"solver.micro_batch_sizes={s.micro_batch_sizes}: a list of positive integers")
-    _positive("profile", root.profile, "repeats", "local_devices")
-    if root.profile.warmup < 0:
-        raise NestError(f"profile.warmup={root.profile.warmup}: must be >= 0")
+        if c.torus is None or not c.torus.dims:
+            raise NestError("cluster.torus.dims: a torus needs a list of dimensions, e.g. [4, 4, 4]")
+        for i, k in enumerate(c.torus.dims):
+            _integer(f"cluster.torus.dims[{i}]", k, 1, MAX_DEVICES)
+        _real("cluster.torus.link_bandwidth_gb_per_s", c.torus.link_bandwidth_gb_per_s, 0, above=True)
+        _real("cluster.torus.hop_latency_s", c.torus.hop_latency_s, 0)
+        described, where = c.torus.dims, "cluster.torus.dims:"
+    else:
+        if not c.levels:
+            raise NestError("cluster.levels: a hierarchical cluster needs at least one level")
+        for i, lv in enumerate(c.levels):
+            _integer(f"cluster.levels[{i}].fan_out", lv.fan_out, 1, MAX_DEVICES)
+            _real(f"cluster.levels[{i}].bandwidth_gb_per_s", lv.bandwidth_gb_per_s, 0, above=True)
+            _real(f"cluster.levels[{i}].latency_s", lv.latency_s, 0)
+            _real(f"cluster.levels[{i}].oversubscription", lv.oversubscription, 1)
+        described, where = [lv.fan_out for lv in c.levels], "cluster.levels: fan_outs"
+    if c.num_devices is not None:  # the levels are rescaled to it
+        return c.num_devices
+    devices = math.prod(described)
+    if devices > MAX_DEVICES:
+        raise NestError(f"{where} {'*'.join(map(str, described))} = {devices} devices; allowed 1..{MAX_DEVICES}")
+    return devices
+
+
+def _check_train_and_solver(t: TrainConfig, s: SolverConfig) -> None:
+    _integer("train.global_batch_size", t.global_batch_size, 1, MAX_BATCH)
+    _integer("train.micro_batch_size", t.micro_batch_size, 1, t.global_batch_size, "train.global_batch_size")
+    _one_of("solver.name", s.name, tuple(SOLVERS))
+    if not s.micro_batch_sizes:
+        raise NestError("solver.micro_batch_sizes=[]: list at least one micro-batch size")
+    # Entries are capped, not bounded by the model or the batch: one solver config serves every problem.
+    for i, size in enumerate(s.micro_batch_sizes):
+        _integer(f"solver.micro_batch_sizes[{i}]", size, 1, MAX_BATCH)
+    for i, count in enumerate(s.recompute_num_layers):
+        _integer(f"solver.recompute_num_layers[{i}]", count, 1, MAX_LAYERS)
+    for key, allowed in (("zero_stages", ZERO_STAGES), ("recompute", RECOMPUTE_KINDS), ("rank_orders", RANK_ORDERS)):
+        for i, value in enumerate(getattr(s, key)):
+            _one_of(f"solver.{key}[{i}]", value, allowed)
+    _integer("solver.max_virtual_stages", s.max_virtual_stages, 1, MAX_VIRTUAL_STAGES)
+    _integer("solver.max_context_parallel", s.max_context_parallel, 1)  # the sizes tried are a fixed short list
+    _integer("solver.top_k", s.top_k, 0)
+
+
+def _check_plan(p: PlanChoice, *, devices: int, layers: int, batch: int) -> None:
+    """Pinned values, each within what can ever launch; 0 is a bad value here, never "unset"."""
+    for key in ("tp", "pp", "dp", "cp", "ep", "etp"):
+        _integer(f"plan.{key}", getattr(p, key), 1, devices, "the cluster's devices")
+    _integer("plan.vpp", p.vpp, 1, layers, "model.num_layers")
+    _integer("plan.recompute_num_layers", p.recompute_num_layers, 1, layers, "model.num_layers")
+    _integer("plan.mbs", p.mbs, 1, batch, "train.global_batch_size")
+    _one_of("plan.zero", p.zero, ZERO_STAGES)
+    _one_of("plan.recompute", p.recompute, RECOMPUTE_KINDS)
+    _one_of("plan.order", p.order, RANK_ORDERS)
 
 
 def _problem(root: RootConfig, tracer=None) -> Problem:
