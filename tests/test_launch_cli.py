@@ -115,6 +115,11 @@ def test_launch_runs_torchrun_with_the_planned_argv(worker):
         assert record["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # Megatron-LM asserts it with TP > 1 (on Hopper and before)
         assert record["ppid"] == proc.pid  # torchrun's agent is the launch process itself
     assert "tp=2 pp=1 dp=1" in err
+    # before torchrun starts, each flag the plan changed (the Hydra overrides chose TP 2 and micro-batch 2; the
+    # argv gave neither, and Megatron requires a micro-batch size)
+    change = ("--tensor-model-parallel-size: (unset) -> 2 (the given layout breaks a Megatron rule: --micro-batch-size: "
+              "Megatron requires it)")
+    assert change in err.splitlines() and err.index(change) < err.index("nest-megatron: tp=2")
 
 
 def test_dry_run_prints_the_command_and_the_digest_and_starts_nothing(worker):
@@ -324,28 +329,33 @@ MOE_MODEL = [*DENSE_MODEL, "--num-experts", "4"]
 
 
 def dry_run(capsys, *args: str) -> list[str]:
-    assert cli.main(["launch", "cluster=dgx_h100_superpod", "cluster.num_devices=2", "--nproc-per-node", "2",
-                     "--dry-run", *args]) == 0, capsys.readouterr().err
-    return capsys.readouterr().out.splitlines()
+    """launch --dry-run on 2 devices: its stdout lines; its stderr (the flags the plan changed) in dry_run.err."""
+    status = cli.main(["launch", "cluster=dgx_h100_superpod", "cluster.num_devices=2", "--nproc-per-node", "2",
+                       "--dry-run", *args])
+    out, dry_run.err = capsys.readouterr()
+    assert status == 0, dry_run.err
+    return out.splitlines()
 
 
 def test_moe_launch_runs_the_dispatcher_the_plan_prices(capsys):
     """Megatron's default dispatcher is allgather; the plan prices alltoall, so the launch line says alltoall,
-    once, whatever the user gave, and says that it replaced the user's."""
+    once, whatever the user gave, and the list of changed flags says so with why."""
+    why = "(the plan prices the alltoall dispatcher's traffic)"
     lines = dry_run(capsys, "--", "t.py", *MOE_MODEL)
     argv = shlex.split(lines[-1])
     assert argv[argv.index("--moe-token-dispatcher-type") + 1] == "alltoall"
-    assert not any("note:" in line for line in lines)
+    assert f"--moe-token-dispatcher-type: (unset) -> alltoall {why}" in dry_run.err.splitlines()
 
     lines = dry_run(capsys, "--", "t.py", *MOE_MODEL, "--moe-token-dispatcher-type", "allgather")
     argv = shlex.split(lines[-1])
     assert argv.count("--moe-token-dispatcher-type") == 1 and argv[argv.index("--moe-token-dispatcher-type") + 1] == "alltoall"
-    assert ("nest-megatron: note: --moe-token-dispatcher-type allgather replaced by alltoall: the plan prices the "
-            "alltoall dispatcher's traffic") in lines
+    assert f"--moe-token-dispatcher-type: allgather -> alltoall {why}" in dry_run.err.splitlines()
+    assert not any(line.startswith("--moe-token-dispatcher-type:") for line in lines)  # on stderr only
 
     # a dense model: the plan sets no dispatcher, Megatron ignores the user's, which stays as typed
     argv = shlex.split(dry_run(capsys, "--", "t.py", *DENSE_MODEL, "--moe-token-dispatcher-type", "flex")[-1])
     assert argv[argv.index("--moe-token-dispatcher-type") + 1] == "flex" and argv.count("--moe-token-dispatcher-type") == 1
+    assert "--moe-token-dispatcher-type" not in dry_run.err
 
 
 def torchrun_dry_run(capsys, *flags: str) -> list[str]:

@@ -60,14 +60,21 @@ def show(prepared: Prepared, *, dry_run: bool) -> None:
     summary = (f"nest-megatron: tp={p['tp']} pp={p['pp']} dp={p['dp']} cp={p['cp']} ep={p['ep']} vpp={p['vpp']} "
                f"mbs={prepared.plan.micro_batch_size} zero={prepared.plan.zero_stage} on {prepared.plan.world_size} ranks, "
                f"plan {prepared.plan.digest}")
-    notes = [f"nest-megatron: note: {note}" for note in prepared.notes]
+    show_changes(prepared)
     if not dry_run:
-        print("\n".join([summary, *notes]), file=sys.stderr, flush=True)
+        print(summary, file=sys.stderr, flush=True)
         return
     console = stdout_console()
     render(prepared.plan, console)
-    print("\n".join([summary, *notes]))
+    print(summary)
     print("\n".join(command_lines(prepared)))
+
+
+def show_changes(prepared: Prepared) -> None:
+    """Each flag of the argv the plan changed, on stderr before anything starts (also for --dry-run)."""
+    if prepared.changes:
+        print("\n".join([f"nest-megatron: the plan changes {len(prepared.changes)} flag(s) of the script's arguments:",
+                         *prepared.changes]), file=sys.stderr, flush=True)
 
 
 def command_lines(prepared: Prepared) -> list[str]:

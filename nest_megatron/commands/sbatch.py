@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from nest_megatron.commands.common import fail, write_atomically
+from nest_megatron.commands.launch import show_changes
 from nest_megatron.config.load import CONFIG_PATH_ENV, load, user_config_dirs
 from nest_megatron.errors import NestError
 from nest_megatron.launch.devices import Devices
@@ -75,8 +76,8 @@ def launcher_path(srun_options: list[str]) -> str:
     return os.path.abspath(found) if found else "nest-megatron"
 
 
-def build(args: argparse.Namespace) -> tuple[str, str | None]:
-    """(script text, out path or None): everything checked, nothing written."""
+def build(args: argparse.Namespace) -> tuple[str, str | None, Prepared]:
+    """(script text, out path or None, the launch as planned now): everything checked, nothing written."""
     if not args.script_argv:
         raise NestError("no training script: give it after --, e.g. nest-megatron sbatch --nodes 2 -- pretrain_gpt.py ARGS")
     overrides, script_argv = args.overrides, args.script_argv
@@ -99,7 +100,7 @@ def build(args: argparse.Namespace) -> tuple[str, str | None]:
                        pins=args.pin.split(",") if args.pin else [])
     launch_options = ["--expect-plan", prepared.plan.digest] + (["--pin", args.pin] if args.pin else [])
     return sbatch_script(options, launch_options + forwarded, script_argv, plan_lines=_plan_lines(prepared),
-                         launcher=launcher_path(options.srun), config_path=_config_path()), out
+                         launcher=launcher_path(options.srun), config_path=_config_path()), out, prepared
 
 
 def _config_path() -> str | None:
@@ -112,7 +113,8 @@ def _config_path() -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        text, out = build(args)
+        text, out, prepared = build(args)
+        show_changes(prepared)  # what every node's launch will change in the script's arguments
         if out:
             write_atomically(Path(out), text)
             Path(out).chmod(0o755)

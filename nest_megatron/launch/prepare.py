@@ -22,10 +22,12 @@ from nest_megatron.config.megatron_argv import (
     train_overrides,
 )
 from nest_megatron.errors import NestError
+from nest_megatron.launch.changes import change_lines, flag_reasons, layout_why
+from nest_megatron.launch.constraints import Constraint, argv_constraints
 from nest_megatron.launch.devices import Devices
 from nest_megatron.launch.megatron_rules import violations
 from nest_megatron.launch.placement import HostAssignment, host_assignments, master_host
-from nest_megatron.launch.rewrite import model_part, parse_pins, pin_overrides, replaced_dispatcher, rewrite
+from nest_megatron.launch.rewrite import model_part, parse_pins, pin_overrides, planner_part, rewrite
 from nest_megatron.launch.torchrun import NodeCommand, node_command, torchrun_flags
 from nest_megatron.plan import Plan
 
@@ -41,7 +43,8 @@ class Prepared:
     script_args: list[str]  # the final Megatron argv
     commands: list[NodeCommand]  # one per node that runs ranks, in node-index order
     this_node: NodeCommand | None  # the command of the node this process runs on; None: known only per node
-    notes: list[str] = field(default_factory=list)  # what the rewrite changed that the user may not expect
+    # `--flag: old -> new (why)` for each flag of the argv the plan changed (launch/changes.py)
+    changes: list[str] = field(default_factory=list)
 
 
 def split_keep(overrides: list[str]) -> tuple[list[str], list[str]]:
@@ -109,10 +112,12 @@ def prepare(*, overrides: list[str], script: str, script_args: list[str], device
     try:
         loaded = load(problem)
         _check_topology(loaded, devices)
-        pinned = pin_overrides(script_args, names, model=loaded.config.model)
-        if pinned:
-            loaded = load(problem + pinned)
-        plan = api.plan_loaded(loaded)
+        model = loaded.config.model
+        fixed = [Constraint(pin_overrides(script_args, names, model=model), f"pinned {','.join(names)}")] if names else []
+        fixed += argv_constraints(script_args, user, model=model)
+        if fixed:
+            loaded = load(problem + [item for c in fixed for item in c.overrides])
+        plan = _plan(loaded, [c.why for c in fixed])
     except NestError as err:
         raise _with_flags(err, flags_given) from None
 
@@ -126,11 +131,23 @@ def prepare(*, overrides: list[str], script: str, script_args: list[str], device
     broken = violations(final, world_size=plan.world_size)
     if broken:
         raise NestError(f"the rewritten argv breaks a Megatron rule (a planner bug, please report): {broken[0]}")
+    changes = change_lines(script_args, final, reasons=flag_reasons(planner_part(plan.megatron_args), script_args),
+                           layout=lambda: layout_why([*script_args, *model_args], loaded, plan))
 
     commands, this_node = _commands(plan, devices, script, final, user_torchrun_flags)
-    notes = [note for note in (replaced_dispatcher(script_args, plan),) if note]
     return Prepared(plan=plan, loaded=loaded, devices=devices, script_args=final, commands=commands, this_node=this_node,
-                    notes=notes)
+                    changes=changes)
+
+
+def _plan(loaded: Loaded, fixed_by: list[str]) -> Plan:
+    """The plan; when what the launch line fixes (`fixed_by`: --pin, a resume, ...) leaves none, one line
+    saying so."""
+    try:
+        return api.plan_loaded(loaded)
+    except NestError as err:
+        if not fixed_by:
+            raise
+        raise type(err)(f"no plan keeps what the launch line fixes ({'; '.join(fixed_by)}): {err}") from None
 
 
 def check_digest_format(expected: str) -> None:

@@ -46,8 +46,11 @@ def parse_pins(text: str | list[str]) -> list[str]:
     return names
 
 
-def _pinned_value(s: Scanned, name: str, num_layers: int | None):
-    """The value the argv gives for `name`, Megatron's default when its flag is absent."""
+def _pinned_value(s: Scanned, name: str, num_layers: int | None, moe: bool):
+    """The value the argv gives for `name`, Megatron's default when its flag is absent (for a dense model the
+    expert sizes are 1 whatever the argv says: Megatron reads them only with experts)."""
+    if name in ("ep", "etp") and not moe:
+        return 1
     if name in ("tp", "pp", "cp", "ep"):
         return s.get(PIN_FLAGS[name], 1)
     if name == "etp":
@@ -87,24 +90,31 @@ def _pinned_value(s: Scanned, name: str, num_layers: int | None):
     raise AssertionError(name)
 
 
-def pin_overrides(argv: list[str], names: list[str], *, model: ModelConfig | None = None) -> list[str]:
-    """`plan.*` overrides holding the pinned names at the argv's values.
+def pinned_values(argv: list[str], names: list[str], *, model: ModelConfig | None = None) -> dict[str, object]:
+    """PlanChoice field -> the argv's value, for the pinned names (and recompute_num_layers with block recompute).
 
     With the model, each pinned value is checked against it alone (heads vs tp, layers vs pp, ...),
     so that a value the model cannot satisfy is an error naming the flag, not "nothing fits".
     """
     s = scan(argv)
-    out = []
+    out = {}
     for name in names:
-        value = _pinned_value(s, name, model.num_layers if model else s.get("--num-layers"))
+        value = _pinned_value(s, name, model.num_layers if model else s.get("--num-layers"),
+                              moe=bool(model.num_experts if model else s.get("--num-experts")))
         if model is not None and name in ("tp", "pp", "cp", "ep", "etp"):
             problem = _alone(name, value, model)
             if problem:
                 raise NestError(f"pinned {PIN_FLAGS[name]} {value}: {problem}")
-        out.append(f"plan.{name}={str(value).lower() if isinstance(value, bool) else value}")
+        out[name] = value
         if name == "recompute" and value == "full" and s.get("--recompute-method") == "block":
-            out.append(f"plan.recompute_num_layers={s.get('--recompute-num-layers')}")
+            out["recompute_num_layers"] = s.get("--recompute-num-layers")
     return out
+
+
+def pin_overrides(argv: list[str], names: list[str], *, model: ModelConfig | None = None) -> list[str]:
+    """`plan.*` overrides holding the pinned names at the argv's values (`pinned_values`)."""
+    return [f"plan.{name}={str(value).lower() if isinstance(value, bool) else value}"
+            for name, value in pinned_values(argv, names, model=model).items()]
 
 
 def _alone(name: str, value: int, model: ModelConfig) -> str | None:
@@ -122,21 +132,6 @@ def _alone(name: str, value: int, model: ModelConfig) -> str | None:
 
 
 DISPATCHER = "--moe-token-dispatcher-type"
-
-
-def replaced_dispatcher(argv: list[str], plan: Plan) -> str | None:
-    """A note when the user's --moe-token-dispatcher-type is not the plan's, else None.
-
-    The plan's wins, as the parallel sizes do, rather than a refusal: the plan's step time, memory and
-    choice of EP hold only for the dispatcher whose traffic the cost model prices (alltoall), which is
-    also the one Megatron-LM recommends with expert parallelism; keeping the user's would run a job that
-    the plan does not describe. The replacement is said in the launch summary, never silent; --pin
-    cannot keep it (there is no plan priced for another dispatcher)."""
-    planned = scan(plan.megatron_args).get(DISPATCHER)
-    given = scan(argv).get(DISPATCHER)
-    if planned is None or given is None or given == planned:
-        return None
-    return (f"{DISPATCHER} {given} replaced by {planned}: the plan prices the {planned} dispatcher's traffic")
 
 
 def planner_part(args: list[str]) -> list[str]:

@@ -1,0 +1,103 @@
+"""What the plan changed in the user's argv, one line per flag, with why: `--flag: old -> new (why)`.
+
+A user who typed `--tensor-model-parallel-size 8` and gets 2 is told so before anything starts. Why a
+layout flag changed is said once for all of them: the user's own layout is priced with the same cost model
+(one evaluation), so the line says by how much the plan is faster, or which Megatron rule the given layout
+breaks, or that it does not fit in memory.
+"""
+
+from __future__ import annotations
+
+from nest_megatron.config.load import Loaded
+from nest_megatron.config.megatron_argv import PLANNER_FLAGS, scan
+from nest_megatron.config.schema import PlanChoice
+from nest_megatron.cost.evaluate import estimate
+from nest_megatron.errors import NestError
+from nest_megatron.hardware.accelerator import GIB
+from nest_megatron.launch.megatron_rules import violations
+from nest_megatron.launch.rewrite import DISPATCHER, PIN_FLAGS, pinned_values
+from nest_megatron.plan import Plan
+from nest_megatron.profile.for_plan import profiled_problem
+from nest_megatron.solver.space import evaluate_config
+
+# Megatron-LM's value of a flag it is not given (training/arguments.py, training/config/training_config.py):
+# the plan writing that value out changes nothing, and is not listed.
+DEFAULTS = {
+    "--tensor-model-parallel-size": 1,
+    "--pipeline-model-parallel-size": 1,
+    "--context-parallel-size": 1,
+    "--expert-model-parallel-size": 1,
+    "--ckpt-format": "torch_dist",
+    DISPATCHER: "allgather",
+}
+
+
+def _shown(value) -> str:
+    return "on" if value is True else str(value)
+
+
+def layout_why(argv: list[str], loaded: Loaded, plan: Plan) -> str:
+    """Why the plan's layout replaces the argv's (`argv`: the user's, with the model flags when the model
+    came from model=NAME), by the cost model that chose the plan."""
+    broken = violations(argv, world_size=plan.world_size)
+    if broken:
+        return f"the given layout breaks a Megatron rule: {broken[0]}"
+    try:
+        given = PlanChoice(**pinned_values(argv, list(PIN_FLAGS), model=loaded.config.model))
+    except NestError as err:
+        return f"the given layout is not one the cost model prices: {err}"
+    problem, _ = profiled_problem(loaded.problem, loaded.config)
+    try:
+        est = estimate(problem, evaluate_config(problem, given, default_mbs=None))
+    except NestError as err:
+        return f"the given layout breaks a Megatron rule: {err}"
+    if not est.fits:
+        return f"the given layout does not fit in memory: {est.peak_memory / GIB:.1f} GiB of {est.capacity / GIB:.1f} GiB"
+    ratio = est.step_time / plan.predicted["step_time_s"]
+    return f"the planned layout is {ratio:.2f}x {'faster' if ratio >= 1 else 'as fast'} by the cost model"
+
+
+def flag_reasons(plan_args: list[str], user: list[str]) -> dict[str, str]:
+    """The flags whose change has a reason of its own (not the layout's)."""
+    planned, given = scan(plan_args), scan(user)
+    out = {}
+    if planned.get(DISPATCHER) is not None:
+        # The plan's wins, as the parallel sizes do, rather than a refusal: its step time, memory and choice of EP
+        # hold only for the dispatcher whose traffic the cost model prices (alltoall, also the one Megatron-LM
+        # recommends with expert parallelism); --pin cannot keep another (no plan is priced for it).
+        out[DISPATCHER] = f"the plan prices the {planned.get(DISPATCHER)} dispatcher's traffic"
+    if planned.has("--use-megatron-fsdp"):
+        out["--ckpt-format"] = "Megatron-FSDP reads and writes only fsdp_dtensor"
+    elif given.get("--ckpt-format") == "fsdp_dtensor":
+        out["--ckpt-format"] = "only Megatron-FSDP reads fsdp_dtensor, and the plan does not use it"
+    if not given.has("--global-batch-size"):
+        out["--global-batch-size"] = "train.global_batch_size: the argv gives none"
+    return out
+
+
+def changed_flags(user: list[str], final: list[str]) -> list[tuple[str, object, object]]:
+    """(flag, the argv's value or None, the final value or None) for each planner flag whose value changed;
+    a flag added at Megatron's default changes nothing and is left out."""
+    before, after = scan(user), scan(final)
+    out = []
+    for flag in PLANNER_FLAGS:
+        old, new = before.get(flag), after.get(flag)
+        if old == new or (old is None and new == DEFAULTS.get(flag)) or (new is None and old == DEFAULTS.get(flag)):
+            continue
+        out.append((flag, old, new))
+    return out
+
+
+def change_lines(user: list[str], final: list[str], *, reasons: dict[str, str], layout: callable) -> list[str]:
+    """One `--flag: old -> new (why)` line per changed flag; `layout()` gives the layout's why (priced only
+    when a layout flag changed)."""
+    lines, why = [], None
+    for flag, old, new in changed_flags(user, final):
+        if flag in reasons:
+            reason = reasons[flag]
+        else:
+            why = why or layout()
+            reason = why
+        lines.append(f"{flag}: {'(unset)' if old is None else _shown(old)} -> "
+                     f"{'(removed)' if new is None else _shown(new)} ({reason})")
+    return lines

@@ -1,0 +1,135 @@
+"""What the user's Megatron argv fixes for the planner: a checkpoint to resume, and --tp-comm-overlap.
+
+The planner owns the parallel flags (launch/rewrite.py), but some choices of the argv are constraints, since a
+plan that changed them would not run: the checkpoint format and the optimizer sharding it was written with,
+and the sequence parallelism --tp-comm-overlap needs. Each becomes plan.* / solver.* overrides fed to the
+planner as --pin's are. A key the user's own Hydra overrides set (plan.tp=..., plan.zero=..., or
+solver.zero_stages=... for the ZeRO family) is theirs: the user's word wins over the argv's.
+
+Megatron-LM references are to main at d98e8a6.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nest_megatron.config.megatron_argv import Scanned, scan
+from nest_megatron.config.schema import ModelConfig
+from nest_megatron.errors import NestError
+from nest_megatron.launch.rewrite import pin_overrides
+
+# training/config/training_config.py:486 (choices and default: --load without --ckpt-format reads torch_dist)
+CKPT_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
+DEFAULT_CKPT_FORMAT = "torch_dist"
+# The sizes a bucket-space distributed-optimizer checkpoint (dp_reshardable) is laid out by: Megatron refuses a
+# TP or PP change (training/checkpointing.py:2649-2657); its buckets are per model chunk and per expert buffer,
+# keyed by model-parallel group (core/optimizer/distrib_optimizer.py:1877-1904), so VPP, EP and expert TP too.
+BUCKET_SPACE_SIZES = ["tp", "pp", "vpp", "ep", "etp"]
+# A legacy `torch` checkpoint is one file per TP, PP (and EP) rank (training/checkpointing.py:264-275) holding
+# that rank's slice of every chunk, and the distributed optimizer's own file beside it (:296, :741-750): it
+# does not reshard, and the optimizer stays what wrote it.
+LEGACY_SIZES = ["tp", "pp", "vpp", "ep", "etp", "zero"]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    overrides: list[str]  # plan.* / solver.* overrides for the planner
+    why: str  # the argv's choice that fixes them, e.g. "--load with --ckpt-format torch_dist"
+
+
+def given(argv: list[str], flag: str) -> bool:
+    """Whether a flag this project does not otherwise read (--load, --tp-comm-overlap, ...) is on the argv."""
+    return any(token == flag or token.startswith(flag + "=") for token in argv)
+
+
+def _keys(overrides: list[str]) -> set[str]:
+    return {item.partition("=")[0].lstrip("+~") for item in overrides}
+
+
+def _theirs(override: str, user_keys: set[str]) -> bool:
+    """Whether the user's Hydra overrides already decide what `override` would."""
+    key = override.partition("=")[0]
+    if key in ("plan.zero", "solver.zero_stages"):  # either one chooses the ZeRO stage
+        return bool(user_keys & {"plan.zero", "solver.zero_stages"})
+    return key in user_keys
+
+
+def _pinned(argv: list[str], names: list[str], model: ModelConfig, why: str) -> list[str]:
+    """The argv's values of `names` as plan.* pins; a value the model cannot take says which resume pinned it."""
+    try:
+        return pin_overrides(argv, names, model=model)
+    except NestError as err:
+        raise NestError(f"{why} keeps the argv's sizes, but {err}") from None
+
+
+def _resume(argv: list[str], s: Scanned, model: ModelConfig) -> Constraint | None:
+    """What a checkpoint needs of the plan: the argv's format and optimizer family, and the sizes it cannot
+    reshard. A run given --ckpt-format without --load writes the checkpoint the next run resumes, so it is held
+    the same way."""
+    if not (given(argv, "--load") or s.has("--ckpt-format")):
+        return None
+    fmt = s.get("--ckpt-format", DEFAULT_CKPT_FORMAT)
+    why = f"--{'load' if given(argv, '--load') else 'save'} with --ckpt-format {fmt}"
+    if fmt not in CKPT_FORMATS:
+        raise NestError(f"--ckpt-format {fmt}: allowed are {', '.join(CKPT_FORMATS)}")
+    fsdp, dist_opt = s.has("--use-megatron-fsdp"), s.has("--use-distributed-optimizer")
+    if s.has("--use-torch-fsdp2") or fmt == "torch_dcp":
+        # torch_dcp is read only with FSDP2 (training/arguments.py:1668), which the planner does not plan.
+        raise NestError(f"{why}{' and --use-torch-fsdp2' if s.has('--use-torch-fsdp2') else ''}: the checkpoint is "
+                        "torch FSDP2's, which the planner does not plan; resume it with torchrun as typed, or "
+                        "convert it to torch_dist")
+    if fmt == "fsdp_dtensor":
+        # Only Megatron-FSDP reads fsdp_dtensor (arguments.py:1675-1676): ZeRO 2 or 3, whichever shards.
+        if dist_opt and not fsdp:
+            raise NestError(f"{why} and --use-distributed-optimizer: only Megatron-FSDP (--use-megatron-fsdp) reads "
+                            "fsdp_dtensor, the distributed optimizer alone reads torch_dist or torch; give one family")
+        return Constraint(["solver.zero_stages=[2,3]"], f"{why} (Megatron-FSDP)")
+    if fsdp:  # Megatron-FSDP writes and reads fsdp_dtensor only (arguments.py:1169-1170)
+        raise NestError(f"{why} and --use-megatron-fsdp: Megatron-FSDP reads and writes only --ckpt-format "
+                        "fsdp_dtensor; give that, or resume with --use-distributed-optimizer")
+    if fmt == "torch":
+        # The split of the layers over the stages is in the files too: keep Megatron's even split (the
+        # enumerating solver plans only that), and refuse a split the planner would have to choose.
+        split = [f for f in ("--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers",
+                             "--decoder-last-pipeline-num-layers") if s.has(f)]
+        if split and s.get("--pipeline-model-parallel-size", 1) > 1:
+            raise NestError(f"{why} and {split[0]}: a legacy checkpoint holds each stage's layers and the planner "
+                            "keeps only Megatron's even split; convert the checkpoint to torch_dist")
+        extra = ["solver.name=enumerate"] if s.get("--pipeline-model-parallel-size", 1) > 1 else []
+        return Constraint(_pinned(argv, LEGACY_SIZES, model, why) + extra, f"{why} (it does not reshard)")
+    # torch_dist: the distributed optimizer's state is saved by DP-rank buckets, DDP's by model tensor
+    # (distrib_optimizer.py:1535-1540 vs optimizer.py:1196-1200): neither reads the other's; keep the argv's.
+    if given(argv, "--no-load-optim") or given(argv, "--finetune"):  # the optimizer state is not read
+        return Constraint(["solver.zero_stages=[0,1]"], f"{why} (DDP or the distributed optimizer)")
+    if not dist_opt:
+        return Constraint(["plan.zero=0"], f"{why} (DDP)")
+    if given(argv, "--dist-ckpt-optim-fully-reshardable"):  # saved fully_reshardable (checkpointing.py:550-553)
+        return Constraint(["plan.zero=1"], f"{why} (the distributed optimizer, fully reshardable)")
+    return Constraint(_pinned(argv, ["zero", *BUCKET_SPACE_SIZES], model, why),
+                      f"{why} and --use-distributed-optimizer (its state is saved by bucket, for these sizes)")
+
+
+def _comm_overlap(argv: list[str], user: list[str]) -> Constraint | None:
+    """--tp-comm-overlap needs sequence parallelism (arguments.py:1441-1442), which needs TP > 1: pinning sp
+    keeps both, since the rules reject sp with tp 1. (It also needs Transformer Engine's userbuffers at start,
+    initialize.py:164-206, and CUDA_DEVICE_MAX_CONNECTIONS=1 with TP, which prepare.megatron_env sets.)"""
+    if not given(argv, "--tp-comm-overlap"):
+        return None
+    sp = [item.partition("=")[2].lower() for item in user if item.partition("=")[0] == "plan.sp"]
+    if sp and sp[-1] != "true":
+        raise NestError("--tp-comm-overlap needs sequence parallelism (Megatron asserts it), but the overrides say "
+                        "plan.sp=false; drop one")
+    return Constraint(["plan.sp=true"], "--tp-comm-overlap (sequence parallel, TP > 1)")
+
+
+def argv_constraints(argv: list[str], user: list[str], *, model: ModelConfig) -> list[Constraint]:
+    """The constraints the argv puts on the plan, less what the user's overrides (`user`) decide themselves."""
+    user_keys = _keys(user)
+    out = []
+    for c in (_resume(argv, scan(argv), model), _comm_overlap(argv, user)):
+        if c is None:
+            continue
+        kept = [item for item in c.overrides if not _theirs(item, user_keys)]
+        if kept:
+            out.append(Constraint(kept, c.why))
+    return out

@@ -1,0 +1,250 @@
+"""The user's settings are constraints unless they say otherwise (launch/constraints.py, launch/changes.py):
+a resume keeps the checkpoint's format and optimizer family, --tp-comm-overlap keeps sequence parallel, every
+flag the plan changes is listed on stderr with why, and what no plan satisfies is one line, exit 2."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nest_megatron import api, cli
+from nest_megatron.commands.launch import torchrun_main
+from nest_megatron.config.load import load
+from nest_megatron.errors import NestError
+from nest_megatron.launch.constraints import argv_constraints
+from nest_megatron.launch.prepare import problem_overrides
+
+# A 7B-like dense model: 32 layers of 4096, 32 heads; planned on 2 DGX H100 nodes (16 GPUs) in about a second.
+MODEL = ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 --max-position-embeddings 4096 "
+         "--vocab-size 32000 --swiglu --normalization RMSNorm --disable-bias-linear --bf16 --global-batch-size 256 "
+         "--micro-batch-size 1").split()
+NODES = ["cluster=dgx_h100_superpod", "--nnodes", "2", "--nproc-per-node", "8", "--master-addr", "n1"]
+# The same problem as Hydra overrides, for pricing layouts through the API (what the launch reads from MODEL).
+PROBLEM = [*problem_overrides("pretrain_gpt.py", MODEL, ["cluster=dgx_h100_superpod"]), "cluster.num_devices=16"]
+
+
+def dry_run(capsys, *args: str) -> tuple[list[str], list[str]]:
+    """launch --dry-run through the CLI: (the final Megatron argv of node rank 0, the stderr lines)."""
+    status = cli.main(["launch", *NODES, "--dry-run", *args])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    command = next(line for line in out.splitlines() if " torchrun " in line)
+    argv = shlex.split(command)
+    return argv[argv.index("pretrain_gpt.py") + 1:], err.splitlines()
+
+
+def value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+# -- a resume keeps the checkpoint's format and the optimizer that wrote it -----------------------------------
+
+def test_a_distributed_optimizer_resume_keeps_its_format_optimizer_and_sizes(capsys):
+    """Reproduced: `--use-distributed-optimizer --ckpt-format torch_dist --load` was rewritten to Megatron-FSDP and
+    fsdp_dtensor, which cannot read the checkpoint. The distributed optimizer saves its state by DP-rank bucket
+    (dp_reshardable), which Megatron refuses to load at another TP or PP: those stay 8 and 1 as typed."""
+    argv, _ = dry_run(capsys, "--", "pretrain_gpt.py", *MODEL, "--tensor-model-parallel-size", "8",
+                      "--use-distributed-optimizer", "--ckpt-format", "torch_dist", "--load", "/ckpt")
+    assert value(argv, "--ckpt-format") == "torch_dist" and argv.count("--ckpt-format") == 1
+    assert "--use-distributed-optimizer" in argv and "--use-megatron-fsdp" not in argv
+    assert value(argv, "--tensor-model-parallel-size") == "8"
+    assert value(argv, "--pipeline-model-parallel-size") == "1"
+    assert value(argv, "--load") == "/ckpt"
+
+
+def test_a_ddp_resume_stays_on_ddp_and_may_reshard(capsys):
+    """--load without --ckpt-format reads torch_dist (Megatron's default): DDP's state is saved by model tensor, so
+    the sizes may change (the unconstrained plan of this model is TP 1 under Megatron-FSDP), the optimizer not."""
+    argv, _ = dry_run(capsys, "--", "pretrain_gpt.py", *MODEL, "--tensor-model-parallel-size", "8", "--load", "/ckpt")
+    assert not {"--use-distributed-optimizer", "--use-megatron-fsdp", "--ckpt-format"} & set(argv)
+    assert value(argv, "--tensor-model-parallel-size") != "8"
+
+
+def test_a_legacy_resume_keeps_every_size_in_its_files_and_the_even_split(capsys):
+    """A `torch` checkpoint is a file per (TP, PP) rank and does not reshard; Megatron splits layers evenly."""
+    argv, _ = dry_run(capsys, "--", "pretrain_gpt.py", *MODEL, "--tensor-model-parallel-size", "2",
+                      "--pipeline-model-parallel-size", "2", "--ckpt-format", "torch", "--load", "/ckpt")
+    assert (value(argv, "--tensor-model-parallel-size"), value(argv, "--pipeline-model-parallel-size")) == ("2", "2")
+    assert not {"--use-distributed-optimizer", "--use-megatron-fsdp", "--pipeline-model-parallel-layout",
+                "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"} & set(argv)
+    assert value(argv, "--ckpt-format") == "torch"
+
+
+def test_an_fsdp_resume_stays_on_megatron_fsdp(capsys):
+    argv, _ = dry_run(capsys, "--", "pretrain_gpt.py", *MODEL, "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor",
+                      "--load", "/ckpt", "plan.tp=2")
+    assert "--use-megatron-fsdp" in argv and value(argv, "--ckpt-format") == "fsdp_dtensor"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load(["model=llama3_8b"]).config.model  # 32 layers, 32 heads, dense: the pins below stand alone
+
+
+@pytest.mark.parametrize("argv, user, expected", [
+    ([], [], []),  # no checkpoint, no overlap: nothing fixed
+    (["--load", "/c"], [], [["plan.zero=0"]]),  # torch_dist by default, DDP
+    (["--load=/c", "--use-distributed-optimizer", "--tensor-model-parallel-size", "4"], [],
+     [["plan.zero=1", "plan.tp=4", "plan.pp=1", "plan.vpp=1", "plan.ep=1", "plan.etp=1"]]),
+    (["--load", "/c", "--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"], [], [["plan.zero=1"]]),
+    (["--load", "/c", "--use-distributed-optimizer", "--no-load-optim"], [], [["solver.zero_stages=[0,1]"]]),
+    (["--load", "/c", "--use-distributed-optimizer", "--finetune"], [], [["solver.zero_stages=[0,1]"]]),
+    (["--ckpt-format", "fsdp_dtensor"], [], [["solver.zero_stages=[2,3]"]]),  # --save's format: the next resume's
+    (["--load", "/c", "--ckpt-format", "torch", "--pipeline-model-parallel-size", "2"], [],
+     [["plan.tp=1", "plan.pp=2", "plan.vpp=1", "plan.ep=1", "plan.etp=1", "plan.zero=0", "solver.name=enumerate"]]),
+    # the user's own overrides win: ZeRO by either key, a size by its plan.* key
+    (["--load", "/c"], ["plan.zero=3"], []),
+    (["--load", "/c"], ["solver.zero_stages=[0,1,2,3]"], []),
+    (["--load", "/c", "--use-distributed-optimizer"], ["plan.tp=2", "plan.zero=1"],
+     [["plan.pp=1", "plan.vpp=1", "plan.ep=1", "plan.etp=1"]]),
+    (["--tp-comm-overlap"], [], [["plan.sp=true"]]),
+    (["--tp-comm-overlap"], ["plan.sp=true"], []),
+])
+def test_what_the_argv_fixes(model, argv, user, expected):
+    assert [c.overrides for c in argv_constraints(argv, user, model=model)] == expected
+
+
+@pytest.mark.parametrize("argv, user, message", [
+    (["--load", "/c", "--ckpt-format", "zarr"], [], "--ckpt-format zarr: allowed are torch, torch_dist, torch_dcp, fsdp_dtensor"),
+    (["--load", "/c", "--ckpt-format", "fsdp_dtensor", "--use-distributed-optimizer"], [],
+     "--load with --ckpt-format fsdp_dtensor and --use-distributed-optimizer: only Megatron-FSDP"),
+    (["--load", "/c", "--use-megatron-fsdp"], [], "--load with --ckpt-format torch_dist and --use-megatron-fsdp: "),
+    (["--load", "/c", "--ckpt-format", "torch_dcp"], [], "--load with --ckpt-format torch_dcp: the checkpoint is torch FSDP2's"),
+    (["--load", "/c", "--ckpt-format", "torch", "--pipeline-model-parallel-size", "2",
+      "--decoder-first-pipeline-num-layers", "15"], [], "--load with --ckpt-format torch and --decoder-first-pipeline"),
+    (["--load", "/c", "--ckpt-format", "torch", "--tensor-model-parallel-size", "3"], [],
+     "--load with --ckpt-format torch keeps the argv's sizes, but pinned --tensor-model-parallel-size 3: must divide"),
+    (["--tp-comm-overlap"], ["plan.sp=false"], "--tp-comm-overlap needs sequence parallelism (Megatron asserts it), "
+                                               "but the overrides say plan.sp=false"),
+])
+def test_what_no_plan_can_keep_is_one_line(model, argv, user, message):
+    with pytest.raises(NestError) as err:
+        argv_constraints(argv, user, model=model)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
+# -- --tp-comm-overlap keeps sequence parallel -----------------------------------------------------------------
+
+def test_tp_comm_overlap_keeps_sequence_parallel(capsys):
+    """Reproduced: re-planned to TP 1 without --sequence-parallel but with --tp-comm-overlap, which Megatron-LM
+    asserts against ("overlap can happen only when sequence parallelism is enabled"); the dry run exited 0."""
+    argv, _ = dry_run(capsys, "--", "pretrain_gpt.py", *MODEL, "--tensor-model-parallel-size", "4", "--sequence-parallel",
+                      "--tp-comm-overlap")
+    assert "--tp-comm-overlap" in argv and "--sequence-parallel" in argv
+    assert int(value(argv, "--tensor-model-parallel-size")) > 1
+
+
+# -- every change is listed, with why --------------------------------------------------------------------------
+
+def step_time(*plan_overrides: str) -> float:
+    return api.evaluate([*PROBLEM, *plan_overrides]).predicted["step_time_s"]
+
+
+def test_each_changed_flag_is_one_line_with_the_cost_models_why(capsys):
+    """Reproduced: an unpinned --tensor-model-parallel-size 8 became another size with no word."""
+    argv, err = dry_run(capsys, "--", "pretrain_gpt.py", *MODEL, "--tensor-model-parallel-size", "8",
+                        "--use-distributed-optimizer")
+    planned = api.plan([*PROBLEM])  # the same problem through the API: the plan the launch makes
+    # the argv's layout: TP 8 (so sequence parallel off, as typed), the distributed optimizer, micro-batch 1
+    given = step_time("plan.tp=8", "plan.pp=1", "plan.cp=1", "plan.sp=false", "plan.mbs=1", "plan.zero=1",
+                      "plan.recompute=none", "plan.vpp=1", "plan.order=tp-cp-ep-dp-pp")
+    why = f"the planned layout is {given / planned.predicted['step_time_s']:.2f}x faster by the cost model"
+    assert planned.parallel["tp"] == 1 and planned.zero_stage == 3  # what the lines below say, by the plan itself
+    assert err == [
+        "nest-megatron: the plan changes 5 flag(s) of the script's arguments:",
+        f"--tensor-model-parallel-size: 8 -> 1 ({why})",
+        f"--use-distributed-optimizer: on -> (removed) ({why})",
+        f"--use-megatron-fsdp: (unset) -> on ({why})",
+        f"--data-parallel-sharding-strategy: (unset) -> optim_grads_params ({why})",
+        "--ckpt-format: (unset) -> fsdp_dtensor (Megatron-FSDP reads and writes only fsdp_dtensor)",
+    ]
+    assert value(argv, "--tensor-model-parallel-size") == "1"
+
+
+def test_a_layout_that_breaks_a_rule_says_which(capsys):
+    """Reproduced: --tensor-model-parallel-size 3 --micro-batch-size 1 became another TP and micro-batch silently.
+    16 ranks do not split into groups of 3."""
+    _, err = dry_run(capsys, "--", "pretrain_gpt.py", *MODEL, "--tensor-model-parallel-size", "3")
+    assert err[1] == ("--tensor-model-parallel-size: 3 -> 1 (the given layout breaks a Megatron rule: world size 16 is "
+                      "not divisible by tp*pp*cp = 3*1*1)")
+
+
+def test_a_layout_that_does_not_fit_says_by_how_much(capsys):
+    """32 layers of 4096 with a 32000 vocabulary: about 6.5e9 parameters, 16 bytes each under DDP with Adam (bf16
+    weights and grads, fp32 master weights and two moments) = 97 GiB on one GPU of 79.6 GiB before activations."""
+    _, err = dry_run(capsys, "--", "pretrain_gpt.py", *MODEL)  # no parallel flag: TP 1, PP 1, DDP
+    line = next(line for line in err if line.startswith("--use-megatron-fsdp: "))
+    assert line.startswith("--use-megatron-fsdp: (unset) -> on (the given layout does not fit in memory: ")
+    need = float(line.split("memory: ")[1].split(" GiB")[0])
+    assert need > 97 and line.endswith(" GiB of 79.6 GiB)")
+
+
+def test_the_plans_own_argv_changes_nothing(capsys):
+    first, _ = dry_run(capsys, "--", "pretrain_gpt.py", *MODEL)
+    again, err = dry_run(capsys, "--", "pretrain_gpt.py", *first)
+    assert again == first and err == []
+
+
+# -- --pin and solver.keep_user_parallelism, as README documents -------------------------------------------------
+
+@pytest.mark.parametrize("keep", [["--pin", "tp"], ["solver.keep_user_parallelism=[tp]"]], ids=["pin", "hydra"])
+def test_pinned_sizes_stay_as_typed(capsys, keep):
+    argv, err = dry_run(capsys, *keep, "--", "pretrain_gpt.py", *MODEL, "--tensor-model-parallel-size", "8")
+    assert value(argv, "--tensor-model-parallel-size") == "8"  # unpinned, the plan takes 1 (above)
+    assert not any(line.startswith("--tensor-model-parallel-size:") for line in err)
+
+
+def test_nest_torchrun_pins_too(capsys):
+    assert torchrun_main(["cluster=dgx_h100_superpod", "--dry-run", "--pin", "tp,pp", "--nnodes", "2",
+                          "--nproc-per-node", "8", "--node-rank", "0", "--master-addr", "n1", "pretrain_gpt.py", *MODEL,
+                          "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"]) == 0
+    command = next(line for line in capsys.readouterr().out.splitlines() if " torchrun " in line)
+    argv = shlex.split(command)
+    assert (value(argv, "--tensor-model-parallel-size"), value(argv, "--pipeline-model-parallel-size")) == ("4", "2")
+
+
+# -- what no plan satisfies: one line, exit 2, nothing started or written ---------------------------------------
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).parent / "nest-megatron"
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+TINY = "--num-layers 2 --hidden-size 96 --seq-length 32 --vocab-size 128 --bf16 --micro-batch-size 2 --global-batch-size 8"
+
+
+@pytest.mark.parametrize("args, message", [
+    ([*MODEL, "--load", "/c", "--ckpt-format", "fsdp_dtensor", "--use-distributed-optimizer"],
+     "--load with --ckpt-format fsdp_dtensor and --use-distributed-optimizer: only Megatron-FSDP (--use-megatron-fsdp) "
+     "reads fsdp_dtensor"),
+    # 3 heads: TP 2 (the only TP > 1 on two devices) does not divide them, and sequence parallel needs TP > 1
+    ([*TINY.split(), "--num-attention-heads", "3", "--tp-comm-overlap"],
+     "no plan keeps what the launch line fixes (--tp-comm-overlap (sequence parallel, TP > 1)): "),
+    # 80 layers of 8192 under TP 8 on one node of 8: weights and optimizer state alone are 16 B x 70e9 / 8 = 130 GiB
+    (["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64", "--seq-length", "4096",
+      "--vocab-size", "32000", "--bf16", "--micro-batch-size", "1", "--global-batch-size", "8",
+      "--tensor-model-parallel-size", "8", "--pin", "tp,pp"],
+     "no plan keeps what the launch line fixes (pinned tp,pp): no configuration of t fits on 8 "),
+], ids=["fsdp-and-distributed-optimizer", "overlap-without-tp", "pins"])
+def test_what_no_plan_satisfies_is_one_line_and_starts_nothing(tmp_path, args, message):
+    recorder = tmp_path / "t.py"  # a script that would leave a file behind, had torchrun started it
+    recorder.write_text(f"open({str(tmp_path / 'started')!r}, 'w').close()\n")
+    pin = args[args.index("--pin"):args.index("--pin") + 2] if "--pin" in args else []
+    megatron = [a for a in args if a not in pin]
+    devices = ["--nproc-per-node", "2"] if "--tp-comm-overlap" in args else ["--nproc-per-node", "8"]
+    for dry in ([], ["--dry-run"]):
+        proc = run_cli("launch", "cluster=dgx_h100_superpod", f"cluster.num_devices={devices[1]}", *devices, *pin, *dry,
+                       "--", str(recorder), *megatron)
+        assert proc.returncode == 2, proc.stderr
+        line = proc.stderr.strip()
+        assert "\n" not in line and line.startswith(f"nest-megatron launch: error: {message}"), line
+        assert proc.stdout == "" and not (tmp_path / "started").exists()
+    script = tmp_path / "job.sh"
+    proc = run_cli("sbatch", "cluster=dgx_h100_superpod", "--nodes", "1", "--gpus-per-node", devices[1],
+                   f"cluster.levels.0.fan_out={devices[1]}", *pin, f"out={script}", "--", str(recorder), *megatron)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"nest-megatron sbatch: error: {message}"), proc.stderr
+    assert not script.exists()
