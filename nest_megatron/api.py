@@ -33,6 +33,9 @@ def plan_loaded(loaded: Loaded) -> Plan:
     result = SOLVERS[cfg.solver.name](problem, cfg.solver, cfg.plan, micro_batch_size=cfg.train.micro_batch_size)
     if result.empty_space is not None:
         raise NestError(f"no launchable configuration: {result.empty_space}")
+    if result.too_big is not None:
+        raise InfeasibleError(f"no configuration of {cfg.model.name} fits on {problem.num_devices} devices: "
+                              f"{result.too_big}; add devices, shorten model.seq_length or relax the plan.* pins")
     if result.best is None:
         raise InfeasibleError(
             f"no configuration of {cfg.model.name} fits on {problem.num_devices} x {problem.accelerator.name} "

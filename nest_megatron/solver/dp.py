@@ -48,8 +48,10 @@ from nest_megatron.cost.tables import range_sums
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.ranks import decoder_sizes, host_placements
 from nest_megatron.parallel.rules import num_microbatches
+from nest_megatron.solver.bounds import MemoryFloors, no_fit_reason
 from nest_megatron.solver.enumerate import SearchResult, row_key
 from nest_megatron.solver.space import candidates, empty_space_reason
+from nest_megatron.solver.visit import Progress, default_jobs, visit
 
 FRONT_CAPACITY = 64  # Pareto points kept per state; exceeding it is an error, never a silent cut
 
@@ -69,37 +71,89 @@ class StageTables(NamedTuple):
     in_flight: np.ndarray
 
 
-def stage_tables(ctx: Context) -> StageTables:
+def stage_tables(ctx: Context, memory: tuple | None = None) -> StageTables:
     """Every candidate stage priced with the cost model's own stage formulas, once per kind of
     stage: a stage's index matters only through being first or last, its pipeline transfers and
-    its micro-batches in flight (activation_bytes is affine in them)."""
-    cfg, problem = ctx.cfg, ctx.problem
-    acc = problem.accelerator
-    layers = ctx.costs.num_layers
-    a = np.arange(layers + 1)[:, None]
-    b = np.arange(layers + 1)[None, :]
-    sums = range_sums(ctx.costs, cfg, a, b)
-    rebuilt = activation_bytes(sums, in_flight=0, act_rebuilt=ctx.costs.act_rebuilt)
-    per_chunk = activation_bytes(sums, in_flight=1, act_rebuilt=ctx.costs.act_rebuilt) - rebuilt
-    kinds = [(s == 0, s == cfg.pp - 1) for s in range(cfg.pp)]
-    distinct = list(dict.fromkeys(kinds))
-    body, after, room = [], [], []
-    for first, last in distinct:
-        states = stage_memory(problem.model, cfg, sums, first=first, last=last, in_flight=0,
-                              reserved_bytes=acc.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt)
+    its micro-batches in flight (activation_bytes is affine in them). `memory`: the configuration's
+    `memory_tables`, which no placement changes."""
+    a = np.arange(ctx.costs.num_layers + 1)[:, None]
+    b = a.T
+    sums = range_sums(ctx.costs, ctx.cfg, a, b)
+    room, per_chunk, kind, in_flight = memory or memory_tables(ctx, sums)
+    body, after = [], []
+    for first, last in _kinds(ctx.cfg.pp):
         body.append(sum(stage_body(ctx, sums, first=first, last=last).values()) + 0 * a * b)
         after.append(sum(after_pipeline(ctx, sums, first=first, last=last).values()) + 0 * a * b)
-        room.append(acc.memory_bytes - states.total + 0 * a * b)
     return StageTables(
         body=np.stack(body).astype(float),
         after=np.stack(after).astype(float),
-        room=np.stack(room).astype(float),
-        per_chunk=np.asarray(per_chunk + 0 * a * b, dtype=float),
-        kind=np.array([distinct.index(k) for k in kinds], dtype=np.int64),
-        p2p=np.array([pipeline_p2p(ctx, stage=s) for s in range(cfg.pp)], dtype=float),
-        in_flight=np.array([in_flight_chunks(cfg, stage=s, num_microbatches=ctx.num_microbatches)
-                            for s in range(cfg.pp)], dtype=float),
+        room=room,
+        per_chunk=per_chunk,
+        kind=kind,
+        p2p=np.array([pipeline_p2p(ctx, stage=s) for s in range(ctx.cfg.pp)], dtype=float),
+        in_flight=in_flight,
     )
+
+
+def _kinds(pp: int) -> list[tuple[bool, bool]]:
+    """The distinct kinds of stage, (first, last), in the order of the stages."""
+    return list(dict.fromkeys((s == 0, s == pp - 1) for s in range(pp)))
+
+
+def memory_tables(ctx: Context, sums=None) -> tuple:
+    """The memory half of `StageTables`: (room, per_chunk, kind, in_flight)."""
+    cfg, problem = ctx.cfg, ctx.problem
+    acc = problem.accelerator
+    a = np.arange(ctx.costs.num_layers + 1)[:, None]
+    b = a.T
+    sums = range_sums(ctx.costs, cfg, a, b) if sums is None else sums
+    rebuilt = activation_bytes(sums, in_flight=0, act_rebuilt=ctx.costs.act_rebuilt)
+    per_chunk = activation_bytes(sums, in_flight=1, act_rebuilt=ctx.costs.act_rebuilt) - rebuilt
+    distinct = _kinds(cfg.pp)
+    room = []
+    for first, last in distinct:
+        states = stage_memory(problem.model, cfg, sums, first=first, last=last, in_flight=0,
+                              reserved_bytes=acc.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt)
+        room.append(acc.memory_bytes - states.total + 0 * a * b)
+    return (np.stack(room).astype(float), np.asarray(per_chunk + 0 * a * b, dtype=float),
+            np.array([distinct.index((s == 0, s == cfg.pp - 1)) for s in range(cfg.pp)], dtype=np.int64),
+            np.array([in_flight_chunks(cfg, stage=s, num_microbatches=ctx.num_microbatches)
+                      for s in range(cfg.pp)], dtype=float))
+
+
+def split_fits(memory: tuple) -> bool:
+    """Whether some split of the layers fits every stage, from `memory_tables` alone: known before
+    the (costlier) time tables are priced."""
+    return bool(_any_split_fits(*memory))
+
+
+@numba.njit(cache=True)
+def _any_split_fits(room, per_chunk, kind, in_flight):  # pragma: no cover - compiled
+    """Reachability from the last stage backwards: holds[a] when stages s..p-1 can hold layers a..L-1."""
+    stages, layers = kind.shape[0], per_chunk.shape[0] - 1
+    holds = np.zeros(layers + 1, dtype=np.bool_)
+    last = stages - 1
+    for a in range(last, layers):
+        holds[a] = in_flight[last] * per_chunk[a, layers] <= room[kind[last], a, layers]
+    for s in range(stages - 2, -1, -1):
+        earlier = np.zeros(layers + 1, dtype=np.bool_)
+        for a in range(0 if s == 0 else s, (0 if s == 0 else layers - (stages - s)) + 1):
+            for b in range(a + 1, layers - (stages - 1 - s) + 1):
+                if holds[b] and in_flight[s] * per_chunk[a, b] <= room[kind[s], a, b]:
+                    earlier[a] = True
+                    break
+        holds = earlier
+    return holds[0]
+
+
+@numba.njit(cache=True)
+def _split_value(tables, factor, split):  # pragma: no cover - compiled
+    """The step time of `split` from the tables, inf when a stage does not fit."""
+    t_max, x_max, a = 0.0, 0.0, 0
+    for s in range(split.shape[0]):
+        ts, xs = _stage(tables, s, a, a + split[s])
+        t_max, x_max, a = max(t_max, ts), max(x_max, xs), a + split[s]
+    return factor * t_max + x_max
 
 
 @numba.njit(cache=True, inline="always")
@@ -118,8 +172,10 @@ def _fill_state(tables, s, a, stages, factor, cutoff, front_t, front_x, next_b, 
     layers = tables[3].shape[0] - 1
     for b in range(a + 1, layers - (stages - 1 - s) + 1):
         ts, xs = _stage(tables, s, a, b)
-        if factor * ts >= cutoff:  # no split with this stage can beat the cutoff
-            continue
+        # No split with this stage can beat the cutoff, nor with a longer one: a stage's time and
+        # memory only grow with its layers (sums over them, and maxima of such sums).
+        if factor * ts >= cutoff:
+            break
         for j in range(count[s + 1, b]):
             nt = max(ts, front_t[s + 1, b, j])
             nx = max(xs, front_x[s + 1, b, j])
@@ -158,10 +214,11 @@ def _fill_state(tables, s, a, stages, factor, cutoff, front_t, front_x, next_b, 
 def _pareto_split(tables, stages, factor, capacity, cutoff):  # pragma: no cover - compiled; tests run it compiled
     n1 = tables[3].shape[0]
     layers = n1 - 1
-    front_t = np.full((stages, n1, capacity), np.inf)
-    front_x = np.full((stages, n1, capacity), np.inf)
-    next_b = np.zeros((stages, n1, capacity), dtype=np.int64)
-    next_i = np.zeros((stages, n1, capacity), dtype=np.int64)
+    # Only the first count[s, a] points of a front are ever read: uninitialised memory costs no page faults.
+    front_t = np.empty((stages, n1, capacity))
+    front_x = np.empty((stages, n1, capacity))
+    next_b = np.empty((stages, n1, capacity), dtype=np.int64)
+    next_i = np.empty((stages, n1, capacity), dtype=np.int64)
     count = np.zeros((stages, n1), dtype=np.int64)
     last = stages - 1
     for a in range(last, layers):
@@ -198,17 +255,26 @@ def _pareto_split(tables, stages, factor, capacity, cutoff):  # pragma: no cover
     return best, split
 
 
-def best_split(ctx: Context, *, cutoff: float = np.inf) -> tuple[tuple[int, ...], float] | None:
+def best_split(ctx: Context, *, cutoff: float = np.inf, memory: tuple | None = None) -> tuple[tuple[int, ...], float] | None:
     """The fastest split of the layers whose every stage fits, with its step time; None when no
-    split fits or none is faster than `cutoff` (stages slower than cutoff / F are never tried)."""
+    split fits or none is faster than `cutoff` (stages slower than cutoff / F are never tried).
+    `memory`: the configuration's `memory_tables`, when already built."""
     if ctx.cfg.pp == 1:
         split = (ctx.costs.num_layers,)
         est = estimate_in(ctx, split)
         return (split, est.step_time) if est.fits and est.step_time < cutoff else None
-    tables = stage_tables(ctx)
-    value, split = _pareto_split(tuple(tables), ctx.cfg.pp, ctx.pipeline_factor, FRONT_CAPACITY, cutoff)
-    if value < 0:
-        raise RuntimeError(f"Pareto front of more than {FRONT_CAPACITY} points: raise FRONT_CAPACITY")
+    tables = tuple(stage_tables(ctx, memory))
+    # The even split, when it fits, bounds the best: stages slower than it need not be tried either.
+    even = _split_value(tables, ctx.pipeline_factor, np.array(balanced_split(ctx.costs.num_layers, ctx.cfg.pp)))
+    capacity = 8  # fronts are short; a longer one is solved again with room for it
+    while True:
+        value, split = _pareto_split(tables, ctx.cfg.pp, ctx.pipeline_factor, capacity,
+                                     min(cutoff, np.nextafter(even, np.inf)))
+        if value >= 0:
+            break
+        if capacity == FRONT_CAPACITY:
+            raise RuntimeError(f"Pareto front of more than {FRONT_CAPACITY} points: raise FRONT_CAPACITY")
+        capacity = min(2 * capacity, FRONT_CAPACITY)
     if not value < cutoff:
         return None
     return tuple(int(n) for n in split), float(value)
@@ -274,11 +340,11 @@ def context_bound(ctx: Context) -> float:
     return ctx.pipeline_factor * slowest
 
 
-def best_for(ctx: Context, *, cutoff: float = np.inf) -> tuple[tuple[int, ...], float] | None:
+def best_for(ctx: Context, *, cutoff: float = np.inf, memory: tuple | None = None) -> tuple[tuple[int, ...], float] | None:
     """The best split of `ctx`'s configuration and its step time (the even split with virtual
     stages), or None when nothing fits or beats `cutoff`."""
     if ctx.cfg.vpp == 1:
-        return best_split(ctx, cutoff=cutoff)
+        return best_split(ctx, cutoff=cutoff, memory=memory)
     est = estimate_in(ctx, uniform_split(ctx.costs.num_layers, ctx.cfg.pp))
     return (est.layers_per_stage, est.step_time) if est.fits and est.step_time < cutoff else None
 
@@ -309,12 +375,73 @@ def shared_context(problem: Problem, cfg: ParallelConfig, mapping: np.ndarray | 
     return base if base.cfg == cfg else replace(base, cfg=cfg)
 
 
-def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None) -> SearchResult:
-    """Every configuration of the search space under every placement torchrun can realise, each with its
-    best layer split. Configurations are visited by increasing lower bound (which no placement
-    changes) and skipped once the bound cannot beat the kept plans."""
-    start = time.perf_counter()
-    space = list(candidates(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=True))
+class Outcome(NamedTuple):
+    """One configuration solved under every placement: whether any split fits in memory, and its best
+    (step time, placement, split) among those not slower than the cutoff (inf, -1, () when none)."""
+
+    fits: bool
+    time: float
+    placement: int
+    split: tuple[int, ...]
+
+
+NO_FIT = Outcome(False, np.inf, -1, ())
+
+
+def solve_config(problem: Problem, cfg: ParallelConfig, cutoff: float, floors: MemoryFloors, contexts: dict) -> Outcome:
+    """`cfg`'s fastest placement and split whose step time is at most `cutoff` (equal may still win on
+    the visiting order). Memory first: no placement changes it, so a configuration that fits under no
+    split is known before any time is priced."""
+    if not floors.fits(cfg):
+        return NO_FIT
+    best, memory = (np.inf, -1, ()), None
+    admit = np.nextafter(cutoff, np.inf)
+    for i, mapping in enumerate(placements(problem, cfg)):
+        ctx = shared_context(problem, cfg, mapping, i, contexts)
+        if i == 0:
+            if cfg.vpp == 1 and cfg.pp > 1:
+                memory = memory_tables(ctx)
+                fits = split_fits(memory)
+            else:  # one stage, or the even split of virtual stages
+                fits = fits_in(ctx, uniform_split(ctx.costs.num_layers, cfg.pp))
+            if not fits:
+                return NO_FIT
+        beat = min(admit, best[0])  # a later placement must be strictly faster than an earlier one
+        if context_bound(ctx) >= beat:  # priced on its placement, it cannot make the kept plans
+            continue
+        found = best_for(ctx, cutoff=beat, memory=memory)
+        if found is not None:
+            best = (found[1], i, found[0])
+    return Outcome(True, *best)
+
+
+class Kept:
+    """The top_k + 1 fastest distinct rows (row_key: what a runner-up line shows), each by its fastest
+    configuration, ranked by (step time, visiting position, placement): equal times go to the one
+    visited first, so the rows do not depend on the order in which outcomes arrive."""
+
+    def __init__(self, top_k: int):
+        self.size = top_k + 1
+        self.rows: dict[tuple, tuple[float, int, int, tuple[int, ...]]] = {}
+
+    def add(self, row: tuple, position: int, outcome: Outcome) -> None:
+        entry = (outcome.time, position, outcome.placement, outcome.split)
+        if outcome.time == np.inf or (row in self.rows and self.rows[row][:3] <= entry[:3]):
+            return
+        self.rows[row] = entry
+        if len(self.rows) > self.size:
+            del self.rows[max(self.rows, key=lambda r: self.rows[r][:3])]
+
+    def cutoff(self) -> float:
+        """The step time a configuration must not exceed to enter the kept rows."""
+        return max(item[0] for item in self.rows.values()) if len(self.rows) == self.size else np.inf
+
+    def best_time(self) -> float:
+        return min((item[0] for item in self.rows.values()), default=np.inf)
+
+
+def visiting_order(problem: Problem, space: list[ParallelConfig]) -> list[tuple[float, ParallelConfig]]:
+    """The configurations by increasing lower bound (ties: their order in the space)."""
     bounds: dict[tuple, float] = {}  # ZeRO does not change the bound
     pending = []
     for i, cfg in enumerate(space):
@@ -322,54 +449,59 @@ def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_bat
         if key not in bounds:
             bounds[key] = lower_bound(problem, cfg)
         pending.append((bounds[key], i, cfg))
-    pending.sort()
-    layers = problem.model.cfg.num_layers
-    # The top_k + 1 fastest distinct rows (row_key: what a runner-up line shows), each by its fastest
-    # configuration: (step time, order found, context, split). Equal step times: the earlier found ranks first.
-    kept: dict[tuple, tuple[float, int, Context, tuple[int, ...]]] = {}
-    found_order = itertools.count()
-    too_big: dict[tuple, Estimate] = {}
+    pending.sort(key=lambda item: item[:2])
+    return [(bound, cfg) for bound, _, cfg in pending]
+
+
+def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None,
+          progress: Progress | None = None) -> SearchResult:
+    """Every configuration of the search space under every placement torchrun can realise, each with its
+    best layer split. Configurations are visited by increasing lower bound (which no placement
+    changes) and skipped once the bound cannot beat the kept plans; `progress(done, total, best)`
+    hears of each."""
+    start = time.perf_counter()
+    space = list(candidates(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=True))
+    if not space:
+        return SearchResult(best=None, runners_up=[], configs_evaluated=0, time_s=time.perf_counter() - start,
+                            empty_space=empty_space_reason(problem, solver, pins, micro_batch_size=micro_batch_size,
+                                                           any_split=True))
+    floors = MemoryFloors(problem)
+    too_big_line = no_fit_reason(floors, space)
+    if too_big_line is not None:
+        return SearchResult(best=None, runners_up=[], configs_evaluated=0, time_s=time.perf_counter() - start,
+                            configs_in_space=len(space), too_big=too_big_line)
+    pending = visiting_order(problem, space)
+    kept = Kept(solver.top_k)
     contexts: dict = {}
-    solved = 0
 
-    def cutoff() -> float:
-        """The step time a configuration must beat to enter the kept rows."""
-        return max(item[0] for item in kept.values()) if len(kept) > solver.top_k else np.inf
+    def solve_at(position: int, cutoff: float) -> Outcome:
+        return solve_config(problem, pending[position][1], cutoff, floors, contexts)
 
-    for bound, _, cfg in pending:
-        if bound >= cutoff():
-            break
-        solved += 1
+    def accept(position: int, outcome: Outcome) -> float:
+        kept.add(row_key(pending[position][1]), position, outcome)
+        return kept.cutoff()
+
+    outcomes = visit([bound for bound, _ in pending], solve_at, accept, jobs=solver.jobs or default_jobs(),
+                     progress=progress, best=kept.best_time)
+    # Rows that fit under no split though their bound was below the best plan's step time (they might have
+    # been faster), the first three by bound: the plan lists them after its runners-up.
+    best_time = kept.best_time()
+    too_big: dict[tuple, Estimate] = {}
+    layers = problem.model.cfg.num_layers
+    for position, outcome in sorted(outcomes.items()):
+        bound, cfg = pending[position]
         row = row_key(cfg)
-        for i, mapping in enumerate(placements(problem, cfg)):
-            ctx = shared_context(problem, cfg, mapping, i, contexts)
-            beat = cutoff()
-            # No placement changes memory: when the even split of virtual stages does not fit under
-            # the first, it fits under none.
-            fits = not (i == 0 and cfg.vpp > 1) or fits_in(ctx, uniform_split(layers, cfg.pp))
-            if fits and context_bound(ctx) >= beat:  # priced on its placement, it cannot make the kept plans
-                continue
-            found = best_for(ctx, cutoff=beat) if fits else None
-            if found is None:
-                # Nothing fits (rather than nothing beats the kept): a row of the plans that did not fit.
-                if beat == np.inf and len(too_big) < 3 and row not in too_big:
-                    too_big[row] = estimate_in(ctx, balanced_split(layers, cfg.pp))
-                if not fits:
-                    break
-                continue
-            if row in kept and kept[row][0] <= found[1]:
-                continue  # this row is already kept, faster
-            kept[row] = (found[1], next(found_order), ctx, found[0])
-            if len(kept) > solver.top_k + 1:
-                del kept[max(kept, key=lambda r: kept[r][:2])]
-    ranked = [estimate_in(ctx, split) for _, _, ctx, split in sorted(kept.values(), key=lambda item: item[:2])]
-    best_row = row_key(ranked[0].config) if ranked else None
+        if (not outcome.fits and bound < best_time and row not in kept.rows and row not in too_big
+                and len(too_big) < 3):
+            too_big[row] = estimate_in(context(problem, cfg), balanced_split(layers, cfg.pp))
+    ranked = []
+    for _, position, placement, split in sorted(kept.rows.values(), key=lambda item: item[:3]):
+        cfg = pending[position][1]
+        ranked.append(estimate_in(context(problem, cfg, rank_to_device=placements(problem, cfg)[placement]), split))
     return SearchResult(
         best=ranked[0] if ranked else None,
-        runners_up=ranked[1:] + [est for row, est in too_big.items() if row != best_row],
-        configs_evaluated=solved,
+        runners_up=ranked[1:] + list(too_big.values()),
+        configs_evaluated=len(outcomes),
         time_s=time.perf_counter() - start,
         configs_in_space=len(pending),
-        empty_space=None if space else empty_space_reason(problem, solver, pins, micro_batch_size=micro_batch_size,
-                                                          any_split=True),
     )

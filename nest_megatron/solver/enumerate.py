@@ -23,6 +23,7 @@ class SearchResult:
     time_s: float
     configs_in_space: int = 0  # configurations the space holds (pruned ones included)
     empty_space: str | None = None  # when it holds none: the Megatron rule that rules them out, as one line
+    too_big: str | None = None  # when no configuration can fit, whatever its split: the memory it needs at least
 
 
 def fits_in_memory(problem: Problem, cfg) -> bool:
