@@ -73,6 +73,8 @@ class GroupShape:
 
 def group_shapes(groups: np.ndarray, rank_to_device: np.ndarray, topology: Topology) -> list[GroupShape]:
     """The distinct shapes of `groups` (ranks) once placed by `rank_to_device`."""
+    if groups.shape[1] == 1:  # groups of one (cp = 1, ep = 1, ...): at 65,536 ranks the general path costs 10 ms
+        return [GroupShape((1.0,) * len(topology.levels))]
     # Sorted device ids give sorted unit ids at every level (floor division keeps the order), so
     # one sort serves all levels.
     devices = np.sort(rank_to_device[groups], axis=1)
@@ -80,7 +82,11 @@ def group_shapes(groups: np.ndarray, rank_to_device: np.ndarray, topology: Topol
     for level in range(len(topology.levels)):
         units = devices // topology.unit_size(level)
         counts.append(1 + np.count_nonzero(np.diff(units, axis=1), axis=1))
-    distinct_rows = sorted(set(zip(*(c.tolist() for c in counts))))
+    counts = np.stack(counts)
+    if (counts == counts[:, :1]).all():  # Megatron's regular groups: one shape, without a set of 65,536 tuples
+        distinct_rows = [tuple(counts[:, 0].tolist())]
+    else:
+        distinct_rows = sorted(set(zip(*counts.tolist())))
     return [GroupShape(tuple(row[lvl] / row[lvl + 1] for lvl in range(len(row) - 1))) for row in distinct_rows]
 
 
