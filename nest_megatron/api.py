@@ -15,6 +15,7 @@ from nest_megatron.plan import Plan, build_plan
 from nest_megatron.profile.for_plan import profiled_problem
 from nest_megatron.solver.registry import SOLVERS
 from nest_megatron.solver.space import evaluate_config
+from nest_megatron.solver.visit import Progress
 
 
 def plan(overrides: list[str]) -> Plan:
@@ -27,10 +28,12 @@ def evaluate(overrides: list[str]) -> Plan:
     return evaluate_loaded(load(overrides))
 
 
-def plan_loaded(loaded: Loaded) -> Plan:
+def plan_loaded(loaded: Loaded, *, progress: Progress | None = None) -> Plan:
+    """`progress(visited, in the space, best step time so far)` hears of the search as it goes."""
     cfg = loaded.config
     problem, compute = profiled_problem(loaded.problem, cfg)
-    result = SOLVERS[cfg.solver.name](problem, cfg.solver, cfg.plan, micro_batch_size=cfg.train.micro_batch_size)
+    result = SOLVERS[cfg.solver.name](problem, cfg.solver, cfg.plan, micro_batch_size=cfg.train.micro_batch_size,
+                                      progress=progress)
     if result.empty_space is not None:
         raise NestError(f"no launchable configuration: {result.empty_space}")
     if result.too_big is not None:

@@ -4,6 +4,7 @@ mixed), random 2-4 level clusters and tight memory."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -21,6 +22,7 @@ from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.ranks import node_permutations
 from nest_megatron.parallel.rules import violation
+from nest_megatron.solver.bounds import MemoryFloors
 from nest_megatron.solver.dp import (
     balanced_split,
     best_for,
@@ -28,8 +30,10 @@ from nest_megatron.solver.dp import (
     brute_force_split,
     context_bound,
     lower_bound,
+    memory_tables,
     placements,
     solve,
+    split_fits,
 )
 from nest_megatron.solver.enumerate import solve as enumerate_solve
 from nest_megatron.solver.space import candidates
@@ -110,6 +114,13 @@ def test_dp_split_equals_brute_force(case):
     ctx = context(problem, cfg)
     found = best_split(ctx)
     brute = brute_force_split(ctx)
+    # The memory checks made before any timing: the floor is below every split's peak, and the
+    # reachability over the memory tables says whether some split fits.
+    layers = problem.model.cfg.num_layers
+    peaks = [estimate_in(ctx, tuple(b - a for a, b in zip((0, *cuts), (*cuts, layers)))).peak_memory
+             for cuts in itertools.combinations(range(1, layers), cfg.pp - 1)]
+    assert MemoryFloors(problem).floor(cfg).total <= min(peaks) * (1 + 1e-12)
+    assert cfg.pp == 1 or split_fits(memory_tables(ctx)) == (brute is not None)
     if brute is None:
         assert found is None
         return

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+import time
 from pathlib import Path
+
+from rich.progress import Progress, TaskID
 
 from nest_megatron import api
 from nest_megatron.commands.common import check_writable, fail, stdout_console, write_atomically
@@ -25,6 +30,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="print nothing; write out= / report= only")
 
 
+class SearchProgress:
+    """The search's progress: the bar on a terminal, else a line on stderr every few seconds (logs and
+    CI show that a long search is alive). NEST_MEGATRON_PROGRESS_S sets the interval."""
+
+    def __init__(self, bar: Progress, task: TaskID):
+        self.bar, self.task = bar, task
+        self.every_s = float(os.environ.get("NEST_MEGATRON_PROGRESS_S", 5))
+        self.start = self.last = time.monotonic()
+
+    def __call__(self, visited: int, total: int, best: float) -> None:
+        found = f", best {best:,.2f} s/step" if best < float("inf") else ""
+        if not self.bar.disable:
+            self.bar.update(self.task, completed=visited, total=total, description=f"searching{found}")
+            return
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            self.last = now
+            print(f"searching: {visited:,} of {total:,} configurations{found}, {now - self.start:.0f} s",
+                  file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     console = stdout_console()
     try:
@@ -36,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
             check_writable(Path(report), "report", folder=True)
         with progress_bar(quiet=args.quiet) as progress:
             task = progress.add_task("searching" if args.command == "plan" else "pricing", total=None)
-            plan = api.plan_loaded(loaded) if args.command == "plan" else api.evaluate_loaded(loaded)
+            if args.command == "plan":
+                plan = api.plan_loaded(loaded, progress=None if args.quiet else SearchProgress(progress, task))
+            else:
+                plan = api.evaluate_loaded(loaded)
             progress.update(task, total=1, completed=1)
             if report:  # before out=, so that a report that cannot be written leaves no plan file either
                 report = explain(loaded, plan, Path(report), baselines=True, progress=progress)

@@ -12,7 +12,9 @@ from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.tables import layer_costs, stage_sums
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.rules import num_microbatches
+from nest_megatron.solver.bounds import MemoryFloors, no_fit_reason
 from nest_megatron.solver.space import candidates, empty_space_reason
+from nest_megatron.solver.visit import Progress
 
 
 @dataclass
@@ -44,13 +46,21 @@ def row_key(cfg: ParallelConfig) -> tuple:
     return cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.vpp, cfg.mbs, cfg.zero, cfg.recompute
 
 
-def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None) -> SearchResult:
+def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None,
+          progress: Progress | None = None) -> SearchResult:
     start = time.perf_counter()
+    space = list(candidates(problem, solver, pins, micro_batch_size=micro_batch_size))
+    too_big_line = no_fit_reason(MemoryFloors(problem), space)
+    if too_big_line is not None:
+        return SearchResult(best=None, runners_up=[], configs_evaluated=0, time_s=time.perf_counter() - start,
+                            configs_in_space=len(space), too_big=too_big_line)
     fastest: dict[tuple, tuple[float, int, Estimate]] = {}  # row -> its fastest plan that fits, in order found
     too_big: dict[tuple, Estimate] = {}
-    evaluated = 0
-    for i, cfg in enumerate(candidates(problem, solver, pins, micro_batch_size=micro_batch_size)):
+    evaluated, best_time = 0, float("inf")
+    for i, cfg in enumerate(space):
         evaluated += 1
+        if progress is not None:
+            progress(evaluated, len(space), best_time)
         row = row_key(cfg)
         if not fits_in_memory(problem, cfg):
             if len(too_big) < 3 and row not in too_big:
@@ -59,6 +69,7 @@ def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_bat
         est = estimate(problem, cfg)
         if row not in fastest or est.step_time < fastest[row][0]:
             fastest[row] = (est.step_time, i, est)
+        best_time = min(best_time, est.step_time)
     ranked = [e for _, _, e in sorted(fastest.values(), key=lambda item: item[:2])[: solver.top_k + 1]]
     best = ranked[0] if ranked else None
     runners_up = ranked[1:] + [est for row, est in too_big.items() if best is None or row != row_key(best.config)]

@@ -1,0 +1,105 @@
+"""Every search is bounded: device counts are factored, a model that cannot fit is answered before the
+search, worker processes find the one-process result, and a long search says it is alive."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from nest_megatron import api
+from nest_megatron.config.load import load
+from nest_megatron.errors import InfeasibleError
+from nest_megatron.hardware.accelerator import GIB
+from nest_megatron.model.spec import ModelSpec
+from nest_megatron.solver import dp
+from nest_megatron.solver.space import divisors
+
+
+def test_divisors_come_from_the_factorisation():
+    for n in [*range(1, 400), 65536, 1_000_003 * 6]:
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+    # 10^12 = 2^12 5^12: 13 * 13 divisors, found without scanning to 10^12.
+    big = divisors(10**12)
+    assert len(big) == 169 and big[:4] == [1, 2, 4, 5] and big[-1] == 10**12
+    assert all(10**12 % d == 0 for d in big)
+
+
+def test_a_model_too_big_for_every_configuration_is_answered_before_the_search():
+    # Llama 3 70B stretched to 800 layers (~690 B parameters) on 64 H100s: Adam's 18 bytes a parameter
+    # (bf16 weight, fp32 gradient, fp32 master weight and two moments) spread over all 64 devices
+    # already exceed 80 GB, whatever the sharding.
+    overrides = ["model=llama3_70b", "model.num_layers=800", "cluster=dgx_h100_superpod", "cluster.num_devices=64"]
+    loaded = load(overrides)
+    model: ModelSpec = loaded.problem.model
+    params = (800 * sum(model.layer_params(tp=1)) + model.embedding_params(1)
+              + model.output_params(tp=1, pp=64))
+    states = 18 * params / 64 / GIB
+    result = dp.solve(loaded.problem, loaded.config.solver, loaded.config.plan, micro_batch_size=None)
+    assert result.best is None and result.configs_evaluated == 0
+    with pytest.raises(InfeasibleError) as raised:
+        api.plan(overrides)
+    message = str(raised.value)
+    at_least = float(re.search(r"at least ([\d.]+) GiB per device", message).group(1))
+    # The states, plus the workspace and at least one micro-batch of activations (a few GiB at most).
+    assert states - 0.1 <= at_least <= states + 6
+    assert "79.6 GiB" in message  # the H100's 80 GB, as the line compares it
+
+
+def test_a_model_that_fits_is_not_refused_by_the_bound():
+    # Llama 3 70B needs 70e9 * 18 B / 64 = 19.7 GB of model states a device on 64 GPUs: the floor lets it through.
+    plan = api.plan(["model=llama3_70b", "cluster=dgx_h100_superpod", "cluster.num_devices=64",
+                     "train.global_batch_size=64", "solver.top_k=1"])
+    assert plan.predicted["peak_memory_gib"] <= plan.predicted["capacity_gib"]
+
+
+def _rows(result) -> list[tuple]:
+    estimates = [result.best, *result.runners_up]
+    return [(e.config, e.layers_per_stage, e.step_time, None if e.rank_to_device is None else e.rank_to_device.tolist(),
+             e.fits) for e in estimates]
+
+
+@pytest.mark.parametrize("cell", [
+    ["model=tiny_moe", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64"],
+    # Many placements at equal step times: the ties must go to the same configuration and placement.
+    ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=128", "train.global_batch_size=128",
+     "solver.top_k=3"],
+    ["model=tiny_gpt", "model.num_layers=10", "cluster=dgx_h100_superpod", "cluster.num_devices=32",
+     "train.global_batch_size=256", "plan.pp=4"],
+])
+def test_worker_processes_find_the_one_process_result(cell):
+    loaded = load(cell)
+    problem, solver, pins = loaded.problem, loaded.config.solver, loaded.config.plan
+    solver.jobs = 1
+    alone = dp.solve(problem, solver, pins, micro_batch_size=None)
+    solver.jobs = 2
+    workers = dp.solve(problem, solver, pins, micro_batch_size=None)
+    assert alone.best is not None
+    assert _rows(workers) == _rows(alone)
+
+
+def _plan_cli(*options: str, interval: str) -> subprocess.CompletedProcess:
+    cell = ["model=tiny_moe", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64",
+            "solver.jobs=1"]
+    env = {**os.environ, "NEST_MEGATRON_PROGRESS_S": interval}
+    return subprocess.run([sys.executable, "-m", "nest_megatron.cli", "plan", *cell, *options], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_search_prints_progress_lines_on_a_piped_stderr():
+    done = _plan_cli("--json", interval="0")  # a line for every configuration heard
+    assert done.returncode == 0, done.stderr
+    search = json.loads(done.stdout)["search"]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("searching: ")]
+    assert lines, done.stderr
+    counts = [re.match(r"searching: ([\d,]+) of ([\d,]+) configurations", line).groups() for line in lines]
+    visited = [int(v.replace(",", "")) for v, _ in counts]
+    assert {int(total.replace(",", "")) for _, total in counts} == {search["configs_in_space"]}
+    assert visited == sorted(visited) and visited[-1] == search["configs_evaluated"]
+    assert "s/step" in lines[-1]  # a plan was found by then: its step time is shown
+    quiet = _plan_cli("--quiet", interval="0")
+    assert quiet.returncode == 0 and "searching" not in quiet.stderr
