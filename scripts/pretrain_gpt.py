@@ -2,8 +2,8 @@
 
 Megatron-LM's own pretrain_gpt.py is not on PyPI (the megatron-core wheel holds megatron/core only),
 so this is a short, real stand-in for examples and tests: megatron-core's GPTModel with the local
-layer spec, its parallel_state, DistributedDataParallel, Megatron optimizer and pipeline schedules.
-It runs under torchrun on CPU (gloo) and on GPUs (nccl):
+layer spec, its parallel_state, DistributedDataParallel or Megatron-FSDP (--use-megatron-fsdp, ZeRO-2/3),
+Megatron optimizer and pipeline schedules. It runs under torchrun on CPU (gloo) and on GPUs (nccl):
 
     torchrun --standalone --nproc-per-node 2 scripts/pretrain_gpt.py \\
         --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 \\
@@ -14,10 +14,11 @@ The data is synthetic and deterministic (repeating token cycles; every rank of a
 replica generates the same batch), so the loss falls within a few iterations. Flags of Megatron-LM
 that this example does not implement are ignored with a note on stderr.
 
-Log lines on stdout (rank 0 prints the first two; the last rank, which is on the last pipeline
+Log lines on stdout (rank 0 prints the first three; the last rank, which is on the last pipeline
 stage, the rest; the loss is the mean over the micro-batches and data-parallel replicas):
     pretrain_gpt parallel: world=4 tp=2 pp=1 dp=2 cp=1 ep=1 etp=2 vpp=1 order=tp-cp-ep-dp-pp
     pretrain_gpt plan: num_microbatches=2 layers_per_stage=[2] vocab=256 device=cpu
+    pretrain_gpt wrap: DistributedDataParallel   (Megatron-FSDP: FullyShardedDataParallel optim_grads_params)
     iteration 1/10 | lm loss: 5.553990E+00 | learning rate: 3.000000E-03 | grad norm: 2.612 | time (ms): 41.0
     ...
     pretrain_gpt done: iterations=10 first_loss=5.553990 last_loss=3.487909
@@ -31,6 +32,7 @@ CUDA_VISIBLE_DEVICES it sees. With --train-iters 0 it stops after that.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
@@ -106,6 +108,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     par.add_argument("--use-distributed-optimizer", action="store_true")
     par.add_argument("--overlap-grad-reduce", action="store_true")
     par.add_argument("--overlap-param-gather", action="store_true")
+    par.add_argument("--use-megatron-fsdp", action="store_true")
+    par.add_argument("--data-parallel-sharding-strategy", default="optim_grads_params",
+                     choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
+    par.add_argument("--init-model-with-meta-device", action="store_true")
+    par.add_argument("--ckpt-format", default="torch_dist", help="read for Megatron-LM's checks only: no checkpoints here")
 
     train = p.add_argument_group("training")
     train.add_argument("--micro-batch-size", type=int, required=True)
@@ -182,6 +189,17 @@ def check_sizes(args) -> None:
     if args.global_batch_size % (args.micro_batch_size * data_parallel):
         fail(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
              f"{args.micro_batch_size} x data parallel {data_parallel}")
+    if args.use_megatron_fsdp:
+        # Megatron-LM: validate_args (arguments.py:1169, 1183); mcore_fsdp_adapter._get_dp_tp_mesh has no
+        # pipeline dimension (Megatron-LM issue #1455): einops refuses the world of a pipelined run.
+        if args.ckpt_format != "fsdp_dtensor":
+            fail("--use-megatron-fsdp needs --ckpt-format fsdp_dtensor")
+        if args.pipeline_model_parallel_size > 1:
+            fail(f"--use-megatron-fsdp with --pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
+                 "Megatron-FSDP's device mesh has no pipeline dimension; use 1")
+        if args.init_model_with_meta_device and args.data_parallel_sharding_strategy == "no_shard":
+            fail("--init-model-with-meta-device with --data-parallel-sharding-strategy no_shard: not supported")
+        args.use_distributed_optimizer = True  # as validate_args: Megatron-FSDP v1 runs with the distributed optimizer
 
 
 def init_distributed(args, use_cuda: bool) -> None:
@@ -327,6 +345,7 @@ def transformer_config(args, use_cuda: bool, vpp: int | None):
         persist_layer_norm=False,
         apply_rope_fusion=False,
         use_cpu_initialization=not use_cuda,
+        init_model_with_meta_device=args.init_model_with_meta_device,
         # As Megatron-LM sets it: a stage frees its output's data once sent, which the memory model assumes.
         deallocate_pipeline_outputs=True,
     )
@@ -345,28 +364,35 @@ def build_chunks(args, config, vocab: int) -> list[torch.nn.Module]:
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, normalization=args.normalization)
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
+    # Megatron-LM's get_model: with --init-model-with-meta-device the model is built without memory.
+    device = torch.device("meta") if args.init_model_with_meta_device else contextlib.nullcontext()
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        chunks.append(GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            vocab_size=vocab,
-            max_sequence_length=args.max_position_embeddings or args.seq_length,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
-            vp_stage=stage,
-        ))
+        with device:
+            chunk = GPTModel(
+                config=config,
+                transformer_layer_spec=spec,
+                vocab_size=vocab,
+                max_sequence_length=args.max_position_embeddings or args.seq_length,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                position_embedding_type=args.position_embedding_type,
+                vp_stage=stage,
+            )
+        chunks.append(chunk)
     return chunks
 
 
 def wrap_for_training(args, config, chunks, use_cuda: bool):
-    """Mixed precision and Megatron's DistributedDataParallel, as Megatron-LM's get_model does."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    """Mixed precision and Megatron's DistributedDataParallel or Megatron-FSDP, as Megatron-LM's get_model does
+    (a model built on the meta device stays there until Megatron-FSDP materialises this rank's shard). On CPU,
+    Megatron-FSDP runs on gloo with `enter_cpu_fsdp`'s stand-ins for its CUDA streams and events."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, FullyShardedDataParallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.module import Float16Module
 
-    if use_cuda:
+    if use_cuda and not args.init_model_with_meta_device:
         chunks = [chunk.cuda() for chunk in chunks]
     if args.bf16 or args.fp16:
         chunks = [Float16Module(config, chunk) for chunk in chunks]
@@ -375,12 +401,93 @@ def wrap_for_training(args, config, chunks, use_cuda: bool):
         overlap_grad_reduce=args.overlap_grad_reduce and use_cuda,
         overlap_param_gather=args.overlap_param_gather and use_cuda,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        use_megatron_fsdp=args.use_megatron_fsdp,
+        data_parallel_sharding_strategy=args.data_parallel_sharding_strategy if args.use_megatron_fsdp else "no_shard",
+        gradient_reduce_div_fusion=use_cuda,  # fused into NCCL's PREMUL_SUM, which gloo lacks
     )
+    if args.use_megatron_fsdp:
+        # get_model passes the mpu's process groups; the device is the one this rank trains on.
+        device = torch.device(f"cuda:{torch.cuda.current_device()}") if use_cuda else torch.device("cpu")
+        with contextlib.nullcontext() if use_cuda else cuda_index_zero():
+            return [FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                             disable_bucketing=index > 0, device=device,
+                                             pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+                    for index, chunk in enumerate(chunks)]
     return [
         DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                 disable_bucketing=index > 0)
         for index, chunk in enumerate(chunks)
     ]
+
+
+class CudaTargetsToCpu(torch.overrides.TorchFunctionMode):
+    """`Tensor.to("cuda")`, as Megatron-FSDP's DTensors on its (hard-coded) "cuda" device mesh ask, stays on the
+    CPU; `Tensor.record_stream` (for a CUDA caching allocator) does nothing."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.record_stream:
+            return None
+        if func is torch.Tensor.to and len(args) > 1 and str(args[1]).startswith("cuda"):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **(kwargs or {}))
+
+
+class CpuEvent:
+    """A CUDA event on the CPU: everything recorded has already run."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class CpuStream:
+    """A CUDA stream on the CPU: work runs in order, nothing to wait for."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> CpuEvent:
+        return event or CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+def enter_cpu_fsdp() -> None:
+    """Megatron-FSDP's streams and events, on the CPU, for the rest of the process (after enter_cpu_training)."""
+    torch.cuda.Stream, torch.cuda.Event = CpuStream, CpuEvent
+    torch.cuda.current_stream = torch.cuda.default_stream = lambda *args, **kwargs: CpuStream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    CudaTargetsToCpu().__enter__()  # never exited, as CudaToCpu
+
+
+@contextlib.contextmanager
+def cuda_index_zero():
+    """On CPU, while Megatron-FSDP is set up, torch.cuda.current_device() answers 0: it spells devices
+    f"cuda:{index}" (CudaToCpu sends those to the CPU); elsewhere the CPU patches answer the CPU device."""
+    current = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = current
 
 
 def layers_per_stage(chunks, group, device: str) -> list[int]:
@@ -467,6 +574,8 @@ def train(args, use_cuda: bool) -> None:
     if dist.get_rank() == 0:
         print(f"{PREFIX} plan: num_microbatches={num_microbatches} layers_per_stage={split} vocab={vocab} "
               f"device={device}", flush=True)
+        sharding = f" {args.data_parallel_sharding_strategy}" if args.use_megatron_fsdp else ""
+        print(f"{PREFIX} wrap: {type(chunks[0]).__name__}{sharding}", flush=True)
 
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
@@ -535,6 +644,11 @@ def main(argv: list[str]) -> int:
         args.sequence_parallel = False
     check_sizes(args)
     use_cuda = torch.cuda.is_available()
+    if args.init_model_with_meta_device and not (use_cuda and args.use_megatron_fsdp):
+        # Megatron-FSDP materialises the model; on CPU, CPU initialisation puts megatron-core's own layers on the
+        # meta device too, and they have no reset_parameters to materialise them with (on GPUs they allocate there).
+        note("--init-model-with-meta-device dropped: used with --use-megatron-fsdp on GPUs only")
+        args.init_model_with_meta_device = False
     init_distributed(args, use_cuda)
     torch.manual_seed(args.seed)  # the same initial weights on every rank (CPU initialisation)
     if use_cuda:
@@ -545,6 +659,8 @@ def main(argv: list[str]) -> int:
         from nest_megatron.launch.cpu_runtime import enter_cpu_training
 
         enter_cpu_training()
+        if args.use_megatron_fsdp:
+            enter_cpu_fsdp()
     if dist.get_rank() == 0:
         print(f"{PREFIX} parallel: " + " ".join(f"{k}={v}" for k, v in built_sizes().items())
               + f" order={'tp-cp-ep-pp-dp' if args.use_tp_pp_dp_mapping else 'tp-cp-ep-dp-pp'}", flush=True)
