@@ -363,7 +363,8 @@ def rules_doc() -> str:
         "file and the tables differ. Sources are file:line of Megatron-LM at "
         f"[`{MEGATRON_LM_COMMIT[:12]}`](https://github.com/NVIDIA/Megatron-LM/tree/{MEGATRON_LM_COMMIT}),",
         "an upstream issue / PR, or `nest:` for the planner's own policy (Megatron-LM would launch, or silently",
-        "change the flag).",
+        "change the flag). The installed megatron-core 0.16.1 makes the same checks at other lines; tests/test_fsdp_mesh.py",
+        "and tests/test_megatron_rules.py run its code for the Megatron-FSDP mesh and the MoE bias rule.",
         "",
     ]
     for title, where, table in (

@@ -260,7 +260,8 @@ RULES = (
          "Megatron-LM issue #1455, PR #6081", _fsdp_pp),
     Rule("world", "nest: the plan's ranks run on the cluster's devices", _world),
     Rule("tp-heads", f"{TC}:1446", _tp_heads),
-    Rule("tp-query-groups", f"{TC}:1462", _tp_query_groups),
+    Rule("tp-query-groups", f"{TC}:1462 (stricter: Megatron also takes tp a multiple of the groups, replicating "
+         "KV heads, which the cost model does not price)", _tp_query_groups),
     Rule("sp-tp", f"{MC}model_parallel_config.py:504 ({ARGS}:1433 turns it off silently)", _sp_tp),
     Rule("moe-sp", f"{MC}transformer/moe/moe_layer.py:636", _moe_sp),
     Rule("cp-unfused", f"{MC}transformer/dot_product_attention.py:58", _cp_unfused),
