@@ -36,13 +36,11 @@ def plan_loaded(loaded: Loaded, *, progress: Progress | None = None) -> Plan:
                                       progress=progress)
     if result.empty_space is not None:
         raise NestError(f"no launchable configuration: {result.empty_space}")
-    if result.too_big is not None:
-        raise InfeasibleError(f"no configuration of {cfg.model.name} fits on {problem.num_devices} devices: "
-                              f"{result.too_big}; add devices, shorten model.seq_length or relax the plan.* pins")
     if result.best is None:
+        why = result.too_big or f"among {result.configs_evaluated} searched"
         raise InfeasibleError(
             f"no configuration of {cfg.model.name} fits on {problem.num_devices} x {problem.accelerator.name} "
-            f"({problem.accelerator.memory_bytes / GIB:.1f} GiB) among {result.configs_evaluated} searched; "
+            f"({problem.accelerator.memory_bytes / GIB:.1f} GiB): {why}; "
             "add devices, shorten model.seq_length or relax the plan.* pins"
         )
     search = {"solver": cfg.solver.name, "time_s": result.time_s, "configs_evaluated": result.configs_evaluated,

@@ -92,5 +92,5 @@ def test_configurations_searched_of_which_none_fit_keep_the_memory_message():
     with pytest.raises(InfeasibleError) as err:
         api.plan(["model=llama3_70b", *H100, "cluster.num_devices=8"])
     message = str(err.value)
-    assert message.startswith("no configuration of llama3_70b fits on 8 x h100_sxm (79.6 GiB) among ")
-    assert int(message.split(" among ")[1].split()[0]) > 0
+    # Answered from the memory floor, before any configuration is timed (solver/bounds.py).
+    assert message.startswith("no configuration of llama3_70b fits on 8 x h100_sxm (79.6 GiB): at least ")

@@ -60,8 +60,8 @@ class MemoryFloors:
 
 
 def no_fit_reason(floors: MemoryFloors, space: list[ParallelConfig]) -> str | None:
-    """When every configuration's floor exceeds the device: one line with the smallest floor, what it
-    is made of and the configuration (the widest sharding) it belongs to; else None."""
+    """When every configuration's floor exceeds the device: the smallest floor, what it is made of and
+    the configuration (the widest sharding) it belongs to, as part of a line; else None."""
     if not space:
         return None
     capacity = floors.problem.accelerator.memory_bytes
@@ -71,9 +71,8 @@ def no_fit_reason(floors: MemoryFloors, space: list[ParallelConfig]) -> str | No
         return None
     parts = [(name, value) for name, value in floor.as_dict().items() if value >= 0.05 * GIB]
     made_of = ", ".join(f"{name} {value / GIB:.1f}" for name, value in parts)
-    sizes = [("tp", cfg.tp), ("pp", cfg.pp), ("dp", cfg.dp), ("cp", cfg.cp), ("ep", cfg.ep)]
-    sizes = [(n, v) for n, v in sizes if v > 1 or n in ("tp", "pp", "dp")]
-    sharding = f"{'·'.join(n for n, _ in sizes)} = {'·'.join(str(v) for _, v in sizes)}"
-    return (f"at least {floor.total / GIB:.1f} GiB per device ({made_of} GiB) at the widest sharding the search "
-            f"space allows ({sharding}, ZeRO {cfg.zero}, recompute {cfg.recompute}, micro-batch {cfg.mbs}) "
-            f"against {capacity / GIB:.1f} GiB of {floors.problem.accelerator.name}")
+    sizes = [(n, v) for n, v in (("tp", cfg.tp), ("pp", cfg.pp), ("dp", cfg.dp), ("cp", cfg.cp), ("ep", cfg.ep))
+             if v > 1 or n in ("tp", "pp", "dp")]
+    sharding = f"{'·'.join(n for n, _ in sizes)} = {'·'.join(str(v) for _, v in sizes)} = {cfg.world}"
+    return (f"at least {floor.total / GIB:.1f} GiB per device ({made_of} GiB) even at the widest sharding the "
+            f"search space allows, {sharding} with ZeRO {cfg.zero}, recompute {cfg.recompute}, micro-batch {cfg.mbs}")
