@@ -49,7 +49,7 @@ def visit(bounds: list[float], solve: Callable[[int, float], Any], accept: Calla
             progress(len(outcomes), len(bounds), best())
         return cutoff
 
-    if jobs <= 1:
+    if jobs <= 1 or "fork" not in multiprocessing.get_all_start_methods():  # workers inherit the problem by forking
         cutoff = math.inf
         for position, bound in enumerate(bounds):
             if bound > cutoff:
