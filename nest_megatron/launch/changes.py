@@ -8,6 +8,8 @@ breaks, or that it does not fit in memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from nest_megatron.config.load import Loaded
 from nest_megatron.config.megatron_argv import PLANNER_FLAGS, scan
 from nest_megatron.config.schema import PlanChoice
@@ -88,7 +90,7 @@ def changed_flags(user: list[str], final: list[str]) -> list[tuple[str, object, 
     return out
 
 
-def change_lines(user: list[str], final: list[str], *, reasons: dict[str, str], layout: callable) -> list[str]:
+def change_lines(user: list[str], final: list[str], *, reasons: dict[str, str], layout: Callable[[], str]) -> list[str]:
     """One `--flag: old -> new (why)` line per changed flag; `layout()` gives the layout's why (priced only
     when a layout flag changed)."""
     lines, why = [], None

@@ -23,7 +23,8 @@ CKPT_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
 DEFAULT_CKPT_FORMAT = "torch_dist"
 # The sizes a bucket-space distributed-optimizer checkpoint (dp_reshardable) is laid out by: Megatron refuses a
 # TP or PP change (training/checkpointing.py:2649-2657); its buckets are per model chunk and per expert buffer,
-# keyed by model-parallel group (core/optimizer/distrib_optimizer.py:1877-1904), so VPP, EP and expert TP too.
+# keyed by model-parallel group (core/optimizer/distrib_optimizer.py:1877-1904), so VPP, EP and expert TP too, and
+# the layers of each stage.
 BUCKET_SPACE_SIZES = ["tp", "pp", "vpp", "ep", "etp"]
 # A legacy `torch` checkpoint is one file per TP, PP (and EP) rank (training/checkpointing.py:264-275) holding
 # that rank's slice of every chunk, and the distributed optimizer's own file beside it (:296, :741-750): it
@@ -88,15 +89,8 @@ def _resume(argv: list[str], s: Scanned, model: ModelConfig) -> Constraint | Non
         raise NestError(f"{why} and --use-megatron-fsdp: Megatron-FSDP reads and writes only --ckpt-format "
                         "fsdp_dtensor; give that, or resume with --use-distributed-optimizer")
     if fmt == "torch":
-        # The split of the layers over the stages is in the files too: keep Megatron's even split (the
-        # enumerating solver plans only that), and refuse a split the planner would have to choose.
-        split = [f for f in ("--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers",
-                             "--decoder-last-pipeline-num-layers") if s.has(f)]
-        if split and s.get("--pipeline-model-parallel-size", 1) > 1:
-            raise NestError(f"{why} and {split[0]}: a legacy checkpoint holds each stage's layers and the planner "
-                            "keeps only Megatron's even split; convert the checkpoint to torch_dist")
-        extra = ["solver.name=enumerate"] if s.get("--pipeline-model-parallel-size", 1) > 1 else []
-        return Constraint(_pinned(argv, LEGACY_SIZES, model, why) + extra, f"{why} (it does not reshard)")
+        split = _even_split(s, why)
+        return Constraint(_pinned(argv, LEGACY_SIZES, model, why) + split, f"{why} (it does not reshard)")
     # torch_dist: the distributed optimizer's state is saved by DP-rank buckets, DDP's by model tensor
     # (distrib_optimizer.py:1535-1540 vs optimizer.py:1196-1200): neither reads the other's; keep the argv's.
     if given(argv, "--no-load-optim") or given(argv, "--finetune"):  # the optimizer state is not read
@@ -105,8 +99,23 @@ def _resume(argv: list[str], s: Scanned, model: ModelConfig) -> Constraint | Non
         return Constraint(["plan.zero=0"], f"{why} (DDP)")
     if given(argv, "--dist-ckpt-optim-fully-reshardable"):  # saved fully_reshardable (checkpointing.py:550-553)
         return Constraint(["plan.zero=1"], f"{why} (the distributed optimizer, fully reshardable)")
-    return Constraint(_pinned(argv, ["zero", *BUCKET_SPACE_SIZES], model, why),
+    split = _even_split(s, why)
+    return Constraint(_pinned(argv, ["zero", *BUCKET_SPACE_SIZES], model, why) + split,
                       f"{why} and --use-distributed-optimizer (its state is saved by bucket, for these sizes)")
+
+
+def _even_split(s: Scanned, why: str) -> list[str]:
+    """A checkpoint laid out per stage (a legacy file's layers, a bucket's parameters) needs the stages to hold
+    the layers they held: Megatron's even split, the only one the enumerating solver plans. A split of the argv's
+    own is not one the planner keeps."""
+    if s.get("--pipeline-model-parallel-size", 1) == 1:
+        return []
+    split = [f for f in ("--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers",
+                         "--decoder-last-pipeline-num-layers") if s.has(f)]
+    if split:
+        raise NestError(f"{why} and {split[0]}: the checkpoint is laid out by pipeline stage and the planner keeps "
+                        "only Megatron's even split of the layers; launch it with torchrun as typed")
+    return ["solver.name=enumerate"]
 
 
 def _comm_overlap(argv: list[str], user: list[str]) -> Constraint | None:
