@@ -62,13 +62,12 @@ class MemoryFloors:
 def no_fit_reason(floors: MemoryFloors, space: list[ParallelConfig]) -> str | None:
     """When every configuration's floor exceeds the device: the smallest floor, what it is made of and
     the configuration (the widest sharding) it belongs to, as part of a line; else None."""
-    if not space:
+    # The widest shardings first: when some configuration fits, one of the first few says so.
+    if any(floors.fits(c) for c in sorted(space, key=lambda c: (-c.zero, -c.tp * c.pp * c.cp, c.recompute != "full",
+                                                                c.mbs))):
         return None
-    capacity = floors.problem.accelerator.memory_bytes
     cfg = min(space, key=lambda c: floors.floor(c).total)
     floor = floors.floor(cfg)
-    if floor.total <= capacity:
-        return None
     parts = [(name, value) for name, value in floor.as_dict().items() if value >= 0.05 * GIB]
     made_of = ", ".join(f"{name} {value / GIB:.1f}" for name, value in parts)
     sizes = [(n, v) for n, v in (("tp", cfg.tp), ("pp", cfg.pp), ("dp", cfg.dp), ("cp", cfg.cp), ("ep", cfg.ep))
