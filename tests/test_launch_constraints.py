@@ -256,3 +256,14 @@ def test_what_no_plan_satisfies_is_one_line_and_starts_nothing(tmp_path, args, m
                    f"cluster.levels.0.fan_out={devices[1]}", *pin, f"out={script}", "--", str(recorder), *megatron)
     assert proc.returncode == 2 and proc.stderr.startswith(f"nest-megatron sbatch: error: {message}"), proc.stderr
     assert not script.exists()
+
+
+def test_sbatch_lists_the_changes_when_it_writes_the_job(tmp_path, capsys):
+    """Every node's launch will change the same flags: sbatch says which when the job is written."""
+    script = tmp_path / "job.sh"
+    assert cli.main(["sbatch", "cluster=dgx_h100_superpod", "--nodes", "2", f"out={script}", "--", "pretrain_gpt.py",
+                     *MODEL, "--tensor-model-parallel-size", "3"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[1] == ("--tensor-model-parallel-size: 3 -> 1 (the given layout breaks a Megatron rule: world size 16 is "
+                      "not divisible by tp*pp*cp = 3*1*1)")
+    assert script.exists()
