@@ -63,8 +63,8 @@ def no_fit_reason(floors: MemoryFloors, space: list[ParallelConfig]) -> str | No
     """When every configuration's floor exceeds the device: the smallest floor, what it is made of and
     the configuration (the widest sharding) it belongs to, as part of a line; else None."""
     # The widest shardings first: when some configuration fits, one of the first few says so.
-    if not space or any(floors.fits(c) for c in sorted(space, key=lambda c: (-c.zero, -c.tp * c.pp * c.cp, c.recompute != "full",
-                                                                c.mbs))):
+    widest_first = sorted(space, key=lambda c: (-c.zero, -c.tp * c.pp * c.cp, c.recompute != "full", c.mbs))
+    if not space or any(floors.fits(c) for c in widest_first):
         return None
     cfg = min(space, key=lambda c: floors.floor(c).total)
     floor = floors.floor(cfg)
