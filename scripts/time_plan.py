@@ -6,7 +6,8 @@ Usage: python scripts/time_plan.py [--baseline REF] [--timeout S] [--repeat N] [
 Each side runs in a fresh process: one untimed run of a tiny cell fills Numba's cache, then the cell
 is timed in another process from `api.plan` to its plan (or its "does not fit" error), so the time
 includes loading the compiled functions but neither compiling them nor importing Python. REF runs
-from a `git worktree` under the system's temp directory. The load average is printed beside the
+from a `git worktree` under the system's temp directory (kept for the next run; `git worktree remove`
+deletes it). The load average is printed beside the
 times: on a shared machine they are only as good as it is low."""
 
 from __future__ import annotations
