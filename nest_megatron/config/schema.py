@@ -136,7 +136,7 @@ class SolverConfig:
     max_virtual_stages: int = 4  # largest --num-layers-per-virtual-pipeline-stage split tried (per rank)
     max_context_parallel: int = 8  # largest context-parallel size tried
     top_k: int = 10  # how many runners-up the Plan keeps
-    jobs: Optional[int] = None  # worker processes of the dp search (null: one per core; one process on 2 cores or fewer)
+    jobs: Optional[int] = None  # worker processes of the dp search (null: one per core)
 
 
 @dataclass

@@ -481,8 +481,12 @@ def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_bat
         kept.add(row_key(pending[position][1]), position, outcome)
         return kept.cutoff()
 
+    def sizes(position: int) -> tuple:  # what the placements and their caches depend on
+        cfg = pending[position][1]
+        return cfg.tp, cfg.cp, cfg.pp, cfg.dp, cfg.ep, cfg.etp, cfg.order
+
     outcomes = visit([bound for bound, _ in pending], solve_at, accept, jobs=solver.jobs or default_jobs(),
-                     progress=progress, best=kept.best_time)
+                     progress=progress, best=kept.best_time, group=sizes)
     # Rows that fit under no split though their bound was below the best plan's step time (they might have
     # been faster), the first three by bound: the plan lists them after its runners-up.
     best_time = kept.best_time()

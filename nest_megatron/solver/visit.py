@@ -5,8 +5,9 @@ and the cutoff only falls. Workers share it through one shared double that the p
 outcomes arrive, so a worker skips what the kept plans already rule out; as the parent ranks kept
 plans by (step time, position) and pruning drops only what cannot enter them, the result is the
 one-process result whatever order the outcomes arrive in. Workers are forked: they inherit the
-problem, the compiled Numba functions and the caches, and nothing is pickled but positions and
-outcomes.
+problem, the compiled Numba functions and the caches, and nothing is pickled but outcomes. Each
+takes whole groups of configurations (those sharing placement caches): with chunks dealt from one
+queue, every worker built the same caches and two workers were slower than one at 65,536 GPUs.
 """
 
 from __future__ import annotations
@@ -14,29 +15,21 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
-import queue
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 Progress = Callable[[int, int, float], None]  # (configurations visited, in the space, best step time so far)
 
-CHUNK = 4  # positions per task: a few keep the cutoff fresh, one costs a round trip per configuration
-
-_solve: Callable[[int, float], Any] | None = None  # the worker's job, inherited through fork
-_cutoff = None  # the worker's view of the shared cutoff
 
 
 def default_jobs() -> int:
-    """One worker per core this process may run on, but one process on two cores or fewer: there the
-    workers did not pay (GPT-3 175B on 1,024 GPUs 1.9-2.7 s with two workers against 2.2-2.5 s alone;
-    Llama 3 70B on 65,536 GPUs 10.6-12.2 s against 6.0-9.1 s, as every worker builds its own placement
-    caches; solver/README.md)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cores if cores > 2 else 1
+    """One worker per core this process may run on (solver/README.md has the measurements on 2 cores)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def visit(bounds: list[float], solve: Callable[[int, float], Any], accept: Callable[[int, Any], float], *,
-          jobs: int, progress: Progress | None, best: Callable[[], float]) -> dict[int, Any]:
+          jobs: int, progress: Progress | None, best: Callable[[], float],
+          group: Callable[[int], Hashable] = lambda position: position) -> dict[int, Any]:
     """Outcomes by position of every position solved: `solve(position, cutoff)` for each position
     whose bound (ascending) does not exceed the cutoff; `accept(position, outcome)` returns the new
     cutoff. With jobs > 1, solved in that many forked worker processes."""
@@ -58,42 +51,43 @@ def visit(bounds: list[float], solve: Callable[[int, float], Any], accept: Calla
         return outcomes
     fork = multiprocessing.get_context("fork")
     shared = fork.RawValue("d", math.inf)
-    arrived: queue.SimpleQueue = queue.SimpleQueue()
-    starts = iter(range(0, len(bounds), CHUNK))
-    with fork.Pool(jobs, initializer=_start, initargs=(solve, shared)) as pool:
-
-        def submit() -> bool:
-            """Send the next chunk unless its first bound is already ruled out (then so is the rest)."""
-            first = next(starts, None)
-            if first is None or bounds[first] > shared.value:
-                return False
-            chunk = [(p, bounds[p]) for p in range(first, min(first + CHUNK, len(bounds)))]
-            pool.apply_async(_run, (chunk,), callback=arrived.put, error_callback=arrived.put)
-            return True
-
-        # A few chunks a worker, not the whole space: chunks are sent while their bounds can still enter.
-        in_flight = sum(submit() for _ in range(2 * jobs))
-        while in_flight:
-            solved = arrived.get()
-            if isinstance(solved, BaseException):
-                raise solved
-            in_flight -= 1
-            for position, outcome in solved:
-                shared.value = heard(position, outcome)
-            in_flight += submit()
+    results = fork.SimpleQueue()
+    # Each worker takes the positions of its own groups (`group(position)`, e.g. the placement caches a
+    # configuration shares with others), in visiting order, so that no two workers build the same caches.
+    worker_of: dict[Hashable, int] = {}  # the groups dealt round the workers in the order they are first met
+    mine: list[list[int]] = [[] for _ in range(jobs)]
+    for position in range(len(bounds)):
+        mine[worker_of.setdefault(group(position), len(worker_of) % jobs)].append(position)
+    workers = [fork.Process(target=_work, args=(positions, bounds, solve, shared, results), daemon=True)
+               for positions in mine]
+    for worker in workers:
+        worker.start()
+    try:
+        running = jobs
+        while running:
+            item = results.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                shared.value = heard(*item)
+    finally:
+        for worker in workers:
+            worker.terminate()
+            worker.join()
     return outcomes
 
 
-def _start(solve: Callable[[int, float], Any], shared) -> None:
-    global _solve, _cutoff
-    _solve, _cutoff = solve, shared
-
-
-def _run(chunk: list[tuple[int, float]]) -> list[tuple[int, Any]]:
-    solved = []
-    for position, bound in chunk:
-        cutoff = _cutoff.value
-        if bound > cutoff:  # bounds ascend: the rest of the chunk is ruled out too
-            break
-        solved.append((position, _solve(position, cutoff)))
-    return solved
+def _work(positions: list[int], bounds: list[float], solve: Callable[[int, float], Any], shared, results) -> None:
+    """A worker: its positions in visiting order until one's bound exceeds the shared cutoff, each
+    outcome sent back as it is found; None when done."""
+    try:
+        for position in positions:
+            cutoff = shared.value
+            if bounds[position] > cutoff:  # bounds ascend: the rest are ruled out too
+                break
+            results.put((position, solve(position, cutoff)))
+    except BaseException as err:  # noqa: BLE001 - the parent raises it
+        results.put(err)
+    results.put(None)
