@@ -21,7 +21,6 @@ from typing import Any
 Progress = Callable[[int, int, float], None]  # (configurations visited, in the space, best step time so far)
 
 
-
 def default_jobs() -> int:
     """One worker per core this process may run on (solver/README.md has the measurements on 2 cores)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
