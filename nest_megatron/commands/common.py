@@ -8,12 +8,20 @@ import tempfile
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from nest_megatron.errors import NestError
 
 
 def stdout_console() -> Console:
     return Console(no_color=not sys.stdout.isatty() or "NO_COLOR" in os.environ)
+
+
+def progress_bar(*, quiet: bool) -> Progress:
+    """A progress bar on stderr, shown only on a terminal; plain (no colour) when NO_COLOR is set."""
+    console = Console(stderr=True, no_color="NO_COLOR" in os.environ or not sys.stderr.isatty())
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console, transient=True, disable=quiet or not console.is_terminal)
 
 
 def fail(command: str, error: Exception | str) -> int:

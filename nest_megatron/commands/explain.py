@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import sys
 import tempfile
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
-from nest_megatron.commands.common import check_writable, fail, stdout_console
+from nest_megatron.commands.common import check_writable, fail, progress_bar, stdout_console
 from nest_megatron.config.load import Loaded, load
 from nest_megatron.errors import NestError
 from nest_megatron.plan import Plan
@@ -37,13 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-baselines", action="store_true",
                         help="leave out the Manual and flat-network baselines (the flat one repeats the search)")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
-
-
-def progress_bar(*, quiet: bool) -> Progress:
-    """A progress bar on stderr, shown only on a terminal; plain (no colour) when NO_COLOR is set."""
-    console = Console(stderr=True, no_color="NO_COLOR" in os.environ or not sys.stderr.isatty())
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=console, transient=True, disable=quiet or not console.is_terminal)
 
 
 def read_plan(path: str) -> Plan:

@@ -12,8 +12,7 @@ from pathlib import Path
 from rich.progress import Progress, TaskID
 
 from nest_megatron import api
-from nest_megatron.commands.common import check_writable, fail, stdout_console, write_atomically
-from nest_megatron.commands.explain import explain, progress_bar
+from nest_megatron.commands.common import check_writable, fail, progress_bar, stdout_console, write_atomically
 from nest_megatron.config.load import load
 from nest_megatron.errors import NestError
 from nest_megatron.report.table import render
@@ -68,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
                 plan = api.evaluate_loaded(loaded)
             progress.update(task, total=1, completed=1)
             if report:  # before out=, so that a report that cannot be written leaves no plan file either
+                from nest_megatron.commands.explain import explain  # matplotlib: 0.75 s a plan without report= saves
+
                 report = explain(loaded, plan, Path(report), baselines=True, progress=progress)
             if out:
                 write_atomically(Path(out), plan.to_json())
