@@ -39,7 +39,7 @@ class SearchProgress:
         self.start = self.last = time.monotonic()
 
     def __call__(self, visited: int, total: int, best: float) -> None:
-        found = f", best {best:,.2f} s/step" if best < float("inf") else ""
+        found = f", best {best:.4g} s/step" if best < float("inf") else ""
         if not self.bar.disable:
             self.bar.update(self.task, completed=visited, total=total, description=f"searching{found}")
             return
