@@ -118,7 +118,7 @@ SOLVER_KEYS = {
     "name": ("enumerate", "enumerate"), "micro_batch_sizes": ("[1,2]", [1, 2]), "zero_stages": ("[1]", [1]),
     "recompute": ("[none]", ["none"]), "rank_orders": ("[tp-cp-ep-dp-pp]", ["tp-cp-ep-dp-pp"]),
     "max_virtual_stages": ("2", 2), "max_context_parallel": ("2", 2), "top_k": ("3", 3),
-    "recompute_num_layers": ("[null,1]", [None, 1]),
+    "recompute_num_layers": ("[null,1]", [None, 1]), "jobs": ("2", 2),
 }
 PROFILE_KEYS = {
     "warmup": ("1", 1), "repeats": ("2", 2), "local_devices": ("2", 2), "layers": ("false", False), "use": ("false", False),

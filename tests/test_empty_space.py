@@ -83,7 +83,8 @@ def test_launch_dry_run_with_pinned_sizes_beyond_the_devices_names_the_rule():
                    "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16")
     assert proc.returncode == 2
     assert proc.stdout == ""
-    assert proc.stderr == ("nest-megatron launch: error: no launchable configuration: tp*cp*pp*dp = 8*1*16*1 = 128 "
+    assert proc.stderr == ("nest-megatron launch: error: no plan keeps what the launch line fixes (pinned tp,pp): "
+                           "no launchable configuration: tp*cp*pp*dp = 8*1*16*1 = 128 "
                            "devices, but the cluster has 64 (plan.tp=8, plan.pp=16 pinned)\n")
 
 

@@ -18,6 +18,7 @@ from nest_megatron.hardware.accelerator import GIB
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.solver import dp
 from nest_megatron.solver.space import divisors
+from nest_megatron.solver.visit import visit
 
 
 def test_divisors_come_from_the_factorisation():
@@ -80,6 +81,36 @@ def test_worker_processes_find_the_one_process_result(cell):
     workers = dp.solve(problem, solver, pins, micro_batch_size=None)
     assert alone.best is not None
     assert _rows(workers) == _rows(alone)
+
+
+def _visit_two_workers(solve):
+    """Four positions of bound 0 over two workers (each its own group), nothing pruned."""
+    return visit([0.0] * 4, solve, lambda position, outcome: float("inf"), jobs=2, progress=None,
+                 best=lambda: float("inf"), group=lambda position: position % 2)
+
+
+def test_worker_outcomes_reach_the_parent():
+    assert _visit_two_workers(lambda position, cutoff: position * 10) == {0: 0, 1: 10, 2: 20, 3: 30}
+
+
+def test_an_error_in_a_worker_is_raised_in_the_parent():
+    def solve(position, cutoff):
+        if position == 3:
+            raise ValueError("position 3")
+        return position
+
+    with pytest.raises(ValueError, match="position 3"):
+        _visit_two_workers(solve)
+
+
+def test_a_worker_that_dies_is_an_error_not_a_wait_forever():
+    def solve(position, cutoff):
+        if position == 1:
+            os._exit(7)  # as a worker killed by the OOM killer would end: no result, no word
+        return position
+
+    with pytest.raises(RuntimeError, match=r"exit code 7"):
+        _visit_two_workers(solve)
 
 
 def _plan_cli(*options: str, interval: str) -> subprocess.CompletedProcess:

@@ -117,6 +117,7 @@ BAD = [
     ("solver.max_context_parallel=0", r"^solver\.max_context_parallel=0: must be an integer >= 1$",
      "solver.max_context_parallel=1"),
     ("solver.top_k=-1", r"^solver\.top_k=-1: must be an integer >= 0$", "solver.top_k=0"),
+    ("solver.jobs=0", r"^solver\.jobs=0: allowed 1\.\.1024$", "solver.jobs=1"),
     # model: 800 layers stay a model to plan (the planner answers whether it fits)
     ("model.num_layers=0", r"^model\.num_layers=0: allowed 1\.\.16384$", "model.num_layers=800"),
     ("model.num_layers=16385", r"^model\.num_layers=16385: allowed 1\.\.16384$", "model.num_layers=16384"),

@@ -114,12 +114,13 @@ def _config_path() -> str | None:
 def run(args: argparse.Namespace) -> int:
     try:
         text, out, prepared = build(args)
-        show_changes(prepared)  # what every node's launch will change in the script's arguments
         if out:
             write_atomically(Path(out), text)
             Path(out).chmod(0o755)
     except (NestError, OSError) as err:
         return fail("sbatch", err)
+    show_changes(prepared)  # what every node's launch will change in the script's arguments; after out= is written,
+    # so that an out= that cannot be written stays the one line
     if out:
         print(f"sbatch script written to {out}")
     else:

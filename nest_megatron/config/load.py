@@ -267,6 +267,7 @@ MAX_BATCH = 2**20  # sequences: LAMB trained BERT at 65,536 a batch, LLMs use a 
 # Search knob, capped by its cost: every value up to it is tried at every pipeline size (1,024 made a 16-GPU plan of
 # tiny_gpt 5x slower), while published interleaved schedules use a few chunks a rank.
 MAX_VIRTUAL_STAGES = 64
+MAX_JOBS = 1024  # search worker processes: one a core of the largest hosts; each holds a copy of the search's caches
 MAX_PROFILE_RUNS = 1000  # runs of one kernel: a median of more moves nothing; more is a typo that holds a GPU for hours
 
 
@@ -391,6 +392,7 @@ def _check_train_and_solver(t: TrainConfig, s: SolverConfig) -> None:
     _integer("solver.max_virtual_stages", s.max_virtual_stages, 1, MAX_VIRTUAL_STAGES)
     _integer("solver.max_context_parallel", s.max_context_parallel, 1)  # the sizes tried are a fixed short list
     _integer("solver.top_k", s.top_k, 0)
+    _integer("solver.jobs", s.jobs, 1, MAX_JOBS)
 
 
 def _check_plan(p: PlanChoice, *, devices: int, layers: int, batch: int) -> None:

@@ -15,7 +15,9 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable, Hashable
+from multiprocessing.connection import wait
 from typing import Any
 
 Progress = Callable[[int, int, float], None]  # (configurations visited, in the space, best step time so far)
@@ -50,27 +52,38 @@ def visit(bounds: list[float], solve: Callable[[int, float], Any], accept: Calla
         return outcomes
     fork = multiprocessing.get_context("fork")
     shared = fork.RawValue("d", math.inf)
-    results = fork.SimpleQueue()
     # Each worker takes the positions of its own groups (`group(position)`, e.g. the placement caches a
     # configuration shares with others), in visiting order, so that no two workers build the same caches.
     worker_of: dict[Hashable, int] = {}  # the groups dealt round the workers in the order they are first met
     mine: list[list[int]] = [[] for _ in range(jobs)]
     for position in range(len(bounds)):
         mine[worker_of.setdefault(group(position), len(worker_of) % jobs)].append(position)
-    workers = [fork.Process(target=_work, args=(positions, bounds, solve, shared, results), daemon=True)
-               for positions in mine]
-    for worker in workers:
-        worker.start()
+    workers, running = [], {}  # running: the receiving end of each worker's pipe -> the worker, until it is done
     try:
-        running = jobs
+        for positions in mine:
+            receive, send = fork.Pipe(duplex=False)
+            worker = fork.Process(target=_work, args=(positions, bounds, solve, shared, send), daemon=True)
+            worker.start()
+            # Only the worker holds the sending end now (later workers fork after this close): its death reads
+            # as EOF here, never as a wait forever.
+            send.close()
+            workers.append(worker)
+            running[receive] = worker
         while running:
-            item = results.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                shared.value = heard(*item)
+            for receive in wait(list(running)):
+                try:
+                    item = receive.recv()
+                except EOFError:
+                    worker = running[receive]
+                    worker.join()
+                    raise RuntimeError(f"a search worker ended without its results (exit code {worker.exitcode}); "
+                                       "solver.jobs=1 searches in this process") from None
+                if item is None:
+                    del running[receive]
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    shared.value = heard(*item)
     finally:
         for worker in workers:
             worker.terminate()
@@ -78,15 +91,19 @@ def visit(bounds: list[float], solve: Callable[[int, float], Any], accept: Calla
     return outcomes
 
 
-def _work(positions: list[int], bounds: list[float], solve: Callable[[int, float], Any], shared, results) -> None:
+def _work(positions: list[int], bounds: list[float], solve: Callable[[int, float], Any], shared, send) -> None:
     """A worker: its positions in visiting order until one's bound exceeds the shared cutoff, each
     outcome sent back as it is found; None when done."""
+    # The parent's handlers (the launcher's SIGTERM report, Python's KeyboardInterrupt) are not the worker's:
+    # a signal to the process group ends it quietly and the parent, which gets the same signal, speaks.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         for position in positions:
             cutoff = shared.value
             if bounds[position] > cutoff:  # bounds ascend: the rest are ruled out too
                 break
-            results.put((position, solve(position, cutoff)))
+            send.send((position, solve(position, cutoff)))
     except BaseException as err:  # noqa: BLE001 - the parent raises it
-        results.put(err)
-    results.put(None)
+        send.send(err)
+    send.send(None)
