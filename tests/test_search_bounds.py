@@ -113,6 +113,18 @@ def test_a_worker_that_dies_is_an_error_not_a_wait_forever():
         _visit_two_workers(solve)
 
 
+def _visit_in_a_pool_worker(_) -> dict:
+    return _visit_two_workers(lambda position, cutoff: position * 10)
+
+
+def test_a_pool_worker_searches_in_its_own_process():
+    """A multiprocessing pool's worker is daemonic and may start no processes: it visits everything itself."""
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.map(_visit_in_a_pool_worker, [0]) == [{0: 0, 1: 10, 2: 20, 3: 30}]
+
+
 def _plan_cli(*options: str, interval: str) -> subprocess.CompletedProcess:
     cell = ["model=tiny_moe", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64",
             "solver.jobs=1"]

@@ -43,7 +43,9 @@ def visit(bounds: list[float], solve: Callable[[int, float], Any], accept: Calla
             progress(len(outcomes), len(bounds), best())
         return cutoff
 
-    if jobs <= 1 or "fork" not in multiprocessing.get_all_start_methods():  # workers inherit the problem by forking
+    # Workers inherit the problem by forking; a daemonic process (a multiprocessing pool's worker planning
+    # for its caller) may start none.
+    if jobs <= 1 or "fork" not in multiprocessing.get_all_start_methods() or multiprocessing.current_process().daemon:
         cutoff = math.inf
         for position, bound in enumerate(bounds):
             if bound > cutoff:
