@@ -1,5 +1,5 @@
-"""The CLI reference in the README, generated from the commands and the config schema, so the two
-cannot drift apart: `python -m nest_megatron.reference` rewrites the README's block between the
+"""The CLI reference in docs/reference.md, generated from the commands and the config schema, so the two
+cannot drift apart: `python -m nest_megatron.reference` rewrites the reference's block between the
 markers, and tests/test_reference.py fails when it is stale."""
 
 from __future__ import annotations
@@ -114,15 +114,15 @@ def markdown() -> str:
     return "\n".join([START, "", *commands_table(), *keys_tables(), "", END])
 
 
-def with_reference(readme: str) -> str:
-    """`readme` with its reference block replaced by the generated one."""
-    head, start, rest = readme.partition(START)
+def with_reference(text: str) -> str:
+    """`text` with its reference block replaced by the generated one."""
+    head, start, rest = text.partition(START)
     _, end, tail = rest.partition(END)
     if not start or not end:
-        raise ValueError(f"README has no {START} ... {END} block")
+        raise ValueError(f"the reference has no {START} ... {END} block")
     return head + markdown() + tail
 
 
 if __name__ == "__main__":
-    path = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1] / "README.md")
+    path = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1] / "docs" / "reference.md")
     path.write_text(with_reference(path.read_text()))

@@ -1,4 +1,4 @@
-"""The README's CLI reference is the one generated from the commands and the config schema."""
+"""The CLI reference (docs/reference.md) is the one generated from the commands and the config schema."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 from nest_megatron import cli, reference
 from nest_megatron.config import schema
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "reference.md"
 
 
-def test_readme_reference_is_current():
-    text = README.read_text()
+def test_reference_is_current():
+    text = REFERENCE.read_text()
     assert text == reference.with_reference(text), "stale: run `python -m nest_megatron.reference`"
 
 
