@@ -128,6 +128,13 @@ def fsdp_plan():
 
 
 @pytest.fixture(scope="module")
+def zero2_plan():
+    # the same shape as fsdp_plan at ZeRO-2 (optim_grads): Megatron-FSDP, but no meta-device model
+    return api.evaluate(["model=tiny_gpt", *BASE, "plan.tp=2", "plan.pp=1", "plan.zero=2",
+                         "plan.sp=false", "plan.recompute=selective", "plan.mbs=1"])
+
+
+@pytest.fixture(scope="module")
 def plain_plan():
     # tp=1 pp=2 vpp=2 dp=8, no ZeRO, Megatron's tp-pp-dp order, no recompute
     return api.evaluate(["model=tiny_gpt", *BASE, "plan.tp=1", "plan.pp=2", "plan.vpp=2", "plan.zero=0", "plan.mbs=1",
@@ -156,6 +163,7 @@ def test_nemo_overrides_of_a_moe_plan(moe_plan):
     assert (c.recompute_granularity, c.recompute_method, c.recompute_num_layers) == ("full", "uniform", 1)
     assert c.moe_token_dispatcher_type == "alltoall"  # the dispatcher the plan prices; TransformerConfig's is allgather
     assert recipe.optim.config.use_distributed_optimizer is True  # ZeRO-1 = Megatron's distributed optimizer
+    assert c.init_model_with_meta_device is False  # ZeRO-1: plain DDP needs real tensors
 
 
 def test_nemo_overrides_of_a_zero3_plan(fsdp_plan):
@@ -169,7 +177,30 @@ def test_nemo_overrides_of_a_zero3_plan(fsdp_plan):
     assert s.ddp.average_in_collective is False
     c = recipe.model.config
     assert (c.recompute_granularity, c.recompute_method, c.recompute_num_layers) == ("selective", None, None)
+    assert c.init_model_with_meta_device is True  # ZeRO-3: built on the meta device, as --init-model-with-meta-device
     assert recipe.trainer.num_nodes == 1 and recipe.trainer.devices == "auto"  # no devices_per_node: untouched
+
+
+def test_meta_device_model_for_zero3_only(fsdp_plan, zero2_plan):
+    """--init-model-with-meta-device is on the ZeRO-3 argv only; NeMo's model.config and Bridge's model
+    (both a megatron-core TransformerConfig) say the same, and ZeRO-2 turns a recipe's True off."""
+    assert "--init-model-with-meta-device" in fsdp_plan.megatron_args
+    assert "--init-model-with-meta-device" not in zero2_plan.megatron_args
+    assert "optim_grads" in zero2_plan.megatron_args  # ZeRO-2 is Megatron-FSDP too: the flag is not FSDP's
+    assert nemo_overrides(fsdp_plan)["model.config.init_model_with_meta_device"] is True
+    assert nemo_overrides(zero2_plan)["model.config.init_model_with_meta_device"] is False
+    assert bridge_overrides(fsdp_plan)["model.init_model_with_meta_device"] is True
+    assert bridge_overrides(zero2_plan)["model.init_model_with_meta_device"] is False
+    start = nemo_recipe_stand_in()
+    start.model.config.init_model_with_meta_device = True  # as NeMo's set_mcore_fsdp_configs leaves it
+    recipe = apply_to_recipe(start, zero2_plan)
+    assert recipe.model.config.init_model_with_meta_device is False
+    assert (recipe.trainer.strategy.fsdp, recipe.trainer.strategy.ddp.data_parallel_sharding_strategy) == (
+        "megatron", "optim_grads")
+    start = bridge_container_stand_in()
+    start.model.init_model_with_meta_device = True  # as Bridge's _set_megatron_fsdp_overrides leaves it
+    assert apply_to_config(start, zero2_plan).model.init_model_with_meta_device is False
+    assert apply_to_config(bridge_container_stand_in(), fsdp_plan).model.init_model_with_meta_device is True
 
 
 def test_nemo_overrides_of_a_plain_plan_turn_things_off(plain_plan):
@@ -178,6 +209,7 @@ def test_nemo_overrides_of_a_plain_plan_turn_things_off(plain_plan):
     recipe = apply_to_recipe(start, plain_plan)
     assert recipe.optim.config.use_distributed_optimizer is False  # the recipe's True turned off for ZeRO-0
     assert recipe.model.config.recompute_granularity is None
+    assert recipe.model.config.init_model_with_meta_device is False
     assert recipe.trainer.strategy.use_tp_pp_dp_mapping is True
     assert recipe.trainer.strategy.virtual_pipeline_model_parallel_size == 2
 
@@ -188,7 +220,7 @@ def test_uneven_split_becomes_the_layout_of_the_megatron_argv(plain_plan):
     assert bridge_overrides(plan)["model.pipeline_model_parallel_layout"] == "Et*3|t*5L"
 
 
-@pytest.mark.parametrize("name", ["moe_plan", "fsdp_plan", "plain_plan"])
+@pytest.mark.parametrize("name", ["moe_plan", "fsdp_plan", "zero2_plan", "plain_plan"])
 def test_every_nemo_path_is_a_field_of_the_recipe(name, request):
     plan = uneven(request.getfixturevalue(name))
     apply_to_recipe(nemo_recipe_stand_in(), plan, devices_per_node=8)  # raises on a path the recipe lacks
@@ -236,6 +268,7 @@ def test_bridge_overrides_of_a_moe_plan(moe_plan):
     assert cfg.optimizer.use_distributed_optimizer is True and cfg.ddp.use_distributed_optimizer is True
     assert cfg.ddp.use_megatron_fsdp is False and cfg.ddp.data_parallel_sharding_strategy == "no_shard"
     assert cfg.checkpoint.ckpt_format == "torch_dist" and cfg.dist.use_tp_pp_dp_mapping is False
+    assert m.init_model_with_meta_device is False
 
 
 def test_bridge_overrides_of_zero3_and_zero0(fsdp_plan, plain_plan):
@@ -243,6 +276,7 @@ def test_bridge_overrides_of_zero3_and_zero0(fsdp_plan, plain_plan):
     assert cfg.model.virtual_pipeline_model_parallel_size is None
     assert (cfg.ddp.use_megatron_fsdp, cfg.ddp.data_parallel_sharding_strategy) == (True, "optim_grads_params")
     assert cfg.checkpoint.ckpt_format == "fsdp_dtensor"
+    assert cfg.model.init_model_with_meta_device is True
     start = bridge_container_stand_in()
     start.ddp.use_distributed_optimizer = True  # Bridge would turn both on if either stayed on
     cfg = apply_to_config(start, plain_plan)
@@ -251,7 +285,7 @@ def test_bridge_overrides_of_zero3_and_zero0(fsdp_plan, plain_plan):
     assert cfg.model.virtual_pipeline_model_parallel_size == 2
 
 
-@pytest.mark.parametrize("name", ["moe_plan", "fsdp_plan", "plain_plan"])
+@pytest.mark.parametrize("name", ["moe_plan", "fsdp_plan", "zero2_plan", "plain_plan"])
 def test_bridge_cli_words_apply_with_hydra_as_bridge_does(name, request):
     """megatron/bridge/training/utils/omegaconf_utils.py parse_hydra_overrides: OverridesParser, then
     ConfigLoaderImpl._apply_overrides_to_config on a struct config. A key the config lacks fails there."""
@@ -337,5 +371,6 @@ def test_real_llama3_8b_recipe(moe_plan):
     assert (recipe.data.micro_batch_size, recipe.data.global_batch_size) == (2, 64)
     assert recipe.model.config.recompute_granularity == "full"
     assert recipe.model.config.moe_token_dispatcher_type == "alltoall"  # what the plan is priced for
+    assert recipe.model.config.init_model_with_meta_device is False  # a GPTConfig (TransformerConfig) field; ZeRO-1
     assert recipe.optim.config.use_distributed_optimizer is True
     assert (recipe.trainer.num_nodes, recipe.trainer.devices) == (2, 8)

@@ -10,7 +10,12 @@ Field names follow megatron-bridge 0.3.1 (PyPI), megatron/bridge/training/config
 - optimizer.use_distributed_optimizer and ddp.use_distributed_optimizer: Bridge turns both on when either is
   on (_validate_and_sync_distributed_optimizer_settings), so ZeRO-0 sets both off;
 - ddp.use_megatron_fsdp, ddp.data_parallel_sharding_strategy ("no_shard" in recipes/llama/llama3.py),
-  checkpoint.ckpt_format ("fsdp_dtensor" is required with Megatron-FSDP), dist.use_tp_pp_dp_mapping.
+  checkpoint.ckpt_format ("fsdp_dtensor" is required with Megatron-FSDP), dist.use_tp_pp_dp_mapping;
+- model.init_model_with_meta_device (ZeRO-3 only, as on the Megatron argv): models/gpt_provider.py:177 declares
+  it on GPTModelProvider, :254 builds the model under torch.device("meta") when set, and
+  models/model_provider.py:580 (get_model) then skips .cuda(), leaving Megatron-FSDP to materialise each
+  rank's shard; false below ZeRO-3 (a config's True would leave DDP meta tensors). Bridge's Megatron-FSDP overrides
+  set it with optim_grads_params (scripts/performance/utils/overrides.py:86, git tag v0.3.1 = 9c9dd848).
 Bridge reads these words with Hydra's override parser (training/utils/omegaconf_utils.py,
 parse_hydra_overrides), hence the Hydra literals of the CLI form.
 """
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nest_megatron.integrations.nemo import FSDP_SHARDING
+from nest_megatron.integrations.nemo import FSDP_SHARDING, meta_device_init
 from nest_megatron.integrations.overrides import Overrides, apply_overrides, flag_value, is_moe
 from nest_megatron.plan import Plan
 
@@ -49,6 +54,7 @@ def bridge_overrides(plan: Plan) -> Overrides:
         "ddp.use_megatron_fsdp": plan.zero_stage >= 2,
         "ddp.data_parallel_sharding_strategy": FSDP_SHARDING.get(plan.zero_stage, "no_shard"),
         "dist.use_tp_pp_dp_mapping": "--use-tp-pp-dp-mapping" in plan.megatron_args,
+        "model.init_model_with_meta_device": meta_device_init(plan),
     }
     if plan.zero_stage >= 2:
         out["checkpoint.ckpt_format"] = "fsdp_dtensor"

@@ -9,7 +9,14 @@ Field names follow NeMo 2.7.3 (nemo_toolkit 2.7.3 on PyPI; NVIDIA/NeMo at 8cfedd
 - model.config.*: megatron.core TransformerConfig (recompute_granularity / method / num_layers,
   moe_token_dispatcher_type), as the recipes set them (recipes/qwen3_32b.py:
   recipe.model.config.recompute_granularity = "full");
-- optim.config.use_distributed_optimizer: megatron.core OptimizerConfig (recipes/optim/adam.py).
+- optim.config.use_distributed_optimizer: megatron.core OptimizerConfig (recipes/optim/adam.py);
+- model.config.init_model_with_meta_device: a megatron.core TransformerConfig field (megatron-core 0.16.1,
+  transformer_config.py:330), not a MegatronStrategy argument. In nemo_toolkit 2.7.3 (and at 8cfedd72),
+  nemo/collections/llm/gpt/model/base.py:383, GPTConfig.configure_model builds the MCoreGPTModel under
+  torch.device("meta") when it is set; nemo/lightning/megatron_parallel.py:575 (564 at 8cfedd72) skips
+  .cuda() only with fsdp="megatron". Set as the Megatron argv sets it (ZeRO-3 only), false otherwise: a
+  recipe's True with fsdp=None would leave meta tensors for .cuda(). NeMo's own Megatron-FSDP setup sets it
+  with optim_grads_params (scripts/performance/helpers.py:182, set_mcore_fsdp_configs).
 NeMo copies optim.config.use_distributed_optimizer into the DDP config itself (MegatronStrategy.setup).
 NeMo 3.0 dropped nemo.collections.llm, hence the [nemo] extra's <2.8 bound.
 """
@@ -18,12 +25,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from nest_megatron.emit.megatron import ZERO_FLAGS
 from nest_megatron.errors import NestError
 from nest_megatron.integrations.overrides import Overrides, apply_overrides, flag_value, is_moe
 from nest_megatron.plan import Plan
 
 # Megatron-FSDP's sharding strategy for ZeRO-2 / ZeRO-3 (the --data-parallel-sharding-strategy of the argv)
 FSDP_SHARDING = {2: "optim_grads", 3: "optim_grads_params"}
+
+
+def meta_device_init(plan: Plan) -> bool:
+    """Whether the model is built on the meta device, as the Megatron argv says (--init-model-with-meta-device:
+    ZeRO-3 only, emit/megatron.py ZERO_FLAGS), so Megatron-FSDP materialises each rank's shard only."""
+    return "--init-model-with-meta-device" in ZERO_FLAGS[plan.zero_stage]
 
 
 def trainer_shape(plan: Plan, devices_per_node: int) -> tuple[int, int]:
@@ -74,6 +88,8 @@ def nemo_overrides(plan: Plan, devices_per_node: int | None = None) -> Overrides
         }
     else:
         out[f"{s}.fsdp"] = None
+    # False below ZeRO-3, as on the argv, so that a recipe's True (fine only with Megatron-FSDP) is turned off
+    out["model.config.init_model_with_meta_device"] = meta_device_init(plan)
     return out
 
 
