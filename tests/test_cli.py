@@ -214,3 +214,19 @@ def test_evaluate_table_piped_is_whole_and_says_evaluate(tmp_path):
     assert [cell.strip() for cell in header.strip("┃").split("┃")] == [
         "stage", "weights", "grads", "optimizer", "activations", "logits", "workspace", "total", "capacity"]
     assert "…" not in proc.stdout
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # Megatron-FSDP's mesh has no pipeline dimension (rule fsdp-pp): the README quick start chose this before.
+    (["model=llama3_70b", "cluster=dgx_h100_superpod", "cluster.num_devices=64", "plan.tp=8", "plan.pp=2",
+      "plan.zero=3"], "plan.zero=3 (Megatron-FSDP) with plan.pp=2: Megatron-FSDP's device mesh has no pipeline "
+                      "dimension; use plan.pp=1 or plan.zero=0|1"),
+    # megatron-core's TransformerConfig refuses biased experts split by expert TP (rule moe-bias-etp).
+    (["model=mixtral_8x7b", "model.add_bias_linear=true", "cluster=dgx_h100_superpod", "cluster.num_devices=64",
+      "plan.tp=2", "plan.etp=2"], "plan.etp=2 with model.add_bias_linear=true: megatron-core supports biases in MoE "
+                                  "experts only with expert tensor parallel 1; use plan.etp=1 or model.add_bias_linear=false"),
+], ids=["fsdp-pp", "moe-bias-etp"])
+def test_evaluate_refuses_what_megatron_does_not_run(tmp_path, overrides, message):
+    proc = run("evaluate", *overrides, f"out={tmp_path / 'p.json'}", cwd=tmp_path)
+    assert assert_one_line_error(proc) == f"nest-megatron evaluate: error: invalid configuration: {message}"
+    assert list(tmp_path.iterdir()) == []
