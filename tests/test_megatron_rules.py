@@ -256,3 +256,11 @@ def test_zero3_builds_the_model_on_the_meta_device(zero, meta):
     argv = rewrite([*model_part(plan.megatron_args), "--init-model-with-meta-device"], plan)
     assert argv.count("--init-model-with-meta-device") == int(meta)
     assert violations(argv, world_size=plan.world_size) == []
+
+
+def test_first_and_last_stage_sizes_without_a_middle_stage():
+    # pp 2 with both ends given: 8 layers as 3 + 5 launches, 3 + 4 leaves a layer over.
+    assert problems("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 3 "
+                    "--decoder-last-pipeline-num-layers 5", world=2) == []
+    assert problems("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 3 "
+                    "--decoder-last-pipeline-num-layers 4", world=2) != []

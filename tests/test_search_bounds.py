@@ -13,7 +13,7 @@ import pytest
 
 from nest_megatron import api
 from nest_megatron.config.load import load
-from nest_megatron.errors import InfeasibleError
+from nest_megatron.errors import InfeasibleError, NestError
 from nest_megatron.hardware.accelerator import GIB
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.solver import dp
@@ -109,7 +109,7 @@ def test_a_worker_that_dies_is_an_error_not_a_wait_forever():
             os._exit(7)  # as a worker killed by the OOM killer would end: no result, no word
         return position
 
-    with pytest.raises(RuntimeError, match=r"exit code 7"):
+    with pytest.raises(NestError, match=r"exit code 7"):
         _visit_two_workers(solve)
 
 
@@ -146,3 +146,10 @@ def test_a_search_prints_progress_lines_on_a_piped_stderr():
     assert "s/step" in lines[-1]  # a plan was found by then: its step time is shown
     quiet = _plan_cli("--quiet", interval="0")
     assert quiet.returncode == 0 and "searching" not in quiet.stderr
+
+
+def test_a_bad_progress_interval_is_one_line():
+    done = _plan_cli("--json", interval="often")
+    assert done.returncode == 2
+    assert done.stderr == ("nest-megatron plan: error: NEST_MEGATRON_PROGRESS_S=often: give the seconds between "
+                           "progress lines\n")

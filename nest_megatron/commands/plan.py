@@ -35,7 +35,11 @@ class SearchProgress:
 
     def __init__(self, bar: Progress, task: TaskID):
         self.bar, self.task = bar, task
-        self.every_s = float(os.environ.get("NEST_MEGATRON_PROGRESS_S", 5))
+        every = os.environ.get("NEST_MEGATRON_PROGRESS_S", "5")
+        try:
+            self.every_s = float(every)
+        except ValueError:
+            raise NestError(f"NEST_MEGATRON_PROGRESS_S={every}: give the seconds between progress lines") from None
         self.start = self.last = time.monotonic()
 
     def __call__(self, visited: int, total: int, best: float) -> None:

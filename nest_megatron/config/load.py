@@ -253,7 +253,7 @@ def _typed(name: str, schema, node):
 # Caps on sizes: powers of two at least 10x the largest value a published model or cluster uses, so that every real
 # input loads and a typo (a few zeros too many) is one line instead of a hang or a nonsense plan.
 # Devices: today's largest GPU clusters hold ~200k (xAI Colossus) and 1M-GPU sites are announced; a device count past
-# 2^20 is a typo that would keep the planner scanning its divisors for hours.
+# 2^20 is a typo.
 MAX_DEVICES = 2**20
 MAX_LAYERS = 2**14  # DeepNet (Wang et al., 2022) trained 1,000 layers; LLMs use <= 128 (Llama 3 405B: 126)
 MAX_HIDDEN = 2**18  # MT-NLG 530B's 20,480 is the widest

@@ -16,7 +16,7 @@ from nest_megatron.config.schema import PlanChoice
 from nest_megatron.cost.evaluate import estimate
 from nest_megatron.errors import NestError
 from nest_megatron.hardware.accelerator import GIB
-from nest_megatron.launch.megatron_rules import violations
+from nest_megatron.launch.megatron_rules import name_flags, violations
 from nest_megatron.launch.rewrite import DISPATCHER, PIN_FLAGS, pinned_values
 from nest_megatron.plan import Plan
 from nest_megatron.profile.for_plan import profiled_problem
@@ -51,12 +51,15 @@ def layout_why(argv: list[str], loaded: Loaded, plan: Plan) -> str:
     problem, _ = profiled_problem(loaded.problem, loaded.config)
     try:
         est = estimate(problem, evaluate_config(problem, given, default_mbs=None))
-    except NestError as err:
-        return f"the given layout breaks a Megatron rule: {err}"
+    except NestError as err:  # evaluate_config's line names plan.* keys: name the flags the user typed
+        return f"the given layout breaks a Megatron rule: {name_flags(str(err).removeprefix('invalid configuration: '))}"
     if not est.fits:
         return f"the given layout does not fit in memory: {est.peak_memory / GIB:.1f} GiB of {est.capacity / GIB:.1f} GiB"
     ratio = est.step_time / plan.predicted["step_time_s"]
-    return f"the planned layout is {ratio:.2f}x {'faster' if ratio >= 1 else 'as fast'} by the cost model"
+    if ratio >= 1:
+        return f"the planned layout is {ratio:.2f}x faster by the cost model"
+    # The plan is held to what the launch fixes (pins, a resume) or to one of the searched placements.
+    return f"the given layout is {1 / ratio:.2f}x faster by the cost model, but not one the planner may choose here"
 
 
 def flag_reasons(plan_args: list[str], user: list[str]) -> dict[str, str]:

@@ -70,7 +70,7 @@ def _resume(argv: list[str], s: Scanned, model: ModelConfig) -> Constraint | Non
     if not (given(argv, "--load") or s.has("--ckpt-format")):
         return None
     fmt = s.get("--ckpt-format", DEFAULT_CKPT_FORMAT)
-    why = f"--{'load' if given(argv, '--load') else 'save'} with --ckpt-format {fmt}"
+    why = f"--load with --ckpt-format {fmt}" if given(argv, "--load") else f"--ckpt-format {fmt}"
     if fmt not in CKPT_FORMATS:
         raise NestError(f"--ckpt-format {fmt}: allowed are {', '.join(CKPT_FORMATS)}")
     fsdp, dist_opt = s.has("--use-megatron-fsdp"), s.has("--use-distributed-optimizer")

@@ -157,7 +157,8 @@ def _layers_per_stage(launch: Launch) -> tuple[int, ...] | None:
     if (first is None and last is None) or _first_last_split(launch):
         return None
     middle, rest = _first_last_rest(launch)
-    return (*([first] if first is not None else []), *[rest // middle] * middle, *([last] if last is not None else []))
+    middle_stages = [rest // middle] * middle if middle else []  # pp 2 with both ends given has no middle stage
+    return (*([first] if first is not None else []), *middle_stages, *([last] if last is not None else []))
 
 
 def _world_divisible(launch: Launch):

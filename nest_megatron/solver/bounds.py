@@ -61,7 +61,7 @@ class MemoryFloors:
 
 def no_fit_reason(floors: MemoryFloors, space: list[ParallelConfig]) -> str | None:
     """When every configuration's floor exceeds the device: the smallest floor, what it is made of and
-    the configuration (the widest sharding) it belongs to, as part of a line; else None."""
+    the configuration it belongs to (the one that needs least), as part of a line; else None."""
     # The widest shardings first: when some configuration fits, one of the first few says so.
     widest_first = sorted(space, key=lambda c: (-c.zero, -c.tp * c.pp * c.cp, c.recompute != "full", c.mbs))
     if not space or any(floors.fits(c) for c in widest_first):
@@ -73,5 +73,5 @@ def no_fit_reason(floors: MemoryFloors, space: list[ParallelConfig]) -> str | No
     sizes = [(n, v) for n, v in (("tp", cfg.tp), ("pp", cfg.pp), ("dp", cfg.dp), ("cp", cfg.cp), ("ep", cfg.ep))
              if v > 1 or n in ("tp", "pp", "dp")]
     sharding = f"{'·'.join(n for n, _ in sizes)} = {'·'.join(str(v) for _, v in sizes)} = {cfg.world}"
-    return (f"at least {floor.total / GIB:.1f} GiB per device ({made_of} GiB) even at the widest sharding the "
+    return (f"at least {floor.total / GIB:.1f} GiB per device ({made_of} GiB) even at the least-memory configuration the "
             f"search space allows, {sharding} with ZeRO {cfg.zero}, recompute {cfg.recompute}, micro-batch {cfg.mbs}")

@@ -214,7 +214,7 @@ def _fill_state(tables, s, a, stages, factor, cutoff, front_t, front_x, next_b, 
 def _pareto_split(tables, stages, factor, capacity, cutoff):  # pragma: no cover - compiled; tests run it compiled
     n1 = tables[3].shape[0]
     layers = n1 - 1
-    # Only the first count[s, a] points of a front are ever read: uninitialised memory costs no page faults.
+    # Only the first count[s, a] points of a front are ever read: no fill of memory never read.
     front_t = np.empty((stages, n1, capacity))
     front_x = np.empty((stages, n1, capacity))
     next_b = np.empty((stages, n1, capacity), dtype=np.int64)

@@ -5,7 +5,8 @@ and the cutoff only falls. Workers share it through one shared double that the p
 outcomes arrive, so a worker skips what the kept plans already rule out; as the parent ranks kept
 plans by (step time, position) and pruning drops only what cannot enter them, the result is the
 one-process result whatever order the outcomes arrive in. Workers are forked: they inherit the
-problem, the compiled Numba functions and the caches, and nothing is pickled but outcomes. Each
+problem and the caches built so far, and nothing is pickled but outcomes (each loads the compiled
+Numba functions from Numba's on-disk cache, or compiles them once on a fresh machine). Each
 takes whole groups of configurations (those sharing placement caches): with chunks dealt from one
 queue, every worker built the same caches and two workers were slower than one at 65,536 GPUs.
 """
@@ -16,16 +17,27 @@ import math
 import multiprocessing
 import os
 import signal
+from pathlib import Path
 from collections.abc import Callable, Hashable
 from multiprocessing.connection import wait
 from typing import Any
+
+from nest_megatron.errors import NestError
 
 Progress = Callable[[int, int, float], None]  # (configurations visited, in the space, best step time so far)
 
 
 def default_jobs() -> int:
-    """One worker per core this process may run on (solver/README.md has the measurements on 2 cores)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """One worker per core this process may run on (solver/README.md has the measurements on 2 cores): the
+    cores of its affinity, fewer under a cgroup CPU quota (a container limited to 2 CPUs on a big host)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:  # cgroup v2: "QUOTA PERIOD" in microseconds, or "max PERIOD" for no quota
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 def visit(bounds: list[float], solve: Callable[[int, float], Any], accept: Callable[[int, Any], float], *,
@@ -60,6 +72,7 @@ def visit(bounds: list[float], solve: Callable[[int, float], Any], accept: Calla
     mine: list[list[int]] = [[] for _ in range(jobs)]
     for position in range(len(bounds)):
         mine[worker_of.setdefault(group(position), len(worker_of) % jobs)].append(position)
+    mine = [positions for positions in mine if positions]  # fewer groups than workers: no idle worker
     workers, running = [], {}  # running: the receiving end of each worker's pipe -> the worker, until it is done
     try:
         for positions in mine:
@@ -78,8 +91,8 @@ def visit(bounds: list[float], solve: Callable[[int, float], Any], accept: Calla
                 except EOFError:
                     worker = running[receive]
                     worker.join()
-                    raise RuntimeError(f"a search worker ended without its results (exit code {worker.exitcode}); "
-                                       "solver.jobs=1 searches in this process") from None
+                    raise NestError(f"a search worker ended without its results (exit code {worker.exitcode}: out of "
+                                    "memory?); solver.jobs=1 searches in this process") from None
                 if item is None:
                     del running[receive]
                 elif isinstance(item, BaseException):
