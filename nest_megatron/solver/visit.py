@@ -17,9 +17,9 @@ import math
 import multiprocessing
 import os
 import signal
-from pathlib import Path
 from collections.abc import Callable, Hashable
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Any
 
 from nest_megatron.errors import NestError
