@@ -155,6 +155,10 @@ class Scanned:
     def get(self, flag: str, default=None):
         return self.values.get(flag, default)
 
+    def present(self, flag: str) -> bool:
+        """Whether `flag` is on the argv, also one this project does not read (it passes through: --load, ...)."""
+        return any(token == flag or token.startswith(flag + "=") for token in self.argv)
+
 
 def misspelt(flag: str) -> str | None:
     """The known flag that `flag` is probably a typo of; None for a known flag or one far from all (it passes

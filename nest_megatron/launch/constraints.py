@@ -38,11 +38,6 @@ class Constraint:
     why: str  # the argv's choice that fixes them, e.g. "--load with --ckpt-format torch_dist"
 
 
-def given(argv: list[str], flag: str) -> bool:
-    """Whether a flag this project does not otherwise read (--load, --tp-comm-overlap, ...) is on the argv."""
-    return any(token == flag or token.startswith(flag + "=") for token in argv)
-
-
 def _keys(overrides: list[str]) -> set[str]:
     return {item.partition("=")[0].lstrip("+~") for item in overrides}
 
@@ -67,10 +62,10 @@ def _resume(argv: list[str], s: Scanned, model: ModelConfig) -> Constraint | Non
     """What a checkpoint needs of the plan: the argv's format and optimizer family, and the sizes it cannot
     reshard. A run given --ckpt-format without --load writes the checkpoint the next run resumes, so it is held
     the same way."""
-    if not (given(argv, "--load") or s.has("--ckpt-format")):
+    if not (s.present("--load") or s.has("--ckpt-format")):
         return None
     fmt = s.get("--ckpt-format", DEFAULT_CKPT_FORMAT)
-    why = f"--load with --ckpt-format {fmt}" if given(argv, "--load") else f"--ckpt-format {fmt}"
+    why = f"--load with --ckpt-format {fmt}" if s.present("--load") else f"--ckpt-format {fmt}"
     if fmt not in CKPT_FORMATS:
         raise NestError(f"--ckpt-format {fmt}: allowed are {', '.join(CKPT_FORMATS)}")
     fsdp, dist_opt = s.has("--use-megatron-fsdp"), s.has("--use-distributed-optimizer")
@@ -93,11 +88,11 @@ def _resume(argv: list[str], s: Scanned, model: ModelConfig) -> Constraint | Non
         return Constraint(_pinned(argv, LEGACY_SIZES, model, why) + split, f"{why} (it does not reshard)")
     # torch_dist: the distributed optimizer's state is saved by DP-rank buckets, DDP's by model tensor
     # (distrib_optimizer.py:1535-1540 vs optimizer.py:1196-1200): neither reads the other's; keep the argv's.
-    if given(argv, "--no-load-optim") or given(argv, "--finetune"):  # the optimizer state is not read
+    if s.present("--no-load-optim") or s.present("--finetune"):  # the optimizer state is not read
         return Constraint(["solver.zero_stages=[0,1]"], f"{why} (DDP or the distributed optimizer)")
     if not dist_opt:
         return Constraint(["plan.zero=0"], f"{why} (DDP)")
-    if given(argv, "--dist-ckpt-optim-fully-reshardable"):  # saved fully_reshardable (checkpointing.py:550-553)
+    if s.present("--dist-ckpt-optim-fully-reshardable"):  # saved fully_reshardable (checkpointing.py:550-553)
         return Constraint(["plan.zero=1"], f"{why} (the distributed optimizer, fully reshardable)")
     split = _even_split(s, why)
     return Constraint(_pinned(argv, ["zero", *BUCKET_SPACE_SIZES], model, why) + split,
@@ -122,7 +117,7 @@ def _comm_overlap(argv: list[str], user: list[str]) -> Constraint | None:
     """--tp-comm-overlap needs sequence parallelism (arguments.py:1441-1442), which needs TP > 1: pinning sp
     keeps both, since the rules reject sp with tp 1. (It also needs Transformer Engine's userbuffers at start,
     initialize.py:164-206, and CUDA_DEVICE_MAX_CONNECTIONS=1 with TP, which prepare.megatron_env sets.)"""
-    if not given(argv, "--tp-comm-overlap"):
+    if not scan(argv).present("--tp-comm-overlap"):
         return None
     sp = [item.partition("=")[2].lower() for item in user if item.partition("=")[0] == "plan.sp"]
     if sp and sp[-1] != "true":

@@ -266,7 +266,7 @@ def _sharding_needs_fsdp(launch: Launch):
 def _meta_device_no_shard(launch: Launch):
     """Meta-device initialisation not with the no_shard strategy."""
     s = launch.s
-    if ("--init-model-with-meta-device" in s.argv and s.has("--use-megatron-fsdp")
+    if (s.present("--init-model-with-meta-device") and s.has("--use-megatron-fsdp")
             and s.get("--data-parallel-sharding-strategy") == "no_shard"):
         return "--init-model-with-meta-device with --data-parallel-sharding-strategy no_shard: not supported; drop one"
 
@@ -288,7 +288,7 @@ def _sequence_parallel_tp(launch: Launch):
 def _tp_comm_overlap(launch: Launch):
     """--tp-comm-overlap needs --sequence-parallel, which needs TP > 1."""
     s = launch.s
-    if "--tp-comm-overlap" in s.argv and (not s.has("--sequence-parallel") or launch.tp == 1):
+    if s.present("--tp-comm-overlap") and (not s.has("--sequence-parallel") or launch.tp == 1):
         return ("--tp-comm-overlap needs --sequence-parallel and --tensor-model-parallel-size > 1 "
                 "(TP communication overlaps only the sequence-parallel all-gather / reduce-scatter)")
 
