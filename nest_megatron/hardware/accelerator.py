@@ -19,6 +19,8 @@ class Accelerator:
     attention_efficiency: float
     memory_bound_efficiency: float
     reserved_memory_bytes: float  # runtime allowance never available to the model, B
+    peak_fp8_flops: float | None = None  # dense fp8 tensor-core peak, FLOP/s; None: no fp8 tensor cores
+    mxfp8: bool = False  # block-scaled MXFP8 in hardware (Blackwell)
 
 
 def accelerator_from_config(cfg: AcceleratorConfig, *, memory_gib: float | None = None) -> Accelerator:
