@@ -118,7 +118,7 @@ def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name
         rank_to_device=[int(d) for d in mapping],
         group_levels={k: (level_names[v] if v >= 0 else None) for k, v in est.levels.items()},
         predicted=predicted(est),
-        megatron_args=model_args(model)
+        megatron_args=model_args(model, precision=problem.precision, fp8_recipe=problem.fp8_recipe)
         + parallel_args(
             c,
             model=model,
@@ -126,6 +126,7 @@ def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name
             overlap_grad_reduce=problem.overlap_grad_reduce,
             overlap_param_gather=problem.overlap_param_gather,
             layers_per_stage=est.layers_per_stage,
+            tp_comm_overlap=problem.tp_comm_overlap,
         ),
         overrides=list(overrides),
         search=search or {"solver": "evaluate", "time_s": 0.0, "configs_evaluated": 1},

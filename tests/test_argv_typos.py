@@ -45,7 +45,7 @@ def test_a_typo_names_the_flag_it_resembles(typo, meant):
 
 
 @pytest.mark.parametrize("flag", [
-    "--log-interval", "--data-path", "--lr", "--train-iters", "--save", "--fp8-format",
+    "--log-interval", "--data-path", "--lr", "--train-iters", "--save", "--fp8-param-gather",
     "--fp8",  # one letter from --fp16 / --bf16 in edit distance, far in similarity: a short flag is never a typo
     "--no-bias-gelu-fusion",  # a real flag as close to --no-bias-swiglu-fusion as a typo would be
     "--no-masked-softmax-fusion",

@@ -61,6 +61,17 @@ MOCK_DATA_MODULE = dict(
 )
 # lightning 2.4 Trainer.__init__: the two arguments the recipes set for the world size
 TRAINER = dict(num_nodes=1, devices="auto")
+# NVIDIA/NeMo@8cfedd72, nemo/lightning/pytorch/plugins/mixed_precision.py:102-132: MegatronMixedPrecision.__init__, as
+# recipes/precision/mixed_precision.py bf16_mixed() builds it (the recipes' trainer.plugins)
+MEGATRON_MIXED_PRECISION = dict(
+    precision="bf16-mixed", params_dtype=None, pipeline_dtype=None, autocast_dtype=None, autocast_enabled=False,
+    grad_reduce_in_fp32=True, fp8=None, fp8_recipe="delayed", first_last_layers_bf16=False, fp8_margin=0,
+    fp8_amax_history_len=1, fp8_amax_compute_algo="most_recent", fp8_wgrad=True, fp8_dot_product_attention=False,
+    fp8_multi_head_attention=False, fp8_params=None, fp8_param_gather=None, fp4=None, fp4_recipe="nvfp4",
+    fp16_loss_scale=None, fp16_initial_loss_scale=4294967296, fp16_min_loss_scale=1.0, fp16_loss_scale_window=1000,
+    fp16_hysteresis=2, num_layers_at_start_in_bf16=0, num_layers_at_end_in_bf16=0,
+    reuse_grad_buf_for_mxfp8_param_ag=False,
+)
 
 # megatron-bridge 0.3.1 (PyPI wheel), megatron/bridge/training/config.py: dataclass fields
 BRIDGE_TRAINING = dict.fromkeys([
@@ -94,7 +105,7 @@ def nemo_recipe_stand_in() -> SimpleNamespace:
     """llama3_8b.pretrain_recipe()'s tree (recipes/llama3_8b.py): trainer(strategy(ddp)), data, model.config, optim."""
     strategy = SimpleNamespace(**MEGATRON_STRATEGY | {"ddp": DistributedDataParallelConfig()})
     return SimpleNamespace(
-        trainer=SimpleNamespace(**TRAINER, strategy=strategy),
+        trainer=SimpleNamespace(**TRAINER, strategy=strategy, plugins=SimpleNamespace(**MEGATRON_MIXED_PRECISION)),
         data=SimpleNamespace(**MOCK_DATA_MODULE),
         model=SimpleNamespace(config=transformer_config()),
         optim=SimpleNamespace(config=OptimizerConfig(use_distributed_optimizer=True)),
@@ -107,6 +118,7 @@ def bridge_container_stand_in() -> SimpleNamespace:
         model=transformer_config(), train=SimpleNamespace(**BRIDGE_TRAINING), optimizer=OptimizerConfig(),
         ddp=DistributedDataParallelConfig(), checkpoint=SimpleNamespace(**BRIDGE_CHECKPOINT),
         dist=SimpleNamespace(**BRIDGE_DIST),
+        mixed_precision="bf16_mixed",  # recipes/common.py:124 (megatron-bridge 0.3.1): a registered config's name
     )
 
 
@@ -139,6 +151,13 @@ def plain_plan():
     # tp=1 pp=2 vpp=2 dp=8, no ZeRO, Megatron's tp-pp-dp order, no recompute
     return api.evaluate(["model=tiny_gpt", *BASE, "plan.tp=1", "plan.pp=2", "plan.vpp=2", "plan.zero=0", "plan.mbs=1",
                          "plan.order=tp-cp-ep-pp-dp", "plan.recompute=none"])
+
+
+@pytest.fixture(scope="module")
+def fp8_plan():
+    # tp=2 with sequence parallel, FP8 under the tensorwise recipe, TP communication overlapped
+    return api.evaluate(["model=tiny_gpt", *BASE, "plan.tp=2", "plan.pp=1", "plan.zero=1", "plan.mbs=1",
+                         "train.precision=fp8", "train.fp8_recipe=tensorwise", "train.tp_comm_overlap=true"])
 
 
 def uneven(plan):
@@ -220,7 +239,24 @@ def test_uneven_split_becomes_the_layout_of_the_megatron_argv(plain_plan):
     assert bridge_overrides(plan)["model.pipeline_model_parallel_layout"] == "Et*3|t*5L"
 
 
-@pytest.mark.parametrize("name", ["moe_plan", "fsdp_plan", "zero2_plan", "plain_plan"])
+def test_fp8_and_tp_comm_overlap_reach_nemo_and_bridge(fp8_plan, plain_plan):
+    """The argv's --fp8-format hybrid --fp8-recipe tensorwise --tp-comm-overlap, in each target's words."""
+    assert fp8_plan.megatron_args[fp8_plan.megatron_args.index("--fp8-format"):][:4] == [
+        "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+    assert "--tp-comm-overlap" in fp8_plan.megatron_args
+    recipe = apply_to_recipe(nemo_recipe_stand_in(), fp8_plan)
+    assert (recipe.trainer.plugins.fp8, recipe.trainer.plugins.fp8_recipe) == ("hybrid", "tensorwise")
+    assert "model.config.tp_comm_overlap" not in nemo_overrides(fp8_plan)  # NeMo's is a callback (module doc)
+    start = nemo_recipe_stand_in()
+    start.trainer.plugins.fp8 = "hybrid"  # an FP8 recipe, planned in bf16: turned off, as the argv has no FP8
+    assert apply_to_recipe(start, plain_plan).trainer.plugins.fp8 is None
+    cfg = apply_to_config(bridge_container_stand_in(), fp8_plan)
+    assert cfg.mixed_precision == "bf16_with_fp8_current_scaling_mixed" and cfg.model.tp_comm_overlap is True
+    plain = apply_to_config(bridge_container_stand_in(), plain_plan)
+    assert plain.mixed_precision == "bf16_mixed" and plain.model.tp_comm_overlap is False
+
+
+@pytest.mark.parametrize("name", ["moe_plan", "fsdp_plan", "zero2_plan", "plain_plan", "fp8_plan"])
 def test_every_nemo_path_is_a_field_of_the_recipe(name, request):
     plan = uneven(request.getfixturevalue(name))
     apply_to_recipe(nemo_recipe_stand_in(), plan, devices_per_node=8)  # raises on a path the recipe lacks
@@ -285,7 +321,7 @@ def test_bridge_overrides_of_zero3_and_zero0(fsdp_plan, plain_plan):
     assert cfg.model.virtual_pipeline_model_parallel_size == 2
 
 
-@pytest.mark.parametrize("name", ["moe_plan", "fsdp_plan", "zero2_plan", "plain_plan"])
+@pytest.mark.parametrize("name", ["moe_plan", "fsdp_plan", "zero2_plan", "plain_plan", "fp8_plan"])
 def test_bridge_cli_words_apply_with_hydra_as_bridge_does(name, request):
     """megatron/bridge/training/utils/omegaconf_utils.py parse_hydra_overrides: OverridesParser, then
     ConfigLoaderImpl._apply_overrides_to_config on a struct config. A key the config lacks fails there."""
@@ -295,6 +331,7 @@ def test_bridge_cli_words_apply_with_hydra_as_bridge_does(name, request):
         "train": dict(BRIDGE_TRAINING), "checkpoint": dict(BRIDGE_CHECKPOINT), "dist": dict(BRIDGE_DIST),
         "optimizer": {f.name: None for f in dataclasses.fields(OptimizerConfig)},
         "ddp": {f.name: None for f in dataclasses.fields(DistributedDataParallelConfig)},
+        "mixed_precision": "bf16_mixed",
     }
     cfg = OmegaConf.create(schema)
     OmegaConf.set_struct(cfg, True)

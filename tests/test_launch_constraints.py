@@ -1,6 +1,6 @@
 """The user's settings are constraints unless they say otherwise (launch/constraints.py, launch/changes.py):
-a resume keeps the checkpoint's format and optimizer family, --tp-comm-overlap keeps sequence parallel, every
-flag the plan changes is listed on stderr with why, and what no plan satisfies is one line, exit 2."""
+a resume keeps the checkpoint's format and optimizer family, --tp-comm-overlap comes only with sequence parallel,
+every flag the plan changes is listed on stderr with why, and what no plan satisfies is one line, exit 2."""
 
 from __future__ import annotations
 
@@ -103,7 +103,8 @@ def model():
     (["--load", "/c"], ["solver.zero_stages=[0,1,2,3]"], []),
     (["--load", "/c", "--use-distributed-optimizer"], ["plan.tp=2", "plan.zero=1"],
      [["plan.pp=1", "plan.vpp=1", "plan.ep=1", "plan.etp=1"]]),
-    (["--tp-comm-overlap"], [], [["plan.sp=true"]]),
+    # --tp-comm-overlap is no constraint: train.tp_comm_overlap=true (train_overrides), and the plan's own flag
+    (["--tp-comm-overlap"], [], []),
     (["--tp-comm-overlap"], ["plan.sp=true"], []),
 ])
 def test_what_the_argv_fixes(model, argv, user, expected):
@@ -123,8 +124,6 @@ def test_what_the_argv_fixes(model, argv, user, expected):
      "--load with --ckpt-format torch_dist and --pipeline-model-parallel-layout: the checkpoint is laid out by"),
     (["--load", "/c", "--ckpt-format", "torch", "--tensor-model-parallel-size", "3"], [],
      "--load with --ckpt-format torch keeps the argv's sizes, but pinned --tensor-model-parallel-size 3: must divide"),
-    (["--tp-comm-overlap"], ["plan.sp=false"], "--tp-comm-overlap needs sequence parallelism (Megatron asserts it), "
-                                               "but the overrides say plan.sp=false"),
 ])
 def test_what_no_plan_can_keep_is_one_line(model, argv, user, message):
     with pytest.raises(NestError) as err:
@@ -132,15 +131,23 @@ def test_what_no_plan_can_keep_is_one_line(model, argv, user, message):
     assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
 
 
-# -- --tp-comm-overlap keeps sequence parallel -----------------------------------------------------------------
+# -- --tp-comm-overlap only with sequence parallel ----------------------------------------------------------------
 
-def test_tp_comm_overlap_keeps_sequence_parallel(capsys):
+def test_tp_comm_overlap_only_with_sequence_parallel(capsys):
     """Reproduced: re-planned to TP 1 without --sequence-parallel but with --tp-comm-overlap, which Megatron-LM
-    asserts against ("overlap can happen only when sequence parallelism is enabled"); the dry run exited 0."""
-    argv, _ = dry_run(capsys, "--", "pretrain_gpt.py", *MODEL, "--tensor-model-parallel-size", "4", "--sequence-parallel",
-                      "--tp-comm-overlap")
-    assert "--tp-comm-overlap" in argv and "--sequence-parallel" in argv
-    assert int(value(argv, "--tensor-model-parallel-size")) > 1
+    asserts against ("overlap can happen only when sequence parallelism is enabled"); the dry run exited 0.
+    The flag is train.tp_comm_overlap=true now: a TP > 1 plan has it with sequence parallel, a TP 1 plan drops it
+    (listed as a change); a pinned TP 4 keeps both."""
+    typed = [*MODEL, "--tensor-model-parallel-size", "4", "--sequence-parallel", "--tp-comm-overlap"]
+    argv, err = dry_run(capsys, "--", "pretrain_gpt.py", *typed)
+    if value(argv, "--tensor-model-parallel-size") == "1":
+        assert "--tp-comm-overlap" not in argv and "--sequence-parallel" not in argv
+        assert any(line.startswith("--tp-comm-overlap: on -> (removed) (") for line in err), err
+    else:
+        assert argv.count("--tp-comm-overlap") == 1 and "--sequence-parallel" in argv
+    argv, _ = dry_run(capsys, "--pin", "tp", "--", "pretrain_gpt.py", *typed)
+    assert value(argv, "--tensor-model-parallel-size") == "4"
+    assert argv.count("--tp-comm-overlap") == 1 and argv.count("--sequence-parallel") == 1
 
 
 # -- every change is listed, with why --------------------------------------------------------------------------
@@ -222,28 +229,22 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300, env=env)
 
 
-TINY = "--num-layers 2 --hidden-size 96 --seq-length 32 --vocab-size 128 --bf16 --micro-batch-size 2 --global-batch-size 8"
-
-
 @pytest.mark.parametrize("args, message", [
     ([*MODEL, "--load", "/c", "--ckpt-format", "fsdp_dtensor", "--use-distributed-optimizer"],
      "--load with --ckpt-format fsdp_dtensor and --use-distributed-optimizer: only Megatron-FSDP (--use-megatron-fsdp) "
      "reads fsdp_dtensor"),
-    # 3 heads: TP 2 (the only TP > 1 on two devices) does not divide them, and sequence parallel needs TP > 1
-    ([*TINY.split(), "--num-attention-heads", "3", "--tp-comm-overlap"],
-     "no plan keeps what the launch line fixes (--tp-comm-overlap (sequence parallel, TP > 1)): "),
     # 80 layers of 8192 under TP 8 on one node of 8: weights and optimizer state alone are 16 B x 70e9 / 8 = 130 GiB
     (["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64", "--seq-length", "4096",
       "--vocab-size", "32000", "--bf16", "--micro-batch-size", "1", "--global-batch-size", "8",
       "--tensor-model-parallel-size", "8", "--pin", "tp,pp"],
      "no plan keeps what the launch line fixes (pinned tp,pp): no configuration of t fits on 8 "),
-], ids=["fsdp-and-distributed-optimizer", "overlap-without-tp", "pins"])
+], ids=["fsdp-and-distributed-optimizer", "pins"])
 def test_what_no_plan_satisfies_is_one_line_and_starts_nothing(tmp_path, args, message):
     recorder = tmp_path / "t.py"  # a script that would leave a file behind, had torchrun started it
     recorder.write_text(f"open({str(tmp_path / 'started')!r}, 'w').close()\n")
     pin = args[args.index("--pin"):args.index("--pin") + 2] if "--pin" in args else []
     megatron = [a for a in args if a not in pin]
-    devices = ["--nproc-per-node", "2"] if "--tp-comm-overlap" in args else ["--nproc-per-node", "8"]
+    devices = ["--nproc-per-node", "8"]
     for dry in ([], ["--dry-run"]):
         proc = run_cli("launch", "cluster=dgx_h100_superpod", f"cluster.num_devices={devices[1]}", *devices, *pin, *dry,
                        "--", str(recorder), *megatron)

@@ -4,7 +4,7 @@ Both read the model, batch and precision from the Megatron ARGS, the devices fro
 SLURM, plan, rewrite the planner's flags and run torchrun's agent in this process (signals reach it
 directly); the launch ends with 0 or the first failing worker's exit status (launch/torchrun.py).
 Each flag of the ARGS the plan changes is listed on stderr before anything starts (launch/changes.py); what
-the ARGS fix (a resume, --tp-comm-overlap: launch/constraints.py) constrains the plan.
+the ARGS fix (a resume: launch/constraints.py) constrains the plan.
 --dry-run prints the plan, its digest and the final command line(s) and starts nothing; so does any
 error, as one line with exit status 2. --expect-plan DIGEST (written by `nest-megatron sbatch`) refuses
 a node whose plan differs from the job's.
@@ -31,8 +31,8 @@ EPILOG = """examples:
       -- scripts/pretrain_gpt.py --train-iters 5
 pin what you chose by hand: --pin tp,pp (or solver.keep_user_parallelism=[tp,pp]) keeps the argv's
 --tensor-model-parallel-size / --pipeline-model-parallel-size as constraints of the plan. A resume (--load or
---ckpt-format) keeps the checkpoint's format, optimizer and the sizes it cannot reshard; --tp-comm-overlap keeps
-sequence parallel. Each flag the plan changes is listed on stderr first: --flag: old -> new (why).
+--ckpt-format) keeps the checkpoint's format, optimizer and the sizes it cannot reshard; with --tp-comm-overlap
+every TP > 1 plan has sequence parallel (the flag is dropped at TP 1). Each flag the plan changes is listed on stderr first: --flag: old -> new (why).
 exit status: 0, the first failing worker's exit status (a signal death as 128 + signal), 1 when a signal
 stopped the launch, 2 for bad input (nothing started)."""
 

@@ -296,6 +296,7 @@ def _check(root: RootConfig) -> None:
     devices = _check_cluster(root.cluster)
     _check_accelerator(root.accelerator, root.cluster.device_memory_gib)
     _check_train_and_solver(root.train, root.solver)
+    _check_precision(root.train, root.accelerator)
     _check_plan(root.plan, devices=devices, layers=root.model.num_layers, batch=root.train.global_batch_size)
     p = root.profile
     _integer("profile.warmup", p.warmup, 0, MAX_PROFILE_RUNS)
@@ -330,6 +331,14 @@ def _check_model(m: ModelConfig) -> None:
     for key in ("hidden_dropout", "attention_dropout"):
         if not 0 <= getattr(m, key) < 1:
             raise NestError(f"model.{key}={getattr(m, key)}: must be in [0, 1)")
+    if m.squared_relu and m.swiglu:  # Megatron-LM megatron/training/argument_utils.py:320-321 asserts it
+        raise NestError("model.squared_relu=true and model.swiglu=true: one MLP activation; choose one")
+    _integer("model.window_size", m.window_size, 1, m.seq_length - 1, "model.seq_length - 1: a window of the whole "
+             "sequence is full attention; set null")
+    _integer("model.window_attn_skip_freq", m.window_attn_skip_freq, 1, m.num_layers, "model.num_layers")
+    if m.window_attn_skip_freq is not None and m.window_size is None:
+        raise NestError(f"model.window_attn_skip_freq={m.window_attn_skip_freq} without model.window_size: no layer "
+                        "has sliding-window attention; set model.window_size or drop it")
 
 
 def _check_accelerator(a: AcceleratorConfig, device_memory_gib: float | None) -> None:
@@ -395,6 +404,39 @@ def _check_train_and_solver(t: TrainConfig, s: SolverConfig) -> None:
     _integer("solver.jobs", s.jobs, 1, MAX_JOBS)
 
 
+# --fp8-recipe's choices (Megatron-LM megatron/core/transformer/transformer_config.py:594, less 'custom', whose
+# quantizer is the user's own code)
+PRECISIONS = ("bf16", "fp8")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+
+
+def _check_precision(t: TrainConfig, a: AcceleratorConfig) -> None:
+    """The precision and FP8 recipe exist, and the accelerator has the tensor cores they need."""
+    _one_of("train.precision", t.precision, PRECISIONS)
+    _one_of("train.fp8_recipe", t.fp8_recipe, FP8_RECIPES)
+    if t.precision != "fp8":
+        return
+    if a.peak_fp8_tflops is None:
+        with_fp8 = [name for name in options("accelerator") if _has_fp8(name)]
+        raise NestError(f"train.precision=fp8: accelerator {a.name} has no FP8 tensor cores (no peak_fp8_tflops); "
+                        f"FP8 accelerators: {', '.join(with_fp8) or 'none'}")
+    # MXFP8 is a Blackwell recipe (transformer_config.py:597-599: "'mxfp8' for Blackwell architecture only")
+    if t.fp8_recipe == "mxfp8" and not a.mxfp8:
+        with_mx = [name for name in options("accelerator") if _has_fp8(name, "mxfp8")]
+        raise NestError(f"train.fp8_recipe=mxfp8: accelerator {a.name} has no MXFP8 (block-scaled FP8) in hardware; "
+                        f"MXFP8 accelerators: {', '.join(with_mx) or 'none'}; use delayed, tensorwise or blockwise")
+
+
+def _has_fp8(name: str, key: str = "peak_fp8_tflops") -> bool:
+    """Whether the accelerator config `name` sets `key` (FP8 peak, or mxfp8: true)."""
+    path = _config_file("accelerator", name)
+    try:
+        data = yaml.safe_load(path.read_text()) if path else None
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and bool(data.get(key))
+
+
 def _check_plan(p: PlanChoice, *, devices: int, layers: int, batch: int) -> None:
     """Pinned values, each within what can ever launch; 0 is a bad value here, never "unset"."""
     for key in ("tp", "pp", "dp", "cp", "ep", "etp"):
@@ -418,4 +460,7 @@ def _problem(root: RootConfig, tracer=None) -> Problem:
         global_batch_size=root.train.global_batch_size,
         overlap_grad_reduce=root.train.overlap_grad_reduce,
         overlap_param_gather=root.train.overlap_param_gather,
+        precision=root.train.precision,
+        fp8_recipe=root.train.fp8_recipe,
+        tp_comm_overlap=root.train.tp_comm_overlap,
     )

@@ -53,6 +53,14 @@ MODEL_FLAGS: dict[str, tuple[str, str, object]] = {
     "--moe-ffn-hidden-size": ("moe_ffn_hidden_size", "int", None),
     "--moe-layer-freq": ("moe_layer_freq", "str", "1"),
     "--moe-shared-expert-intermediate-size": ("moe_shared_expert_intermediate_size", "int", None),
+    # Megatron-LM arguments.py:2448 (store_true; argument_utils.py:320-321 asserts it is not with --swiglu)
+    "--squared-relu": ("squared_relu", "true", False),
+    # TransformerConfig.qk_layernorm (core/transformer/transformer_config.py:259), a generated store_true flag
+    "--qk-layernorm": ("qk_layernorm", "true", False),
+    # arguments.py:2384: tuple_type ("left,right", -1 infinite; transformer_config.py:247-249), read by _window
+    "--window-size": ("window_size", "str", None),
+    # arguments.py:2387: moe_freq_type, an integer N (every N-th layer full attention) or a list pattern
+    "--window-attn-skip-freq": ("window_attn_skip_freq", "str", None),
 }
 
 # Flags read (to complete the model, or by the launch rules) that set no schema field of their own; they pass through.
@@ -68,6 +76,11 @@ HINT_FLAGS: dict[str, str] = {
     "--fp16": "true",
     "--no-overlap-p2p-communication": "true",  # read by launch/megatron_rules.py (interleaved schedule, pp 2)
     "--transformer-impl": "str",  # local: megatron-core's local spec, whose attention is unfused
+    # FP8 (train_overrides): TransformerConfig.fp8 is the flag --fp8-format {e4m3,hybrid}, default None (no FP8), and
+    # fp8_recipe --fp8-recipe {tensorwise,delayed,mxfp8,blockwise,custom}, default delayed (Megatron-LM d98e8a6
+    # megatron/core/transformer/transformer_config.py:587-599; arguments.py:2373-2374 generates both from it)
+    "--fp8-format": "str",
+    "--fp8-recipe": "str",
 }
 
 # Flags the planner decides (launch/rewrite.py removes them and inserts the plan's), with their arity.
@@ -102,6 +115,10 @@ PLANNER_FLAGS: dict[str, str] = {
     "--init-model-with-meta-device": "true",  # with ZeRO-3 (emit/megatron.py ZERO_FLAGS)
     # MoE plans price the alltoall dispatcher's traffic (Megatron's default is allgather); see launch/rewrite.py
     "--moe-token-dispatcher-type": "str",
+    # TP communication behind the GEMMs: the plan emits it with TP > 1 (and so sequence parallel) when
+    # train.tp_comm_overlap, which the argv's own --tp-comm-overlap sets (train_overrides); Megatron-LM asserts
+    # sequence parallel with it (arguments.py:1441-1442), and turns that off at TP 1 (:1433)
+    "--tp-comm-overlap": "true",
 }
 
 KNOWN_FLAGS: dict[str, str] = {
@@ -121,7 +138,8 @@ UNPLANNABLE: dict[str, str] = {
 
 # Real Megatron-LM flags (main, d98e8a6) as close to a known flag as a typo would be: never called misspelt.
 # tests/test_argv_typos.py checks every flag of Megatron-LM's parser against `misspelt`.
-NEAR_REAL_FLAGS = frozenset({"--no-bias-gelu-fusion", "--pad-vocab-size", "--no-pad-vocab-size"})
+NEAR_REAL_FLAGS = frozenset({"--no-bias-gelu-fusion", "--pad-vocab-size", "--no-pad-vocab-size", "--fp4-format",
+                             "--fp4-recipe", "--tp-comm-overlap-ag", "--tp-comm-overlap-rs"})
 # difflib's similarity ratio 2M/(len a + len b) from which an unknown flag is taken for a known one. 0.9 is one
 # wrong, missing or extra letter in a flag of 10 or more characters (`--micro-batch-sise`: 0.94), two in one
 # of 20 or more, and never a short flag (`--fp8` vs `--fp16`: 0.73), where one letter makes another real
@@ -134,6 +152,10 @@ TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257}
 
 FLAG_OF_KEY: dict[str, str] = {f"model.{key}": flag for flag, (key, _, _) in MODEL_FLAGS.items()}
 FLAG_OF_KEY["train.global_batch_size"] = "--global-batch-size"
+FLAG_OF_KEY |= {"train.precision": "--fp8-format", "train.fp8_recipe": "--fp8-recipe",
+                "train.tp_comm_overlap": "--tp-comm-overlap"}
+FP8_FORMATS = ("e4m3", "hybrid")  # transformer_config.py:587
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")  # :594, less custom (a quantizer of the user's code)
 
 
 @dataclass
@@ -254,6 +276,29 @@ def _moe_layer_freq(text: str) -> int:
         ) from None
 
 
+def _window(s: Scanned) -> tuple[int | None, int | None]:
+    """(window_size, window_attn_skip_freq) from --window-size "left,right" and --window-attn-skip-freq N. The
+    planner models a causal window over `left` past tokens: right 0 (a causal mask ignores the right side,
+    transformer/utils.py:43-47); left -1 is the infinite window, i.e. full attention."""
+    text, skip = s.get("--window-size"), s.get("--window-attn-skip-freq")
+    size = None
+    if text is not None:
+        try:
+            parts = tuple(int(i) for i in str(text).strip("()").split(","))
+        except ValueError:
+            parts = ()
+        if len(parts) != 2 or parts[1] not in (0, -1) or parts[0] == 0 or parts[0] < -1:
+            raise NestError(f"--window-size {text}: the planner models a causal sliding window, 'N,0' (N past tokens)")
+        size = None if parts[0] == -1 else parts[0]
+    if skip is not None:
+        try:
+            skip = int(skip)
+        except ValueError:
+            raise NestError(f"--window-attn-skip-freq {skip}: the planner models full attention every N-th layer; "
+                            "give an integer N") from None
+    return size, skip
+
+
 def _required(s: Scanned, flag: str):
     if not s.has(flag):
         raise NestError(f"{flag}: required to describe the model (the script arguments have --num-layers but not {flag})")
@@ -307,6 +352,9 @@ def model_values(argv: list[str] | Scanned, *, name: str = "megatron_argv", fami
     values["attention_backend"] = "unfused" if backend in ("unfused", "local") or local_spec else "flash"
 
     values["moe_layer_freq"] = _moe_layer_freq(str(values["moe_layer_freq"]))
+    values["window_size"], values["window_attn_skip_freq"] = _window(s)
+    if values["squared_relu"] and values["swiglu"]:  # Megatron-LM training/argument_utils.py:320-321
+        raise NestError("--squared-relu and --swiglu: one MLP activation; Megatron asserts it, choose one")
     if values["num_experts"] is None:
         for flag in ("--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size"):
             if s.has(flag):
@@ -326,10 +374,17 @@ def model_values(argv: list[str] | Scanned, *, name: str = "megatron_argv", fami
 
 def check_precision(argv: list[str] | Scanned, *, required: bool = True) -> None:
     """The planner prices 2-byte (bf16 / fp16) mixed-precision training: one of the two flags (or none, when
-    not `required`: the model and its --bf16 then come from the plan)."""
+    not `required`: the model and its --bf16 then come from the plan). FP8 (--fp8-format) is on top of it:
+    Megatron keeps --bf16 as the dtype of everything but the FP8 GEMMs, and accepts --fp16 with --fp8-format
+    too (validate_args has no check against it), so neither changes what is required here."""
     s = argv if isinstance(argv, Scanned) else scan(argv)
     if s.has("--bf16") and s.has("--fp16"):
         raise NestError("--bf16 and --fp16: choose one")
+    fmt, recipe = s.get("--fp8-format"), s.get("--fp8-recipe")
+    if fmt is not None and fmt not in FP8_FORMATS:
+        raise NestError(f"--fp8-format {fmt}: allowed are {', '.join(FP8_FORMATS)}")
+    if recipe is not None and recipe not in FP8_RECIPES:
+        raise NestError(f"--fp8-recipe {recipe}: the planner prices {', '.join(FP8_RECIPES)}")
     if required and not (s.has("--bf16") or s.has("--fp16")):
         raise NestError("no --bf16 or --fp16: the planner prices 2-byte mixed-precision training; add --bf16 (or --fp16)")
 
@@ -341,8 +396,10 @@ def model_overrides(argv: list[str] | Scanned, **kwargs) -> list[str]:
 
 
 def train_overrides(argv: list[str] | Scanned) -> list[str]:
-    """Hydra `train.*` overrides: the global batch and the overlap options the user asked for."""
+    """Hydra `train.*` overrides: the global batch, the precision (FP8 from --fp8-format, with --fp8-recipe or
+    Megatron's default delayed) and the overlap options the user asked for."""
     s = argv if isinstance(argv, Scanned) else scan(argv)
+    check_precision(s, required=False)
     if s.has("--overlap-param-gather") and not s.has("--overlap-grad-reduce"):
         raise NestError("--overlap-param-gather without --overlap-grad-reduce: Megatron needs both")
     out = []
@@ -350,6 +407,9 @@ def train_overrides(argv: list[str] | Scanned) -> list[str]:
         out.append(f"train.global_batch_size={s.get('--global-batch-size')}")
     out.append(f"train.overlap_grad_reduce={_hydra(s.has('--overlap-grad-reduce'))}")
     out.append(f"train.overlap_param_gather={_hydra(s.has('--overlap-param-gather'))}")
+    out.append(f"train.precision={'fp8' if s.has('--fp8-format') else 'bf16'}")
+    out.append(f"train.fp8_recipe={s.get('--fp8-recipe', 'delayed')}")
+    out.append(f"train.tp_comm_overlap={_hydra(s.has('--tp-comm-overlap'))}")
     return out
 
 

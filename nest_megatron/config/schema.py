@@ -47,6 +47,12 @@ class ModelConfig:
     moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
     moe_layer_freq: int = 1  # layer i has a MoE MLP when i % moe_layer_freq == 0, a dense one otherwise
     moe_shared_expert_intermediate_size: Optional[int] = None
+    squared_relu: bool = False  # relu(x)^2 MLP activation (Nemotron); not with swiglu
+    qk_layernorm: bool = False  # normalization of each head's query and key
+    # sliding-window attention over this many past tokens (Megatron's "left,right" = N,0); None: full
+    window_size: Optional[int] = None
+    # N: every N-th layer keeps full attention, the others slide (None: every layer slides)
+    window_attn_skip_freq: Optional[int] = None
     # Where the per-layer costs come from: analytic (the formulas of model/spec.py and cost/), or a
     # traced model whose parameters, GEMMs, attention FLOPs and saved activations replace them:
     # megatron (megatron-core's GPTModel of these keys, on the meta device), hf (the shape read from
@@ -63,6 +69,8 @@ class AcceleratorConfig:
 
     name: str = MISSING
     peak_bf16_tflops: float = MISSING  # dense bf16 tensor-core peak, 1e12 FLOP/s
+    peak_fp8_tflops: Optional[float] = None  # dense FP8 tensor-core peak, 1e12 FLOP/s (None: no FP8 tensor cores)
+    mxfp8: bool = False  # block-scaled MXFP8 in hardware (Blackwell), what --fp8-recipe mxfp8 needs
     memory_gib: float = MISSING  # HBM capacity usable by the framework, GiB
     hbm_bandwidth_gb_per_s: float = MISSING  # 1e9 B/s
     # The fractions of the peaks that kernels reach; a profile cache (`nest-megatron profile`) fits
@@ -119,6 +127,9 @@ class TrainConfig:
     micro_batch_size: Optional[int] = None  # None: the planner chooses
     overlap_grad_reduce: bool = True  # --overlap-grad-reduce: DP gradient reduction behind the backward pass
     overlap_param_gather: bool = True  # --overlap-param-gather: the distributed optimizer's all-gather behind the forward
+    precision: str = "bf16"  # bf16 | fp8 (--fp8-format hybrid: FP8 GEMMs through Transformer Engine, bf16 elsewhere)
+    fp8_recipe: str = "delayed"  # --fp8-recipe with fp8: delayed | tensorwise | blockwise | mxfp8 (Blackwell only)
+    tp_comm_overlap: bool = False  # --tp-comm-overlap: TP collectives behind the GEMMs (needs sequence parallel)
 
 
 @dataclass

@@ -28,8 +28,9 @@ def recompute_settings(cfg: ParallelConfig, layers_per_chunk: int) -> dict:
     return {"granularity": "full", "method": "block", "num_layers": min(cfg.recompute_num_layers, layers_per_chunk)}
 
 
-def model_args(model: ModelSpec) -> list[str]:
-    """The model-shape flags, so that the argv is complete for pretrain_gpt.py."""
+def model_args(model: ModelSpec, *, precision: str = "bf16", fp8_recipe: str = "delayed") -> list[str]:
+    """The model-shape flags, so that the argv is complete for pretrain_gpt.py; with `precision` fp8 also
+    Megatron's FP8 flags (hybrid: e4m3 forward, e5m2 gradients; bf16 stays the dtype of the rest)."""
     m = model.cfg
     args = [
         "--num-layers", str(m.num_layers),
@@ -45,12 +46,22 @@ def model_args(model: ModelSpec) -> list[str]:
         "--make-vocab-size-divisible-by", str(m.make_vocab_size_divisible_by),
         "--bf16",
     ]
+    if precision == "fp8":
+        args += ["--fp8-format", "hybrid", "--fp8-recipe", fp8_recipe]
     if model.query_groups != model.heads:
         args += ["--group-query-attention", "--num-query-groups", str(model.query_groups)]
     if m.kv_channels:
         args += ["--kv-channels", str(m.kv_channels)]
     if m.swiglu:
         args.append("--swiglu")
+    if m.squared_relu:
+        args.append("--squared-relu")
+    if m.qk_layernorm:
+        args.append("--qk-layernorm")
+    if m.window_size:  # a causal window of N past tokens: Megatron's (left, right) tuple
+        args += ["--window-size", f"{m.window_size},0"]
+        if m.window_attn_skip_freq:
+            args += ["--window-attn-skip-freq", str(m.window_attn_skip_freq)]
     if m.untie_embeddings_and_output_weights:
         args.append("--untie-embeddings-and-output-weights")
     if not m.add_bias_linear:
@@ -90,6 +101,7 @@ def parallel_args(
     overlap_grad_reduce: bool,
     overlap_param_gather: bool,
     layers_per_stage: tuple[int, ...] | None = None,
+    tp_comm_overlap: bool = False,
 ) -> list[str]:
     """The flags the planner owns: parallel sizes, batch, ZeRO, recompute, layout and the MoE token dispatcher."""
     args = [
@@ -105,6 +117,8 @@ def parallel_args(
         args += ["--moe-token-dispatcher-type", "alltoall"]
     if cfg.sp:
         args.append("--sequence-parallel")
+        if tp_comm_overlap and cfg.tp > 1:  # only with sequence parallel (Megatron-LM arguments.py:1441-1442)
+            args.append("--tp-comm-overlap")
     if cfg.vpp > 1:
         args += ["--num-virtual-stages-per-pipeline-rank", str(cfg.vpp)]
     if layers_per_stage and len(set(layers_per_stage)) > 1:

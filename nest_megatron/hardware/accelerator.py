@@ -34,4 +34,6 @@ def accelerator_from_config(cfg: AcceleratorConfig, *, memory_gib: float | None 
         attention_efficiency=cfg.attention_efficiency,
         memory_bound_efficiency=cfg.memory_bound_efficiency,
         reserved_memory_bytes=cfg.reserved_memory_gib * GIB,
+        peak_fp8_flops=cfg.peak_fp8_tflops * 1e12 if cfg.peak_fp8_tflops is not None else None,
+        mxfp8=cfg.mxfp8,
     )

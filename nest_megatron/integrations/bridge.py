@@ -16,6 +16,15 @@ Field names follow megatron-bridge 0.3.1 (PyPI), megatron/bridge/training/config
   models/model_provider.py:580 (get_model) then skips .cuda(), leaving Megatron-FSDP to materialise each
   rank's shard; false below ZeRO-3 (a config's True would leave DDP meta tensors). Bridge's Megatron-FSDP overrides
   set it with optim_grads_params (scripts/performance/utils/overrides.py:86, git tag v0.3.1 = 9c9dd848).
+- mixed_precision: ConfigContainer.mixed_precision (config.py:1344) is a MixedPrecisionConfig or the name of a
+  registered one, which the recipes use ("bf16_mixed", recipes/common.py:124); its fp8 fields overwrite the model's
+  at setup (training/mixed_precision.py:125-143), so an FP8 plan sets the name of Bridge's config for its recipe
+  (training/mixed_precision.py: bf16_with_fp8_delayed_scaling_mixed :204, bf16_with_fp8_current_scaling_mixed
+  (tensorwise) :272, bf16_with_fp8_subchannel_scaling_mixed (blockwise) :360, all fp8 "hybrid"; bf16_with_mxfp8_mixed
+  :242, whose fp8 is "e4m3"); a bf16 plan leaves the recipe's precision as it is;
+- model.tp_comm_overlap: the TransformerConfig (ModelParallelConfig) field that training/initialize.py:226 reads
+  to set up Transformer Engine's userbuffers, as the argv's --tp-comm-overlap (a recipe's own comm_overlap, a
+  CommOverlapConfig, applies its choice over it at setup: training/comm_overlap.py:581).
 Bridge reads these words with Hydra's override parser (training/utils/omegaconf_utils.py,
 parse_hydra_overrides), hence the Hydra literals of the CLI form.
 """
@@ -25,7 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 from nest_megatron.integrations.nemo import FSDP_SHARDING, meta_device_init
-from nest_megatron.integrations.overrides import Overrides, apply_overrides, flag_value, is_moe
+from nest_megatron.integrations.overrides import Overrides, apply_overrides, flag_value, fp8_recipe, is_moe
 from nest_megatron.plan import Plan
 
 
@@ -58,7 +67,15 @@ def bridge_overrides(plan: Plan) -> Overrides:
     }
     if plan.zero_stage >= 2:
         out["checkpoint.ckpt_format"] = "fsdp_dtensor"
+    out["model.tp_comm_overlap"] = "--tp-comm-overlap" in plan.megatron_args
+    if fp8_recipe(plan):
+        out["mixed_precision"] = BRIDGE_FP8[fp8_recipe(plan)]
     return out
+
+
+# Bridge's registered mixed-precision config for each FP8 recipe (megatron/bridge/training/mixed_precision.py)
+BRIDGE_FP8 = {"delayed": "bf16_with_fp8_delayed_scaling_mixed", "tensorwise": "bf16_with_fp8_current_scaling_mixed",
+              "blockwise": "bf16_with_fp8_subchannel_scaling_mixed", "mxfp8": "bf16_with_mxfp8_mixed"}
 
 
 def apply_to_config(container: Any, plan: Plan) -> Any:

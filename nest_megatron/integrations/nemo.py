@@ -17,7 +17,15 @@ Field names follow NeMo 2.7.3 (nemo_toolkit 2.7.3 on PyPI; NVIDIA/NeMo at 8cfedd
   .cuda() only with fsdp="megatron". Set as the Megatron argv sets it (ZeRO-3 only), false otherwise: a
   recipe's True with fsdp=None would leave meta tensors for .cuda(). NeMo's own Megatron-FSDP setup sets it
   with optim_grads_params (scripts/performance/helpers.py:182, set_mcore_fsdp_configs).
+- trainer.plugins.fp8 / fp8_recipe: the MegatronMixedPrecision plugin (nemo/lightning/pytorch/plugins/
+  mixed_precision.py:111-112, fp8=None and fp8_recipe="delayed" by default), the recipes' `plugins=bf16_mixed()`
+  (recipes/llama3_8b.py:138; recipes/precision/mixed_precision.py:65-66 sets fp8 'hybrid' for FP8), as the argv's
+  --fp8-format hybrid --fp8-recipe R; fp8=None for a bf16 plan.
 NeMo copies optim.config.use_distributed_optimizer into the DDP config itself (MegatronStrategy.setup).
+--tp-comm-overlap has no attribute path in NeMo 2: it is the MegatronCommOverlapCallback(tp_comm_overlap=True)
+of trainer.callbacks (nemo/lightning/pytorch/callbacks/megatron_comm_overlap.py:85), which also initialises
+Transformer Engine's userbuffers (:290); model.config.tp_comm_overlap alone would not. Add that callback for a
+plan whose argv has --tp-comm-overlap; these overrides leave it out.
 NeMo 3.0 dropped nemo.collections.llm, hence the [nemo] extra's <2.8 bound.
 """
 
@@ -27,7 +35,7 @@ from typing import Any
 
 from nest_megatron.emit.megatron import ZERO_FLAGS
 from nest_megatron.errors import NestError
-from nest_megatron.integrations.overrides import Overrides, apply_overrides, flag_value, is_moe
+from nest_megatron.integrations.overrides import Overrides, apply_overrides, flag_value, fp8_recipe, is_moe
 from nest_megatron.plan import Plan
 
 # Megatron-FSDP's sharding strategy for ZeRO-2 / ZeRO-3 (the --data-parallel-sharding-strategy of the argv)
@@ -90,6 +98,10 @@ def nemo_overrides(plan: Plan, devices_per_node: int | None = None) -> Overrides
         out[f"{s}.fsdp"] = None
     # False below ZeRO-3, as on the argv, so that a recipe's True (fine only with Megatron-FSDP) is turned off
     out["model.config.init_model_with_meta_device"] = meta_device_init(plan)
+    recipe = fp8_recipe(plan)
+    out["trainer.plugins.fp8"] = "hybrid" if recipe else None  # the precision the plan is priced for
+    if recipe:
+        out["trainer.plugins.fp8_recipe"] = recipe
     return out
 
 

@@ -26,6 +26,11 @@ def is_moe(plan: Plan) -> bool:
     return "--num-experts" in plan.megatron_args
 
 
+def fp8_recipe(plan: Plan) -> str | None:
+    """The FP8 recipe the plan's argv runs (--fp8-recipe with --fp8-format), None for a bf16 plan."""
+    return flag_value(plan, "--fp8-recipe") if "--fp8-format" in plan.megatron_args else None
+
+
 def apply_overrides(root: Any, overrides: Overrides, *, root_name: str = "recipe") -> Any:
     """Set every path on root; raise NestError naming the first path root does not have. Checks all paths
     before setting any, so a recipe is never left half-changed."""

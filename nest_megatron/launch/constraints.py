@@ -1,9 +1,10 @@
-"""What the user's Megatron argv fixes for the planner: a checkpoint to resume, and --tp-comm-overlap.
+"""What the user's Megatron argv fixes for the planner: a checkpoint to resume.
 
 The planner owns the parallel flags (launch/rewrite.py), but some choices of the argv are constraints, since a
-plan that changed them would not run: the checkpoint format and the optimizer sharding it was written with,
-and the sequence parallelism --tp-comm-overlap needs. Each becomes plan.* / solver.* overrides fed to the
-planner as --pin's are. A key the user's own Hydra overrides set (plan.tp=..., plan.zero=..., or
+plan that changed them would not run: the checkpoint format and the optimizer sharding it was written with.
+Each becomes plan.* / solver.* overrides fed to the planner as --pin's are. (--tp-comm-overlap is no
+constraint: it becomes train.tp_comm_overlap=true (config/megatron_argv.train_overrides), under which the
+search has no TP > 1 plan without sequence parallel, and the plan emits the flag with TP > 1 only.) A key the user's own Hydra overrides set (plan.tp=..., plan.zero=..., or
 solver.zero_stages=... for the ZeRO family) is theirs: the user's word wins over the argv's.
 
 Megatron-LM references are to main at d98e8a6.
@@ -113,24 +114,11 @@ def _even_split(s: Scanned, why: str) -> list[str]:
     return ["solver.name=enumerate"]
 
 
-def _comm_overlap(argv: list[str], user: list[str]) -> Constraint | None:
-    """--tp-comm-overlap needs sequence parallelism (arguments.py:1441-1442), which needs TP > 1: pinning sp
-    keeps both, since the rules reject sp with tp 1. (It also needs Transformer Engine's userbuffers at start,
-    initialize.py:164-206, and CUDA_DEVICE_MAX_CONNECTIONS=1 with TP, which prepare.megatron_env sets.)"""
-    if not scan(argv).present("--tp-comm-overlap"):
-        return None
-    sp = [item.partition("=")[2].lower() for item in user if item.partition("=")[0] == "plan.sp"]
-    if sp and sp[-1] != "true":
-        raise NestError("--tp-comm-overlap needs sequence parallelism (Megatron asserts it), but the overrides say "
-                        "plan.sp=false; drop one")
-    return Constraint(["plan.sp=true"], "--tp-comm-overlap (sequence parallel, TP > 1)")
-
-
 def argv_constraints(argv: list[str], user: list[str], *, model: ModelConfig) -> list[Constraint]:
     """The constraints the argv puts on the plan, less what the user's overrides (`user`) decide themselves."""
     user_keys = _keys(user)
     out = []
-    for c in (_resume(argv, scan(argv), model), _comm_overlap(argv, user)):
+    for c in (_resume(argv, scan(argv), model),):
         if c is None:
             continue
         kept = [item for item in c.overrides if not _theirs(item, user_keys)]

@@ -293,6 +293,34 @@ def _tp_comm_overlap(launch: Launch):
                 "(TP communication overlaps only the sequence-parallel all-gather / reduce-scatter)")
 
 
+def _fp8_fp4(launch: Launch):
+    """FP8 and FP4 not together."""
+    if launch.s.has("--fp8-format") and launch.s.present("--fp4-format"):
+        return "--fp8-format and --fp4-format: Megatron takes one low precision; choose one"
+
+
+def _fp8_param_gather(launch: Launch):
+    """--fp8-param-gather needs --fp8-format."""
+    if launch.s.present("--fp8-param-gather") and not launch.s.has("--fp8-format"):
+        return "--fp8-param-gather needs --fp8-format (FP8 parameters only in FP8 training)"
+
+
+def _fp8_param_gather_optimizer(launch: Launch):
+    """--fp8-param-gather needs a sharded optimizer."""
+    s = launch.s
+    if s.present("--fp8-param-gather") and not (s.has("--use-distributed-optimizer") or s.has("--use-megatron-fsdp")
+                                                or s.has("--use-torch-fsdp2")):
+        return "--fp8-param-gather needs --use-distributed-optimizer (or --use-megatron-fsdp / --use-torch-fsdp2)"
+
+
+def _first_last_bf16_delayed(launch: Launch):
+    """FP8 with the first / last layers in bf16 not under the delayed recipe."""
+    s = launch.s
+    if s.has("--fp8-format") and s.present("--first-last-layers-bf16") and s.get("--fp8-recipe", "delayed") == "delayed":
+        return ("--first-last-layers-bf16 with --fp8-recipe delayed (Megatron's default recipe): delayed scaling does "
+                "not support it; use --fp8-recipe tensorwise, blockwise or mxfp8")
+
+
 ARGS = "megatron/training/arguments.py"
 # The flag combinations Megatron-LM rejects; the sizes are checked by parallel.rules.RULES on the configuration.
 ARGV_RULES = (
@@ -316,6 +344,11 @@ ARGV_RULES = (
     Rule("torch-fsdp2", f"{ARGS}:1034-1039", _torch_fsdp2),
     Rule("sequence-parallel-tp", f"nest: {ARGS}:1433 turns it off silently", _sequence_parallel_tp),
     Rule("tp-comm-overlap", f"{ARGS}:1441-1442 (after :1433 turns sequence parallel off at tp 1)", _tp_comm_overlap),
+    Rule("fp8-fp4", f"{ARGS}:1100-1101", _fp8_fp4),
+    Rule("fp8-param-gather", "megatron/core/transformer/transformer_config.py:1566-1567", _fp8_param_gather),
+    Rule("fp8-param-gather-optimizer", f"{ARGS}:1095-1097", _fp8_param_gather_optimizer),
+    Rule("first-last-bf16-delayed", "megatron/core/transformer/transformer_config.py:1527-1530",
+         _first_last_bf16_delayed),
 )
 
 

@@ -54,7 +54,20 @@ def evaluate_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | 
     problem_line = violation(cfg, model=problem.model, num_devices=problem.num_devices, global_batch_size=problem.global_batch_size)
     if problem_line:
         raise NestError(f"invalid configuration: {problem_line}")
+    if overlap_without_sp(problem, cfg):
+        raise NestError(f"invalid configuration: {TP_COMM_OVERLAP_LINE.format(tp=cfg.tp)}")
     return cfg
+
+
+# --tp-comm-overlap needs sequence parallel (Megatron-LM arguments.py:1441-1442), which only TP > 1 has
+TP_COMM_OVERLAP_LINE = ("plan.sp=false with plan.tp={tp} and train.tp_comm_overlap=true: TP communication overlaps "
+                        "only the sequence-parallel all-gather / reduce-scatter (Megatron asserts it); set plan.sp=true "
+                        "or train.tp_comm_overlap=false")
+
+
+def overlap_without_sp(problem: Problem, cfg: ParallelConfig) -> bool:
+    """A TP > 1 configuration without sequence parallel, which --tp-comm-overlap does not launch with."""
+    return problem.tp_comm_overlap and cfg.tp > 1 and not cfg.sp
 
 
 def candidates(
@@ -77,6 +90,8 @@ def empty_space_reason(
         cfg = choice_config(problem, pins, default_mbs=micro_batch_size)
         line = violation(cfg, model=problem.model, num_devices=problem.num_devices,
                          global_batch_size=problem.global_batch_size, any_split=any_split)
+        if line is None and overlap_without_sp(problem, cfg):
+            line = TP_COMM_OVERLAP_LINE.format(tp=cfg.tp)
         if line is None and problem.num_devices % (cfg.tp * cfg.cp * cfg.pp):
             line = _unused_devices(cfg.tp, cfg.cp, cfg.pp, problem.num_devices)
         if line is not None:
@@ -132,6 +147,9 @@ def _configurations(
         # With one pipeline stage or one replica both Megatron orders build the same groups.
         orders = axis(pins.order, list(solver.rank_orders) if pp > 1 and dp > 1 else solver.rank_orders[:1])
         for ep, etp, sp, vpp, mbs, zero, recompute, order in itertools.product(eps, etps, sps, vpps, mbss, zeros, recomputes, orders):
+            if problem.tp_comm_overlap and tp > 1 and not sp:  # not launchable with --tp-comm-overlap
+                yield None, TP_COMM_OVERLAP_LINE.format(tp=tp)
+                continue
             for recomputed in recomputed_counts if recompute == "full" else [None]:
                 cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
                                      recompute=recompute, recompute_num_layers=recomputed, order=order)
