@@ -14,7 +14,7 @@ from nest_megatron.hardware.accelerator import GIB
 from nest_megatron.plan import Plan, build_plan
 from nest_megatron.profile.for_plan import profiled_problem
 from nest_megatron.solver.registry import SOLVERS
-from nest_megatron.solver.space import evaluate_config
+from nest_megatron.solver.space import evaluate_config, pinned_split
 from nest_megatron.solver.visit import Progress
 
 
@@ -53,7 +53,7 @@ def evaluate_loaded(loaded: Loaded) -> Plan:
     cfg = loaded.config
     problem, compute = profiled_problem(loaded.problem, cfg)
     parallel = evaluate_config(problem, cfg.plan, default_mbs=cfg.train.micro_batch_size)
-    est = estimate(problem, parallel)
+    est = estimate(problem, parallel, layers_per_stage=pinned_split(cfg.plan))
     if not est.fits:
         worst = max(range(len(est.memory)), key=lambda i: est.memory[i].total)
         raise InfeasibleError(

@@ -447,6 +447,28 @@ def _check_plan(p: PlanChoice, *, devices: int, layers: int, batch: int) -> None
     _one_of("plan.zero", p.zero, ZERO_STAGES)
     _one_of("plan.recompute", p.recompute, RECOMPUTE_KINDS)
     _one_of("plan.order", p.order, RANK_ORDERS)
+    _check_split(p, layers)
+
+
+def _check_split(p: PlanChoice, layers: int) -> None:
+    """plan.layers_per_stage: pp entries (layers per pipeline rank) or pp*vpp (layers per model chunk), each >= 0
+    (Megatron's layout allows an empty stage), adding up to model.num_layers."""
+    split = p.layers_per_stage
+    if split is None:
+        return
+    key = f"plan.layers_per_stage={list(split)}"
+    if p.pp is None:
+        raise NestError(f"{key}: needs plan.pp pinned (the split has pp or pp*vpp entries)")
+    if not split or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in split):
+        raise NestError(f"{key}: a list of integers >= 0, one per pipeline rank or per model chunk")
+    lengths = [p.pp] if p.vpp is None or p.vpp == 1 else [p.pp, p.pp * p.vpp]
+    if p.vpp is None and len(split) % p.pp == 0:
+        lengths = [len(split)]  # pp*vpp entries set vpp = len/pp, as Megatron's layout does
+    if len(split) not in lengths:
+        allowed = f"pp={p.pp}" if len(lengths) == 1 else f"pp={p.pp} or pp*vpp={p.pp * p.vpp}"
+        raise NestError(f"{key}: {len(split)} entries, allowed {allowed} (or a multiple of pp without plan.vpp)")
+    if sum(split) != layers:
+        raise NestError(f"{key}: the entries add up to {sum(split)}, must add up to model.num_layers={layers}")
 
 
 def _problem(root: RootConfig, tracer=None) -> Problem:

@@ -170,6 +170,11 @@ class PlanChoice:
     recompute: Optional[str] = None  # none | selective | full
     recompute_num_layers: Optional[int] = None  # with full: the first n layers of each stage (null: all)
     order: Optional[str] = None  # tp-cp-ep-dp-pp | tp-cp-ep-pp-dp
+    # The layer split (needs plan.pp): pp entries, the layers of each pipeline rank (with vpp > 1 each a
+    # multiple of vpp, split evenly over the rank's chunks), or pp*vpp entries, the layers of each model chunk
+    # in Megatron's order (chunk k*pp + rank is the rank's k-th; emitted as --pipeline-model-parallel-layout).
+    # Entries may be 0 (an empty stage, as Megatron's layout allows). None: `evaluate` splits evenly, `plan` chooses.
+    layers_per_stage: Optional[list[int]] = None
 
 
 @dataclass

@@ -107,14 +107,17 @@ def estimate(
     rank_to_device: np.ndarray | None = None,
     compute: ComputeModel | None = None,
 ) -> Estimate:
-    """Score `cfg` (which must satisfy parallel.rules). `layers_per_stage` defaults to the even
-    split; `rank_to_device` to the identity map; `compute` to the accelerator's roofline."""
+    """Score `cfg` (which must satisfy parallel.rules). `layers_per_stage` is pp entries (layers per
+    pipeline rank, split evenly over its virtual chunks) or pp*vpp (layers per model chunk, in Megatron's
+    order: cost.tables.chunk_split) and defaults to the even split; `rank_to_device` to the identity map;
+    `compute` to the accelerator's roofline."""
     ctx = context(problem, cfg, rank_to_device=rank_to_device, compute=compute)
-    return estimate_in(ctx, layers_per_stage or uniform_split(problem.model.cfg.num_layers, cfg.pp))
+    return estimate_in(ctx, tuple(layers_per_stage or uniform_split(problem.model.cfg.num_layers, cfg.pp)))
 
 
 def estimate_in(ctx: Context, split: tuple[int, ...]) -> Estimate:
-    """The Estimate of `ctx`'s configuration with the layers split as `split`."""
+    """The Estimate of `ctx`'s configuration with the layers split as `split` (pp or pp*vpp entries), which
+    it carries."""
     problem, cfg = ctx.problem, ctx.cfg
     model, acc = problem.model, problem.accelerator
     sums = [stage_sums(ctx.costs, cfg, tuple(split), i) for i in range(cfg.pp)]

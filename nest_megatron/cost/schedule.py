@@ -101,7 +101,8 @@ def _pieces(ctx: Context, split: tuple[int, ...], stage: int, pace: float) -> tu
     parts = stage_parts(ctx, sums, stage=stage)
     send_forward, send_backward = pipeline_sends(ctx, stage=stage)
     layer_work = parts["compute"] + parts["tp_comm"] + parts["cp_comm"] + parts["ep_comm"]
-    forward_share = float(sums.fwd / (sums.fwd + sums.bwd))
+    layer_time = float(sums.fwd + sums.bwd)
+    forward_share = float(sums.fwd) / layer_time if layer_time > 0 else 0.5  # a rank of empty stages has no layer work
     forward = [("forward", forward_share * layer_work), ("p2p", send_forward)]
     backward = [("recompute", parts["recompute"]), ("backward", (1 - forward_share) * layer_work),
                 ("zero_comm", parts["zero_comm"]), ("p2p", send_backward)]

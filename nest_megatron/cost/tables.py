@@ -139,14 +139,27 @@ def range_sums(c: LayerCosts, cfg: ParallelConfig, a, b) -> StageSums:
     )
 
 
+def chunk_split(cfg: ParallelConfig, layers_per_stage: tuple[int, ...]) -> tuple[int, ...]:
+    """The layers of each of the pp*vpp model chunks, in Megatron's virtual-stage order (chunk
+    c = k*pp + rank holds the c-th slice of layers; megatron/core/transformer/
+    pipeline_parallel_layer_layout.py:49-55). `layers_per_stage` is either that (pp*vpp entries) or
+    pp entries, the layers of each pipeline rank, split evenly over its vpp chunks (the earlier chunks
+    take one more where vpp does not divide them; parallel.rules asks that it does)."""
+    p, v = cfg.pp, cfg.vpp
+    if len(layers_per_stage) == p * v:
+        return tuple(layers_per_stage)
+    if len(layers_per_stage) != p:
+        raise ValueError(f"layers_per_stage={list(layers_per_stage)}: pp={p} or pp*vpp={p * v} entries")
+    per_rank = [[n // v + (k < n % v) for k in range(v)] for n in layers_per_stage]
+    return tuple(per_rank[c % p][c // p] for c in range(p * v))
+
+
 def chunk_ranges(cfg: ParallelConfig, layers_per_stage: tuple[int, ...], stage: int) -> list[tuple[int, int]]:
-    """The layer ranges pipeline rank `stage` holds. With v virtual stages the layers are cut into
-    p*v equal chunks and rank i holds chunks i, i + p, ..., i + (v-1) p."""
-    if cfg.vpp == 1:
-        start = sum(layers_per_stage[:stage])
-        return [(start, start + layers_per_stage[stage])]
-    per_chunk = sum(layers_per_stage) // (cfg.pp * cfg.vpp)
-    return [((k * cfg.pp + stage) * per_chunk, (k * cfg.pp + stage + 1) * per_chunk) for k in range(cfg.vpp)]
+    """The layer ranges pipeline rank `stage` holds: its chunks stage, stage + p, ..., stage + (v-1) p
+    (`chunk_split`), which may differ in size."""
+    sizes = chunk_split(cfg, layers_per_stage)
+    starts = np.concatenate(([0], np.cumsum(sizes))).astype(int).tolist()
+    return [(starts[c], starts[c + 1]) for c in range(stage, len(sizes), cfg.pp)]
 
 
 def stage_sums(c: LayerCosts, cfg: ParallelConfig, layers_per_stage: tuple[int, ...], stage: int) -> StageSums:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from nest_megatron.cost.tables import chunk_split
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 
@@ -88,8 +89,10 @@ def model_args(model: ModelSpec, *, precision: str = "bf16", fp8_recipe: str = "
 
 
 def pipeline_layout(layers_per_stage: tuple[int, ...]) -> str:
-    """Megatron's --pipeline-model-parallel-layout for an uneven split: stages separated by '|',
-    't' a transformer layer, 'E' the embedding on the first stage, 'L' the loss on the last."""
+    """Megatron's --pipeline-model-parallel-layout for an uneven split: stages (one per model chunk, in
+    chunk order: cost.tables.chunk_split) separated by '|', 't' a transformer layer, 'E' the embedding on
+    the first stage, 'L' the loss on the last. Megatron reads pp*vpp stages from it and sets vpp to their
+    number / pp (megatron/training/arguments.py:944-952); 't*0' is an empty stage, which the layout allows."""
     return "|".join(f"t*{n}" for n in layers_per_stage).join(("E", "L"))
 
 
@@ -119,10 +122,13 @@ def parallel_args(
         args.append("--sequence-parallel")
         if tp_comm_overlap and cfg.tp > 1:  # only with sequence parallel (Megatron-LM arguments.py:1441-1442)
             args.append("--tp-comm-overlap")
-    if cfg.vpp > 1:
+    chunks = chunk_split(cfg, layers_per_stage) if layers_per_stage else ()
+    if len(set(chunks)) > 1:
+        # The layout sets vpp itself; Megatron takes no --num-virtual-stages-per-pipeline-rank with it
+        # (megatron/training/arguments.py:928-939).
+        args += ["--pipeline-model-parallel-layout", pipeline_layout(chunks)]
+    elif cfg.vpp > 1:
         args += ["--num-virtual-stages-per-pipeline-rank", str(cfg.vpp)]
-    if layers_per_stage and len(set(layers_per_stage)) > 1:
-        args += ["--pipeline-model-parallel-layout", pipeline_layout(layers_per_stage)]
     if cfg.order == "tp-cp-ep-pp-dp":
         args.append("--use-tp-pp-dp-mapping")
     args += ZERO_FLAGS[cfg.zero]

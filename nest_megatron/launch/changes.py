@@ -16,7 +16,7 @@ from nest_megatron.config.schema import PlanChoice
 from nest_megatron.cost.evaluate import estimate
 from nest_megatron.errors import NestError
 from nest_megatron.hardware.accelerator import GIB
-from nest_megatron.launch.megatron_rules import name_flags, violations
+from nest_megatron.launch.megatron_rules import argv_split, name_flags, violations
 from nest_megatron.launch.rewrite import DISPATCHER, PIN_FLAGS, pinned_values
 from nest_megatron.plan import Plan
 from nest_megatron.profile.for_plan import profiled_problem
@@ -44,13 +44,18 @@ def layout_why(argv: list[str], loaded: Loaded, plan: Plan) -> str:
     broken = violations(argv, world_size=plan.world_size)
     if broken:
         return f"the given layout breaks a Megatron rule: {broken[0]}"
+    # A layout sets vpp itself (its stages / pp) and is priced as the split it spells.
+    split = argv_split(argv, world_size=plan.world_size, model=loaded.config.model)
+    layout = scan(argv).has("--pipeline-model-parallel-layout")
     try:
-        given = PlanChoice(**pinned_values(argv, list(PIN_FLAGS), model=loaded.config.model))
+        given = PlanChoice(**pinned_values(argv, [n for n in PIN_FLAGS if not (layout and n == "vpp")],
+                                           model=loaded.config.model),
+                           layers_per_stage=list(split) if split is not None else None)
     except NestError as err:
         return f"the given layout is not one the cost model prices: {err}"
     problem, _ = profiled_problem(loaded.problem, loaded.config)
     try:
-        est = estimate(problem, evaluate_config(problem, given, default_mbs=None))
+        est = estimate(problem, evaluate_config(problem, given, default_mbs=None), layers_per_stage=split)
     except NestError as err:  # evaluate_config's line names plan.* keys: name the flags the user typed
         return f"the given layout breaks a Megatron rule: {name_flags(str(err).removeprefix('invalid configuration: '))}"
     if not est.fits:

@@ -13,7 +13,7 @@ Megatron-LM commit, check). `rules_doc()` writes both tables as docs/megatron_ru
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from nest_megatron.config.megatron_argv import Scanned, model_values, scan
 from nest_megatron.config.schema import ModelConfig
@@ -145,20 +145,33 @@ def _first_last_rest(launch: Launch) -> tuple[int, int]:
 
 
 def _layers_per_stage(launch: Launch) -> tuple[int, ...] | None:
-    """The layers each pipeline rank holds under a layout or first/last stage sizes; None for an even split."""
+    """The split a layout or first/last stage sizes give, as plan.layers_per_stage takes it: a layout's layers
+    per model chunk (pp*vpp entries in its order; pp without virtual stages), first/last the layers per pipeline
+    rank (Megatron splits each evenly over its virtual stages: transformer_config.py:2306-2360); None for an
+    even split."""
     layout = launch.s.get("--pipeline-model-parallel-layout")
     if layout is not None:
         if _layout_problem(layout, pp=launch.pp, num_layers=launch.model.num_layers):
             return None
-        stages, pp = layout_stages(layout), launch.pp
-        # Stage k of the layout runs on pipeline rank k % pp.
-        return tuple(sum(stages[k].count("t") for k in range(r, len(stages), pp)) for r in range(pp))
+        # Stage k of the layout runs on pipeline rank k % pp as its virtual stage k // pp.
+        return tuple(stage.count("t") for stage in layout_stages(layout))
     first, last = launch.first_last
     if (first is None and last is None) or _first_last_split(launch):
         return None
     middle, rest = _first_last_rest(launch)
     middle_stages = [rest // middle] * middle if middle else []  # pp 2 with both ends given has no middle stage
     return (*([first] if first is not None else []), *middle_stages, *([last] if last is not None else []))
+
+
+def argv_split(argv: list[str], *, world_size: int, model: ModelConfig | None = None) -> tuple[int, ...] | None:
+    """The split a user's argv gives, as plan.layers_per_stage takes it: --pipeline-model-parallel-layout as the
+    layers of each of its stages (model chunks), --decoder-first/last-pipeline-num-layers as the layers of each
+    pipeline rank; None for Megatron's even split or flags that break a rule (`violations` says which)."""
+    s = scan(argv)
+    m = model or ModelConfig(**model_values(s, vocab_size=s.get("--vocab-size", 1)))
+    launch = Launch(s, world_size, m, tp=s.get("--tensor-model-parallel-size", 1),
+                    pp=s.get("--pipeline-model-parallel-size", 1), cp=s.get("--context-parallel-size", 1))
+    return _layers_per_stage(launch)
 
 
 def _world_divisible(launch: Launch):
@@ -373,16 +386,8 @@ def violations(argv: list[str], *, world_size: int) -> list[str]:
         zero=_zero(s), recompute=kind, recompute_num_layers=recomputed,
         order="tp-cp-ep-pp-dp" if s.has("--use-tp-pp-dp-mapping") else "tp-cp-ep-dp-pp",
     )
-    if layers_per_stage is not None and vpp > 1:
-        # An uneven interleaved split: check the split per pipeline rank, the interleaving rules separately.
-        rule = violation(replace(cfg, vpp=1), model=ModelSpec(m), num_devices=world_size, global_batch_size=gbs,
-                         layers_per_stage=layers_per_stage)
-        microbatches = gbs // (mbs * dp)
-        if rule is None and microbatches % launch.pp:
-            rule = f"{microbatches} micro-batches: the interleaved schedule needs a multiple of pp={launch.pp}"
-    else:
-        rule = violation(cfg, model=ModelSpec(m), num_devices=world_size, global_batch_size=gbs,
-                         layers_per_stage=layers_per_stage)
+    rule = violation(cfg, model=ModelSpec(m), num_devices=world_size, global_batch_size=gbs,
+                     layers_per_stage=layers_per_stage)
     if rule and name_flags(rule) not in out:
         out.append(name_flags(rule))
     return out

@@ -183,22 +183,34 @@ def _order_expert_dp(c: Case):
 
 
 def _split(c: Case):
-    """A given split has pp stages of at least one layer adding up to num_layers."""
+    """A given split has pp entries (per pipeline rank) or pp*vpp (per model chunk), none negative, adding up to num_layers.
+
+    The pp*vpp entries are in Megatron's virtual-stage order (chunk k*pp + rank); an empty stage is allowed."""
     split, layers = c.layers_per_stage, c.model.cfg.num_layers
-    if split is not None and (len(split) != c.cfg.pp or min(split) < 1 or sum(split) != layers):
-        return f"layers_per_stage={list(split)}: {c.cfg.pp} stages of at least one layer adding up to {layers}"
+    lengths = sorted({c.cfg.pp, c.cfg.pp * c.cfg.vpp})
+    if split is not None and (len(split) not in lengths or min(split) < 0 or sum(split) != layers):
+        return (f"layers_per_stage={list(split)}: {' or '.join(map(str, lengths))} entries (pp or pp*vpp) of at least "
+                f"0 layers adding up to num_layers={layers}")
+
+
+def _split_virtual(c: Case):
+    """A split of pp entries with virtual stages gives each rank a multiple of vpp layers (split evenly over its chunks)."""
+    split, v = c.layers_per_stage, c.cfg.vpp
+    if split is not None and v > 1 and len(split) == c.cfg.pp and any(n % v for n in split):
+        return (f"layers_per_stage={list(split)}: with plan.vpp={v}, pp entries must each be a multiple of vpp "
+                "(or give pp*vpp entries, one per model chunk)")
 
 
 def _uneven_stages(c: Case):
     """An uneven split has at most one stage per layer."""
-    uneven = (c.layers_per_stage is not None or c.any_split) and c.cfg.vpp == 1
+    uneven = c.any_split and c.layers_per_stage is None and c.cfg.vpp == 1
     if uneven and c.cfg.pp > c.model.cfg.num_layers:
         return f"plan.pp={c.cfg.pp}: more stages than num_layers={c.model.cfg.num_layers}"
 
 
 def _even_split(c: Case):
     """Without a layout, pp x vpp divides the layers."""
-    uneven = (c.layers_per_stage is not None or c.any_split) and c.cfg.vpp == 1
+    uneven = c.layers_per_stage is not None or (c.any_split and c.cfg.vpp == 1)
     if not uneven and c.model.cfg.num_layers % (c.cfg.pp * c.cfg.vpp):
         return (f"plan.pp={c.cfg.pp} x plan.vpp={c.cfg.vpp}: must divide num_layers={c.model.cfg.num_layers} "
                 "for an even split")
@@ -274,9 +286,11 @@ RULES = (
     Rule("etp-dense", f"nest: {ARGS}:588 sets etp = tp, used by no layer of a dense model", _etp_dense),
     Rule("moe-bias-etp", f"{TC}:2615", _moe_bias_etp),
     Rule("order-expert-dp", f"{MC}parallel_state.py:898", _order_expert_dp),
-    Rule("split", "nest: a split of the layers over the stages", _split),
-    Rule("uneven-stages", "nest: each stage of an uneven split holds a layer", _uneven_stages),
-    Rule("even-split", f"{ARGS}:969, 973, 998", _even_split),
+    Rule("split", f"{MC}transformer/pipeline_parallel_layer_layout.py:41, 107 (pp*vpp stages, num_layers "
+         "transformer layers; empty stages allowed); pp entries: nest", _split),
+    Rule("split-virtual", f"nest: as {TC}:2306-2336 asks of --decoder-first/last-pipeline-num-layers", _split_virtual),
+    Rule("uneven-stages", "nest: each stage of an uneven split the planner chooses holds a layer", _uneven_stages),
+    Rule("even-split", f"{ARGS}:969, 973, 998 (not with a layout: {ARGS}:941)", _even_split),
     Rule("vpp-pp", f"{MC}parallel_state.py:830", _vpp_pp),
     Rule("global-batch", f"{MC}num_microbatches_calculator.py:381", _global_batch),
     Rule("fill-pipeline", "nest: 1F1B with fewer micro-batches than stages leaves stages idle", _fill_pipeline),

@@ -50,7 +50,7 @@ from nest_megatron.parallel.ranks import decoder_sizes, host_placements
 from nest_megatron.parallel.rules import num_microbatches
 from nest_megatron.solver.bounds import MemoryFloors, no_fit_reason
 from nest_megatron.solver.enumerate import SearchResult, row_key
-from nest_megatron.solver.space import candidates, empty_space_reason
+from nest_megatron.solver.space import candidates, empty_space_reason, pinned_split
 from nest_megatron.solver.visit import Progress, default_jobs, visit
 
 FRONT_CAPACITY = 64  # Pareto points kept per state; exceeding it is an error, never a silent cut
@@ -388,12 +388,15 @@ class Outcome(NamedTuple):
 NO_FIT = Outcome(False, np.inf, -1, ())
 
 
-def solve_config(problem: Problem, cfg: ParallelConfig, cutoff: float, floors: MemoryFloors, contexts: dict) -> Outcome:
+def solve_config(problem: Problem, cfg: ParallelConfig, cutoff: float, floors: MemoryFloors, contexts: dict,
+                 pinned: tuple[int, ...] | None = None) -> Outcome:
     """`cfg`'s fastest placement and split whose step time is at most `cutoff` (equal may still win on
     the visiting order). Memory first: no placement changes it, so a configuration that fits under no
-    split is known before any time is priced."""
+    split is known before any time is priced. A `pinned` split (plan.layers_per_stage) is the only one priced."""
     if not floors.fits(cfg):
         return NO_FIT
+    if pinned is not None:
+        return _solve_pinned(problem, cfg, cutoff, contexts, pinned)
     best, memory = (np.inf, -1, ()), None
     admit = np.nextafter(cutoff, np.inf)
     for i, mapping in enumerate(placements(problem, cfg)):
@@ -412,6 +415,22 @@ def solve_config(problem: Problem, cfg: ParallelConfig, cutoff: float, floors: M
         found = best_for(ctx, cutoff=beat, memory=memory)
         if found is not None:
             best = (found[1], i, found[0])
+    return Outcome(True, *best)
+
+
+def _solve_pinned(problem: Problem, cfg: ParallelConfig, cutoff: float, contexts: dict,
+                  split: tuple[int, ...]) -> Outcome:
+    """`solve_config` with the user's split: every placement, that split alone."""
+    best = (np.inf, -1, ())
+    admit = np.nextafter(cutoff, np.inf)
+    for i, mapping in enumerate(placements(problem, cfg)):
+        ctx = shared_context(problem, cfg, mapping, i, contexts)
+        if i == 0 and not fits_in(ctx, split):
+            return NO_FIT
+        beat = min(admit, best[0])  # no context_bound here: it assumes each rank holds a layer, a pinned split may not
+        est = estimate_in(ctx, split)
+        if est.step_time < beat:
+            best = (est.step_time, i, split)
     return Outcome(True, *best)
 
 
@@ -474,8 +493,10 @@ def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_bat
     kept = Kept(solver.top_k)
     contexts: dict = {}
 
+    pinned = pinned_split(pins)
+
     def solve_at(position: int, cutoff: float) -> Outcome:
-        return solve_config(problem, pending[position][1], cutoff, floors, contexts)
+        return solve_config(problem, pending[position][1], cutoff, floors, contexts, pinned)
 
     def accept(position: int, outcome: Outcome) -> float:
         kept.add(row_key(pending[position][1]), position, outcome)
@@ -497,7 +518,7 @@ def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_bat
         row = row_key(cfg)
         if (not outcome.fits and bound < best_time and row not in kept.rows and row not in too_big
                 and len(too_big) < 3):
-            too_big[row] = estimate_in(context(problem, cfg), balanced_split(layers, cfg.pp))
+            too_big[row] = estimate_in(context(problem, cfg), pinned or balanced_split(layers, cfg.pp))
     ranked = []
     for _, position, placement, split in sorted(kept.rows.values(), key=lambda item: item[:3]):
         cfg = pending[position][1]

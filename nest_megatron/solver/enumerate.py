@@ -13,7 +13,7 @@ from nest_megatron.cost.tables import layer_costs, stage_sums
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.rules import num_microbatches
 from nest_megatron.solver.bounds import MemoryFloors, no_fit_reason
-from nest_megatron.solver.space import candidates, empty_space_reason
+from nest_megatron.solver.space import candidates, empty_space_reason, pinned_split
 from nest_megatron.solver.visit import Progress
 
 
@@ -28,11 +28,11 @@ class SearchResult:
     too_big: str | None = None  # when no configuration can fit, whatever its split: the memory it needs at least
 
 
-def fits_in_memory(problem: Problem, cfg) -> bool:
-    """Memory of every stage under the even split, checked before the (costlier) timing."""
+def fits_in_memory(problem: Problem, cfg, split: tuple[int, ...] | None = None) -> bool:
+    """Memory of every stage under the even split (or `split`), checked before the (costlier) timing."""
     model, acc = problem.model, problem.accelerator
     costs = layer_costs(model, cfg, spans=None, net=None, compute=None)
-    split = (model.cfg.num_layers // cfg.pp,) * cfg.pp
+    split = split or (model.cfg.num_layers // cfg.pp,) * cfg.pp
     m = num_microbatches(cfg, problem.global_batch_size)
     sums = [stage_sums(costs, cfg, split, i) for i in range(cfg.pp)]
     memory = memory_per_stage(model, cfg, sums, num_microbatches=m, reserved_bytes=acc.reserved_memory_bytes,
@@ -57,16 +57,17 @@ def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_bat
     fastest: dict[tuple, tuple[float, int, Estimate]] = {}  # row -> its fastest plan that fits, in order found
     too_big: dict[tuple, Estimate] = {}
     evaluated, best_time = 0, float("inf")
+    split = pinned_split(pins)  # plan.layers_per_stage, else the even split
     for i, cfg in enumerate(space):
         evaluated += 1
         if progress is not None:
             progress(evaluated, len(space), best_time)
         row = row_key(cfg)
-        if not fits_in_memory(problem, cfg):
+        if not fits_in_memory(problem, cfg, split):
             if len(too_big) < 3 and row not in too_big:
-                too_big[row] = estimate(problem, cfg)
+                too_big[row] = estimate(problem, cfg, layers_per_stage=split)
             continue
-        est = estimate(problem, cfg)
+        est = estimate(problem, cfg, layers_per_stage=split)
         if row not in fastest or est.step_time < fastest[row][0]:
             fastest[row] = (est.step_time, i, est)
         best_time = min(best_time, est.step_time)

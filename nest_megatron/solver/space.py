@@ -38,7 +38,7 @@ def choice_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | No
         tp=tp, pp=pp, cp=cp, dp=max(dp, 1),
         ep=choice.ep or 1,
         etp=choice.etp or (tp if problem.model.is_moe else 1),
-        vpp=choice.vpp or 1,
+        vpp=choice.vpp or split_vpp(choice),
         sp=choice.sp if choice.sp is not None else tp > 1,
         mbs=choice.mbs or default_mbs or 1,
         zero=choice.zero if choice.zero is not None else 1,
@@ -48,10 +48,21 @@ def choice_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | No
     )
 
 
+def split_vpp(choice: PlanChoice) -> int:
+    """The virtual stages a pinned split of pp*vpp entries implies (Megatron's layout sets vpp so); 1 otherwise."""
+    split, pp = choice.layers_per_stage, choice.pp
+    return len(split) // pp if split and pp and len(split) % pp == 0 else 1
+
+
+def pinned_split(choice: PlanChoice) -> tuple[int, ...] | None:
+    return tuple(choice.layers_per_stage) if choice.layers_per_stage is not None else None
+
+
 def evaluate_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | None) -> ParallelConfig:
     """The one configuration `evaluate` scores: the user's choice, Megatron's defaults elsewhere."""
     cfg = choice_config(problem, choice, default_mbs=default_mbs)
-    problem_line = violation(cfg, model=problem.model, num_devices=problem.num_devices, global_batch_size=problem.global_batch_size)
+    problem_line = violation(cfg, model=problem.model, num_devices=problem.num_devices, global_batch_size=problem.global_batch_size,
+                             layers_per_stage=pinned_split(choice))
     if problem_line:
         raise NestError(f"invalid configuration: {problem_line}")
     if overlap_without_sp(problem, cfg):
@@ -89,7 +100,8 @@ def empty_space_reason(
     if pinned:
         cfg = choice_config(problem, pins, default_mbs=micro_batch_size)
         line = violation(cfg, model=problem.model, num_devices=problem.num_devices,
-                         global_batch_size=problem.global_batch_size, any_split=any_split)
+                         global_batch_size=problem.global_batch_size, any_split=any_split,
+                         layers_per_stage=pinned_split(pins))
         if line is None and overlap_without_sp(problem, cfg):
             line = TP_COMM_OVERLAP_LINE.format(tp=cfg.tp)
         if line is None and problem.num_devices % (cfg.tp * cfg.cp * cfg.pp):
@@ -144,6 +156,8 @@ def _configurations(
         etps = axis(pins.etp, sorted({1, tp}) if model.is_moe else [1])
         sps = axis(pins.sp, [tp > 1])
         vpps = axis(pins.vpp, [v for v in range(1, solver.max_virtual_stages + 1) if v == 1 or pp > 1])
+        if pins.vpp is None and pins.layers_per_stage is not None and split_vpp(pins) > 1:
+            vpps = [split_vpp(pins)]  # a split of pp*vpp entries fixes vpp
         # With one pipeline stage or one replica both Megatron orders build the same groups.
         orders = axis(pins.order, list(solver.rank_orders) if pp > 1 and dp > 1 else solver.rank_orders[:1])
         for ep, etp, sp, vpp, mbs, zero, recompute, order in itertools.product(eps, etps, sps, vpps, mbss, zeros, recomputes, orders):
@@ -154,4 +168,4 @@ def _configurations(
                 cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
                                      recompute=recompute, recompute_num_layers=recomputed, order=order)
                 yield cfg, violation(cfg, model=model, num_devices=devices, global_batch_size=problem.global_batch_size,
-                                     any_split=any_split)
+                                     any_split=any_split, layers_per_stage=pinned_split(pins))
