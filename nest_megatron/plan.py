@@ -118,7 +118,7 @@ def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name
         rank_to_device=[int(d) for d in mapping],
         group_levels={k: (level_names[v] if v >= 0 else None) for k, v in est.levels.items()},
         predicted=predicted(est),
-        megatron_args=model_args(model, precision=problem.precision, fp8_recipe=problem.fp8_recipe)
+        megatron_args=model_args(model)
         + parallel_args(
             c,
             model=model,

@@ -92,7 +92,7 @@ MODEL_KEYS = {
     "moe_router_topk": ("1", 1), "moe_ffn_hidden_size": ("4096", 4096),
     "moe_shared_expert_intermediate_size": ("2048", 2048), "moe_layer_freq": ("2", 2),
     "squared_relu": ("true", True), "qk_layernorm": ("true", True), "window_size": ("512", 512),
-    "window_attn_skip_freq": ("4", 4),
+    "window_attn_skip_freq": ("4", 4), "moe_load_imbalance": ("1.2", 1.2),
     # model.source and its paths: tests/test_trace.py loads the traced sources and their errors.
     "source": ("analytic", "analytic"), "hf_config": ("null", None), "module": ("null", None),
 }
@@ -100,7 +100,8 @@ ACCELERATOR_KEYS = {
     "name": ("acc", "acc"), "peak_bf16_tflops": ("500", 500.0), "memory_gib": ("40", 40.0),
     "hbm_bandwidth_gb_per_s": ("1000", 1000.0), "gemm_efficiency": ("0.5", 0.5), "attention_efficiency": ("0.4", 0.4),
     "memory_bound_efficiency": ("0.7", 0.7), "reserved_memory_gib": ("2", 2.0),
-    "peak_fp8_tflops": ("1000", 1000.0), "mxfp8": ("true", True),
+    "peak_fp8_tflops": ("1000", 1000.0), "mxfp8": ("true", True), "gemm_fp8_efficiency": ("0.5", 0.5),
+    "sm_count": ("108", 108), "kernel_overhead_us": ("10", 10.0),
 }
 CLUSTER_KEYS = {
     "name": ("c", "c"), "topology": ("hierarchical", "hierarchical"), "num_devices": ("64", 64),
@@ -116,7 +117,7 @@ TORUS_KEYS = {
 TRAIN_KEYS = {
     "global_batch_size": ("512", 512), "micro_batch_size": ("2", 2), "overlap_grad_reduce": ("false", False),
     "overlap_param_gather": ("false", False), "precision": ("bf16", "bf16"), "fp8_recipe": ("tensorwise", "tensorwise"),
-    "tp_comm_overlap": ("true", True),
+    "tp_comm_overlap": ("true", True), "grad_reduce_in_bf16": ("true", True), "cross_entropy_fusion": ("true", True),
 }
 SOLVER_KEYS = {
     "name": ("enumerate", "enumerate"), "micro_batch_sizes": ("[1,2]", [1, 2]), "zero_stages": ("[1]", [1]),

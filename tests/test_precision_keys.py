@@ -139,7 +139,7 @@ def test_accelerator_fp8_numbers_reach_the_problem():
 def test_mxfp8_is_taken_on_b200():
     p = load([*BASE, "accelerator=b200", "train.precision=fp8", "train.fp8_recipe=mxfp8",
               "train.tp_comm_overlap=true"]).problem
-    assert (p.precision, p.fp8_recipe, p.tp_comm_overlap) == ("fp8", "mxfp8", True)
+    assert (p.model.numerics.fp8_recipe, p.tp_comm_overlap) == ("mxfp8", True)
 
 
 # -- the plan's argv ------------------------------------------------------------------------------------------

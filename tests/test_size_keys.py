@@ -162,6 +162,13 @@ BAD = [
      "accelerator.hbm_bandwidth_gb_per_s=1"),
     ("accelerator.reserved_memory_gib=-1", r"^accelerator\.reserved_memory_gib=-1\.0: must be a finite number >= 0$",
      "accelerator.reserved_memory_gib=0"),
+    ("accelerator.sm_count=0", r"^accelerator\.sm_count=0: allowed 1\.\.4096$", "accelerator.sm_count=1"),
+    ("accelerator.kernel_overhead_us=-1", r"^accelerator\.kernel_overhead_us=-1\.0: must be a finite number >= 0$",
+     "accelerator.kernel_overhead_us=0"),
+    ("accelerator.gemm_fp8_efficiency=0", r"^accelerator\.gemm_fp8_efficiency=0\.0: must be in \(0, 1\]$",
+     "accelerator.gemm_fp8_efficiency=1"),
+    ("model.moe_load_imbalance=0.5", r"^model\.moe_load_imbalance=0\.5: must be a finite number >= 1$",
+     "model.moe_load_imbalance=1", "model=tiny_moe"),
     # h100_spine_leaf models 83.82 GiB a device (cluster.device_memory_gib)
     ("accelerator.reserved_memory_gib=83.82",
      r"^accelerator\.reserved_memory_gib=83\.82: must be below the device memory, 83\.82 GiB$",

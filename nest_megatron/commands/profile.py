@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
 def layer_table(entries, compute) -> Table:
     """Measured layer times against the fitted model's (forward + backward, ms)."""
-    from nest_megatron.profile.fit import layer_pass_time
+    from nest_megatron.profile.fit import layer_time_of
 
     table = Table(title="layers: forward + backward of one micro-batch, ms",
                   caption="one rank: the shard timed alone plus the modelled collectives (comm)")
@@ -98,7 +98,7 @@ def layer_table(entries, compute) -> Table:
         strategy = " ".join(k if v is True else f"{k}{v}" for k, v in e.strategy.items()
                             if v is True or (not isinstance(v, bool) and (v != 1 or k in ("tp", "mbs"))))
         measured = e.seconds + (0.0 if e.includes_comm else e.modelled_comm_s)
-        model = 3 * layer_pass_time(e, compute) + e.modelled_comm_s if e.kind in ("dense", "moe") else None
+        model = layer_time_of(e, compute) + e.modelled_comm_s if e.kind in ("dense", "moe") else None
         table.add_row(e.kind, strategy, "processes" if e.includes_comm else "one rank", f"{measured * 1e3:.3f}",
                       f"{e.modelled_comm_s * 1e3:.3f}", f"{model * 1e3:.3f}" if model is not None else "-")
     return table

@@ -35,7 +35,7 @@ from nest_megatron.cost.problem import Problem
 from nest_megatron.errors import NestError
 from nest_megatron.hardware.accelerator import accelerator_from_config
 from nest_megatron.hardware.topology import BUILDERS
-from nest_megatron.model.spec import ModelSpec
+from nest_megatron.model.spec import ModelSpec, Numerics
 from nest_megatron.parallel.config import RANK_ORDERS, RECOMPUTE_KINDS, ZERO_STAGES
 from nest_megatron.solver.registry import SOLVERS
 from nest_megatron.trace.source import resolve as resolve_model_source
@@ -263,6 +263,7 @@ MAX_KV_CHANNELS = 2**12  # Gemma's 256 per head
 MAX_SEQ = 2**24  # 1M-token contexts are trained (context parallel)
 MAX_VOCAB = 2**22  # Gemma 3's 262,144
 MAX_EXPERTS = 2**15  # Switch-C's 2,048
+MAX_SMS = 2**12  # B200: 148 streaming multiprocessors
 MAX_BATCH = 2**20  # sequences: LAMB trained BERT at 65,536 a batch, LLMs use a few thousand
 # Search knob, capped by its cost: every value up to it is tried at every pipeline size (1,024 made a 16-GPU plan of
 # tiny_gpt 5x slower), while published interleaved schedules use a few chunks a rank.
@@ -331,6 +332,7 @@ def _check_model(m: ModelConfig) -> None:
     for key in ("hidden_dropout", "attention_dropout"):
         if not 0 <= getattr(m, key) < 1:
             raise NestError(f"model.{key}={getattr(m, key)}: must be in [0, 1)")
+    _real("model.moe_load_imbalance", m.moe_load_imbalance, 1)
     if m.squared_relu and m.swiglu:  # Megatron-LM megatron/training/argument_utils.py:320-321 asserts it
         raise NestError("model.squared_relu=true and model.swiglu=true: one MLP activation; choose one")
     _integer("model.window_size", m.window_size, 1, m.seq_length - 1, "model.seq_length - 1: a window of the whole "
@@ -344,9 +346,11 @@ def _check_model(m: ModelConfig) -> None:
 def _check_accelerator(a: AcceleratorConfig, device_memory_gib: float | None) -> None:
     for key in ("peak_bf16_tflops", "memory_gib", "hbm_bandwidth_gb_per_s"):
         _real(f"accelerator.{key}", getattr(a, key), 0, above=True)
-    for key in ("gemm_efficiency", "attention_efficiency", "memory_bound_efficiency"):
+    for key in ("gemm_efficiency", "gemm_fp8_efficiency", "attention_efficiency", "memory_bound_efficiency"):
         if not 0 < getattr(a, key) <= 1:
             raise NestError(f"accelerator.{key}={getattr(a, key)}: must be in (0, 1]")
+    _integer("accelerator.sm_count", a.sm_count, 1, MAX_SMS)
+    _real("accelerator.kernel_overhead_us", a.kernel_overhead_us, 0)
     _real("accelerator.reserved_memory_gib", a.reserved_memory_gib, 0)
     memory = device_memory_gib or a.memory_gib  # what the cluster models a device to hold (checked before)
     if a.reserved_memory_gib >= memory:
@@ -475,14 +479,15 @@ def _problem(root: RootConfig, tracer=None) -> Problem:
     topology = BUILDERS[root.cluster.topology](root.cluster)
     if root.cluster.num_devices is not None:
         topology = topology.rescaled(root.cluster.num_devices)
+    t = root.train
+    numerics = Numerics(fp8_recipe=t.fp8_recipe if t.precision == "fp8" else None,
+                        grad_reduce_in_bf16=t.grad_reduce_in_bf16, cross_entropy_fusion=t.cross_entropy_fusion)
     return Problem(
-        model=ModelSpec(root.model, tracer=tracer),
+        model=ModelSpec(root.model, tracer=tracer, numerics=numerics),
         accelerator=accelerator_from_config(root.accelerator, memory_gib=root.cluster.device_memory_gib),
         topology=topology,
-        global_batch_size=root.train.global_batch_size,
-        overlap_grad_reduce=root.train.overlap_grad_reduce,
-        overlap_param_gather=root.train.overlap_param_gather,
-        precision=root.train.precision,
-        fp8_recipe=root.train.fp8_recipe,
-        tp_comm_overlap=root.train.tp_comm_overlap,
+        global_batch_size=t.global_batch_size,
+        overlap_grad_reduce=t.overlap_grad_reduce,
+        overlap_param_gather=t.overlap_param_gather,
+        tp_comm_overlap=t.tp_comm_overlap,
     )

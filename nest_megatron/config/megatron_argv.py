@@ -81,6 +81,8 @@ HINT_FLAGS: dict[str, str] = {
     # megatron/core/transformer/transformer_config.py:587-599; arguments.py:2373-2374 generates both from it)
     "--fp8-format": "str",
     "--fp8-recipe": "str",
+    "--grad-reduce-in-bf16": "true",  # train.grad_reduce_in_bf16 (arguments.py:3053)
+    "--cross-entropy-loss-fusion": "true",  # train.cross_entropy_fusion
 }
 
 # Flags the planner decides (launch/rewrite.py removes them and inserts the plan's), with their arity.
@@ -153,7 +155,8 @@ TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257}
 FLAG_OF_KEY: dict[str, str] = {f"model.{key}": flag for flag, (key, _, _) in MODEL_FLAGS.items()}
 FLAG_OF_KEY["train.global_batch_size"] = "--global-batch-size"
 FLAG_OF_KEY |= {"train.precision": "--fp8-format", "train.fp8_recipe": "--fp8-recipe",
-                "train.tp_comm_overlap": "--tp-comm-overlap"}
+                "train.tp_comm_overlap": "--tp-comm-overlap", "train.grad_reduce_in_bf16": "--grad-reduce-in-bf16",
+                "train.cross_entropy_fusion": "--cross-entropy-loss-fusion"}
 FP8_FORMATS = ("e4m3", "hybrid")  # transformer_config.py:587
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")  # :594, less custom (a quantizer of the user's code)
 
@@ -410,6 +413,8 @@ def train_overrides(argv: list[str] | Scanned) -> list[str]:
     out.append(f"train.precision={'fp8' if s.has('--fp8-format') else 'bf16'}")
     out.append(f"train.fp8_recipe={s.get('--fp8-recipe', 'delayed')}")
     out.append(f"train.tp_comm_overlap={_hydra(s.has('--tp-comm-overlap'))}")
+    out.append(f"train.grad_reduce_in_bf16={_hydra(s.has('--grad-reduce-in-bf16'))}")
+    out.append(f"train.cross_entropy_fusion={_hydra(s.has('--cross-entropy-loss-fusion'))}")
     return out
 
 

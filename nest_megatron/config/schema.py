@@ -47,6 +47,9 @@ class ModelConfig:
     moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
     moe_layer_freq: int = 1  # layer i has a MoE MLP when i % moe_layer_freq == 0, a dense one otherwise
     moe_shared_expert_intermediate_size: Optional[int] = None
+    # The busiest expert-parallel rank's routed tokens over the mean (>= 1): 1 for a balanced router
+    # (aux-loss-free or forced balance); what the expert GEMMs and the all-to-all wait for.
+    moe_load_imbalance: float = 1.0
     squared_relu: bool = False  # relu(x)^2 MLP activation (Nemotron); not with swiglu
     qk_layernorm: bool = False  # normalization of each head's query and key
     # sliding-window attention over this many past tokens (Megatron's "left,right" = N,0); None: full
@@ -78,6 +81,9 @@ class AcceleratorConfig:
     gemm_efficiency: float = 0.75  # fraction of the bf16 peak a large GEMM reaches (a profile fits it)
     attention_efficiency: float = 0.55  # fraction of the bf16 peak a fused attention kernel reaches (a profile fits it)
     memory_bound_efficiency: float = 0.8  # fraction of HBM bandwidth a memory-bound kernel reaches (a profile fits it)
+    gemm_fp8_efficiency: float = 0.6  # fraction of the fp8 peak a large fp8 GEMM reaches
+    sm_count: int = 132  # streaming multiprocessors: a GEMM's output tiles run in waves of this many
+    kernel_overhead_us: float = 0.0  # launch and tail time of one GEMM or attention kernel, microseconds
     # CUDA context, NCCL buffers, cuBLAS workspace and allocator fragmentation, GiB.
     reserved_memory_gib: float = 3.0
 
@@ -130,6 +136,8 @@ class TrainConfig:
     precision: str = "bf16"  # bf16 | fp8 (--fp8-format hybrid: FP8 GEMMs through Transformer Engine, bf16 elsewhere)
     fp8_recipe: str = "delayed"  # --fp8-recipe with fp8: delayed | tensorwise | blockwise | mxfp8 (Blackwell only)
     tp_comm_overlap: bool = False  # --tp-comm-overlap: TP collectives behind the GEMMs (needs sequence parallel)
+    grad_reduce_in_bf16: bool = False  # --grad-reduce-in-bf16: main gradients and their DP reduction in bf16
+    cross_entropy_fusion: bool = False  # --cross-entropy-loss-fusion: the loss keeps no fp32 logits
 
 
 @dataclass

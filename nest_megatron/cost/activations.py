@@ -38,6 +38,9 @@ BF16, FP32, MASK = 2, 4, 1
 
 # Terms that selective recompute (core attention) does not keep.
 CORE_ATTENTION_TERMS = ("softmax", "attention_dropout", "softmax_lse")
+# The inputs of the linears (QKV, projection, FC1, FC2, the experts' FC1): kept in fp8 with fp8 GEMMs.
+FP8_SAVED_INPUTS = ("qkv_input", "proj_input", "fc1_input", "fc2_input", "expert_input")
+FP8 = 1
 
 
 def _qkv_bytes(model: ModelSpec, *, tokens: float, tp: int, selective: bool) -> float:
@@ -92,6 +95,12 @@ def layer_activation_terms(
         if moe:  # the routing weights multiply the activation's output, which that product keeps
             terms["expert_probs_input"] = BF16 * rows * f / width
     terms["fc2_input"] = BF16 * rows * f / width
+    if model.numerics.fp8_recipe is not None:
+        # Transformer Engine's fp8 linears keep their input as the fp8 copy the weight-gradient GEMM
+        # reads (1 byte per element; the scales are negligible), not in bf16.
+        for name in FP8_SAVED_INPUTS:
+            if name in terms:
+                terms[name] = terms[name] * FP8 / BF16
     if selective:
         for name in CORE_ATTENTION_TERMS:
             terms.pop(name, None)
@@ -139,6 +148,8 @@ def attention_buffer_bytes(model: ModelSpec, *, mbs: int, tp: int) -> float:
 
 def logits_bytes(model: ModelSpec, *, mbs: int, tp: int, cp: int) -> float:
     """The last stage's output: bf16 logits and the fp32 softmax the vocab-parallel cross
-    entropy keeps (megatron-core tensor_parallel/cross_entropy.py), for one micro-batch."""
+    entropy keeps (megatron-core tensor_parallel/cross_entropy.py), for one micro-batch; the fused
+    cross entropy keeps only the logits' bf16 gradient, written over them."""
     tokens = mbs * model.cfg.seq_length // cp
-    return (BF16 + FP32) * tokens * model.padded_vocab(tp) / tp
+    per_logit = BF16 if model.numerics.cross_entropy_fusion else BF16 + FP32
+    return per_logit * tokens * model.padded_vocab(tp) / tp

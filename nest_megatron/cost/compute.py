@@ -1,46 +1,102 @@
-"""Time of the computation on one device: a roofline with efficiencies.
+"""Time of the computation on one device: a roofline with efficiencies, shape-aware for GEMMs.
 
 `ComputeModel` is the contract; `RooflineCompute` fills it from the accelerator's peak numbers and
 efficiency factors. A profile table (measured kernel times per op class and shape) is a second
-implementation of the same three methods.
+implementation of the same methods (profile/fit.py).
+
+A GEMM is run by a kernel that tiles its [m, n] output over the streaming multiprocessors (SMs):
+ceil(m / TILE_M) x ceil(n / TILE_N) tiles, one tile per SM at a time, so the kernel takes
+ceil(tiles / SMs) waves of one tile's 2 TILE_M TILE_N k FLOPs each, at the SM's share of the peak.
+A large GEMM reaches the efficiency; a small one, or one whose last wave is nearly empty (wave
+quantisation), less. A grouped GEMM (a device's experts) schedules every group's tiles in one
+launch. Every GEMM and attention kernel also pays a fixed launch and tail time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from nest_megatron.hardware.accelerator import Accelerator
 from nest_megatron.model.spec import Gemm
 
 BF16 = 2  # bytes
+FP8 = 1  # bytes
+
+# The output tile of one SM: 128 x 256 is the largest of CUTLASS's Hopper warp-specialised GEMM
+# tiles (cutlass/include/cutlass/gemm/collective/builders/sm90_gmma_builder.inl) and what cuBLAS
+# picks for large bf16 / fp8 training GEMMs; large GEMMs are insensitive to it, small ones are not.
+TILE_M, TILE_N = 128, 256
+
+# Flash attention's backward runs five GEMM-shaped products (S = QK^T again, dP = dO V^T, dV = P^T dO,
+# dQ = dS K, dK = dS^T Q) where the forward runs two: 2.5 x the forward FLOPs (Dao, FlashAttention-2,
+# arXiv 2307.08691, Sec. 3.1), at the same efficiency.
+ATTENTION_BACKWARD_FACTOR = 2.5
+
+
+# Flash attention's throughput by head dimension relative to 128, the size accelerator.attention_efficiency
+# describes: smaller heads do less work per byte of K / V streamed (FlashAttention-3, Shah et al., arXiv
+# 2407.08608, Fig. 5: bf16 forward on H100 at 16k tokens, head dim 64 ~ 0.75 x and head dim 256 ~ 1.1 x the
+# TFLOP/s of head dim 128). Between the points, linear in log2(head dim); outside, the nearest.
+HEAD_DIM_THROUGHPUT = ((64, 0.75), (128, 1.0), (256, 1.1))
+
+
+def head_dim_factor(head_dim: int) -> float:
+    points = HEAD_DIM_THROUGHPUT
+    if head_dim <= points[0][0]:
+        return points[0][1]
+    for (d0, f0), (d1, f1) in zip(points, points[1:]):
+        if head_dim <= d1:
+            return f0 + (f1 - f0) * (math.log2(head_dim) - math.log2(d0)) / (math.log2(d1) - math.log2(d0))
+    return points[-1][1]
 
 
 class ComputeModel(Protocol):
     def gemm_time(self, gemm: Gemm) -> float: ...
 
-    def attention_time(self, flops: float) -> float: ...
+    def attention_time(self, flops: float, head_dim: int = 128) -> float: ...
 
     def memory_time(self, nbytes: float) -> float: ...
+
+    def with_bf16_gemms(self) -> ComputeModel: ...  # the same model, GEMMs in bf16 (the output layer)
 
 
 @dataclass(frozen=True)
 class RooflineCompute:
     accelerator: Accelerator
+    fp8: bool = False  # GEMMs run in fp8 (train.precision=fp8) at the fp8 peak
+
+    @property
+    def gemm_flops(self) -> float:
+        """What a large GEMM reaches, FLOP/s."""
+        a = self.accelerator
+        if self.fp8:
+            return a.peak_fp8_flops * a.gemm_fp8_efficiency
+        return a.peak_flops * a.gemm_efficiency
 
     def gemm_time(self, gemm: Gemm) -> float:
-        """max(FLOPs / achieved FLOP/s, bytes of A, B and C / achieved HBM bandwidth)."""
+        """max(tile waves at the SMs' share of the achieved FLOP/s, operand and result bytes at the
+        achieved HBM bandwidth) + the kernel's launch and tail."""
         a = self.accelerator
-        nbytes = BF16 * (gemm.m * gemm.k + gemm.k * gemm.n + gemm.m * gemm.n)
-        return max(
-            gemm.flops / (a.peak_flops * a.gemm_efficiency),
-            nbytes / (a.hbm_bandwidth * a.memory_bound_efficiency),
-        )
+        # A GEMM thinner than a tile gets a tile its size (cuBLAS picks smaller tiles, or a GEMV).
+        tile_m, tile_n = min(TILE_M, gemm.m), min(TILE_N, gemm.n)
+        tiles = gemm.count * math.ceil(gemm.m / tile_m) * math.ceil(gemm.n / tile_n)
+        waves = math.ceil(tiles / a.sm_count)
+        compute = waves * a.sm_count * 2.0 * tile_m * tile_n * gemm.k / self.gemm_flops
+        width = FP8 if self.fp8 else BF16
+        nbytes = gemm.count * (width * (gemm.m * gemm.k + gemm.k * gemm.n) + BF16 * gemm.m * gemm.n)
+        return max(compute, nbytes / (a.hbm_bandwidth * a.memory_bound_efficiency)) + a.kernel_overhead_s
 
-    def attention_time(self, flops: float) -> float:
+    def attention_time(self, flops: float, head_dim: int = 128) -> float:
+        """The fused attention kernel (bf16 also in fp8 training: Transformer Engine keeps the
+        core attention in bf16 unless --fp8-dot-product-attention)."""
         a = self.accelerator
-        return flops / (a.peak_flops * a.attention_efficiency)
+        return flops / (a.peak_flops * a.attention_efficiency * head_dim_factor(head_dim)) + a.kernel_overhead_s
 
     def memory_time(self, nbytes: float) -> float:
         a = self.accelerator
         return nbytes / (a.hbm_bandwidth * a.memory_bound_efficiency)
+
+    def with_bf16_gemms(self) -> RooflineCompute:
+        return replace(self, fp8=False)

@@ -23,7 +23,7 @@ from nest_megatron.cost.collectives import (
 )
 from nest_megatron.cost.compute import BF16, ComputeModel
 from nest_megatron.cost.flops import megatron_model_flops
-from nest_megatron.cost.memory import GRAD_FP32, StageMemory, memory_of_rank, memory_per_stage
+from nest_megatron.cost.memory import StageMemory, memory_of_rank, memory_per_stage
 from nest_megatron.cost.placement import Spans, spans_for
 from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.tables import LayerCosts, StageSums, layer_costs, stage_sums
@@ -33,6 +33,20 @@ from nest_megatron.parallel.rules import num_microbatches
 
 ADAM_STEP_BYTES = 30  # per parameter: read grad 4, r/w master 8, r/w m 8, r/w v 8, write bf16 2
 DDP_BUCKET_PARAMS = 40_000_000  # Megatron DDP bucket size: max(4e7, 1e6 * dp) parameters
+# HBM bytes per logit of Megatron's vocab-parallel cross entropy (tensor_parallel/cross_entropy.py) on
+# bf16 logits cast to fp32. Forward: the cast (read 2, write 4), the max (read 4), subtracting it and
+# exp in place (read 4 write 4, twice), the sum (read 4), the division (read 4, write 4) = 38;
+# backward: the softmax made the gradient in place (read 4, write 4) and cast to bf16 (read 4,
+# write 2) = 14.
+CROSS_ENTROPY_BYTES_PER_LOGIT = 52
+# The fused cross entropy (--cross-entropy-loss-fusion) reads the bf16 logits for the max and the sum
+# and writes their bf16 gradient in place in the forward (2 + 2 + 2), which the backward scales (2 + 2).
+FUSED_CROSS_ENTROPY_BYTES_PER_LOGIT = 10
+
+
+def cross_entropy_bytes(model) -> int:
+    fused = model.numerics.cross_entropy_fusion
+    return FUSED_CROSS_ENTROPY_BYTES_PER_LOGIT if fused else CROSS_ENTROPY_BYTES_PER_LOGIT
 
 
 @dataclass(frozen=True)
@@ -90,7 +104,7 @@ def context(problem: Problem, cfg: ParallelConfig, *, rank_to_device: np.ndarray
             compute: ComputeModel | None = None) -> Context:
     compute = compute or problem.compute_model
     spans, net = groups_and_network(problem, cfg, rank_to_device)
-    costs = layer_costs(problem.model, cfg, spans=spans, net=net, compute=compute)
+    costs = layer_costs(problem.model, cfg, spans=spans, net=net, compute=compute, tp_comm_overlap=problem.tp_comm_overlap)
     return Context(problem, cfg, spans, net, compute, costs, num_microbatches(cfg, problem.global_batch_size),
                    rank_to_device)
 
@@ -210,23 +224,25 @@ def stage_body(ctx: Context, sums: StageSums, *, first: bool, last: bool) -> dic
     tokens = cfg.mbs * model.cfg.seq_length // cfg.cp
     compute_s = sums.compute
     if last:
-        # Output layer: logits GEMM forward and its two backward GEMMs, and the cross entropy.
+        # Output layer: logits GEMM forward and its two backward GEMMs (bf16: Megatron keeps the
+        # output layer out of fp8), and the cross entropy.
         logits = Gemm("output", tokens, model.padded_vocab(cfg.tp) // cfg.tp, model.h)
-        compute_s = compute_s + 3 * ctx.compute.gemm_time(logits) + ctx.compute.memory_time(3 * 6 * tokens * logits.n)
+        bf16 = ctx.compute.with_bf16_gemms()
+        compute_s = (compute_s + sum(bf16.gemm_time(g) for g in (logits, logits.dgrad, logits.wgrad))
+                     + ctx.compute.memory_time(cross_entropy_bytes(model) * tokens * logits.n))
     head_tp = 0.0
     if cfg.tp > 1 and (first or last):
         # The vocab-parallel embedding all-reduces (reduce-scatters with SP) its output, the
         # output layer all-gathers its input with SP; each has its mirror in backward.
         op = reduce_scatter_time if cfg.sp else all_reduce_time
         head_tp = 2 * worst(op, spans.tp, BF16 * tokens * model.h, net) * (first + last)
-    zero = _sharded_dp_per_microbatch(ctx, sums, first=first, last=last)
     return {
         "compute": compute_s,
         "recompute": sums.recompute,
         "tp_comm": sums.tp_comm + head_tp,
         "cp_comm": sums.cp_comm,
         "ep_comm": sums.ep_comm,
-        "zero_comm": np.maximum(0.0, zero - compute_s) if cfg.zero >= 2 else 0.0,
+        "zero_comm": _sharded_dp_per_microbatch(ctx, sums, first=first, last=last),
     }
 
 
@@ -240,17 +256,29 @@ def _stage_params(ctx: Context, sums: StageSums, *, first: bool, last: bool):
     return dense, sums.expert_params
 
 
+def _sharded_dp_traffic(ctx: Context, sums: StageSums, *, first: bool, last: bool):
+    """(reduce-scatter of the gradients, all-gather of the weights) of a rank's parameters over
+    their data-parallel groups, s."""
+    spans, net, grad = ctx.spans, ctx.net, ctx.problem.model.numerics.grad_bytes
+    dense, expert = _stage_params(ctx, sums, first=first, last=last)
+    scatter = worst(reduce_scatter_time, spans.dp, grad * dense, net) + worst(reduce_scatter_time, spans.edp, grad * expert, net)
+    gather = worst(all_gather_time, spans.dp, BF16 * dense, net) + worst(all_gather_time, spans.edp, BF16 * expert, net)
+    return scatter, gather
+
+
 def _sharded_dp_per_microbatch(ctx: Context, sums: StageSums, *, first: bool, last: bool):
-    """Megatron-FSDP traffic of every micro-batch: ZeRO-2 reduce-scatters the gradients after each
-    backward; ZeRO-3 also all-gathers the weights for the forward and again for the backward."""
-    cfg, spans, net = ctx.cfg, ctx.spans, ctx.net
+    """Exposed Megatron-FSDP traffic of every micro-batch. ZeRO-2 reduce-scatters each layer's
+    gradients as its backward ends, behind the backward of the layers before it; ZeRO-3 also
+    all-gathers each layer's weights a layer ahead, behind the forward, and again behind the
+    backward. What a pass cannot hide is exposed; the step's first gather and last reduce-scatter
+    are in `after_pipeline` (the others overlap the neighbouring micro-batch)."""
+    cfg = ctx.cfg
     if cfg.zero < 2:
         return 0.0
-    dense, expert = _stage_params(ctx, sums, first=first, last=last)
-    t = worst(reduce_scatter_time, spans.dp, GRAD_FP32 * dense, net) + worst(reduce_scatter_time, spans.edp, GRAD_FP32 * expert, net)
-    if cfg.zero == 3:
-        t = t + 2 * (worst(all_gather_time, spans.dp, BF16 * dense, net) + worst(all_gather_time, spans.edp, BF16 * expert, net))
-    return t
+    scatter, gather = _sharded_dp_traffic(ctx, sums, first=first, last=last)
+    if cfg.zero == 2:
+        return np.maximum(0.0, scatter - sums.bwd)
+    return np.maximum(0.0, gather - sums.fwd) + np.maximum(0.0, gather + scatter - sums.bwd)
 
 
 def after_pipeline(ctx: Context, sums: StageSums, *, first: bool, last: bool) -> dict:
@@ -265,11 +293,12 @@ def after_pipeline(ctx: Context, sums: StageSums, *, first: bool, last: bool) ->
     problem, cfg, spans, net = ctx.problem, ctx.cfg, ctx.spans, ctx.net
     model = problem.model
     dense, expert = _stage_params(ctx, sums, first=first, last=last)
+    grad_bytes = model.numerics.grad_bytes
     grad = param = 0.0
     if cfg.zero == 0:
-        grad = worst(all_reduce_time, spans.dp, GRAD_FP32 * dense, net) + worst(all_reduce_time, spans.edp, GRAD_FP32 * expert, net)
+        grad = worst(all_reduce_time, spans.dp, grad_bytes * dense, net) + worst(all_reduce_time, spans.edp, grad_bytes * expert, net)
     elif cfg.zero == 1:
-        grad = worst(reduce_scatter_time, spans.dp, GRAD_FP32 * dense, net) + worst(reduce_scatter_time, spans.edp, GRAD_FP32 * expert, net)
+        grad = worst(reduce_scatter_time, spans.dp, grad_bytes * dense, net) + worst(reduce_scatter_time, spans.edp, grad_bytes * expert, net)
     if cfg.zero in (1, 2):
         param = worst(all_gather_time, spans.dp, BF16 * dense, net) + worst(all_gather_time, spans.edp, BF16 * expert, net)
     # The last bucket is only ready when the backward ends, the first is needed when the
@@ -279,10 +308,18 @@ def after_pipeline(ctx: Context, sums: StageSums, *, first: bool, last: bool) ->
         grad = np.maximum(grad - sums.bwd, bucket * grad)
     if problem.overlap_param_gather:
         param = np.maximum(param - sums.fwd, bucket * param)
+    if cfg.zero >= 2:
+        # Megatron-FSDP: the last layer's reduce-scatter follows the step's last backward, and
+        # ZeRO-3's first layer's all-gather precedes its first forward.
+        scatter, gather = _sharded_dp_traffic(ctx, sums, first=first, last=last)
+        layers = np.maximum(sums.layers, 1)
+        grad = grad + scatter / layers
+        if cfg.zero == 3:
+            param = param + gather / layers
     tied = 0.0
     if cfg.pp > 1 and not model.cfg.untie_embeddings_and_output_weights and (first or last):
         # The first and last stages all-reduce the gradient of the shared word embedding.
-        words = GRAD_FP32 * model.padded_vocab(cfg.tp) * model.h / cfg.tp
+        words = grad_bytes * model.padded_vocab(cfg.tp) * model.h / cfg.tp
         tied = p2p_time(max(spans.pp_boundary_level), words, net)
     shards = cfg.dp * cfg.cp if cfg.zero >= 1 else 1
     expert_shards = cfg.expert_dp if cfg.zero >= 1 else 1

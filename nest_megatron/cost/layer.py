@@ -1,10 +1,22 @@
 """Time of one transformer layer for one micro-batch on one device, split the way the schedule
 and the recompute options need it.
 
-Forward: the layer's GEMMs, attention and memory-bound ops. Backward: for every GEMM an
-input-gradient and a weight-gradient GEMM of the same size, twice the attention FLOPs, and twice
-the memory-bound bytes. Communication inside the layer (TP, CP, EP) is not overlapped with
-compute in Megatron's default settings, except CP's K/V ring, which hides behind attention.
+Forward: the layer's GEMMs, attention and memory-bound ops. Backward: for every GEMM its
+input-gradient and weight-gradient GEMMs (`Gemm.dgrad`, `Gemm.wgrad`), flash attention's backward
+(2.5 x the forward FLOPs, compute.ATTENTION_BACKWARD_FACTOR) and twice the memory-bound bytes.
+With fp8 GEMMs every GEMM input is quantised first (`quantisation_bytes`).
+
+Communication inside the layer, and what Megatron overlaps it with (`tp_exposed`):
+- TP without --tp-comm-overlap: the forward's collectives wait for their GEMMs and are exposed; in
+  the backward, a column-parallel linear (QKV, FC1) overlaps its input-gradient reduction with its
+  weight-gradient GEMM and, with sequence parallel, the all-gather of its saved input with its
+  input-gradient GEMM (megatron/core/tensor_parallel/layers.py,
+  LinearWithGradAccumulationAndAsyncCommunication.backward), when CUDA_DEVICE_MAX_CONNECTIONS=1
+  orders the streams (not under Megatron-FSDP); the row-parallel linear's mirror collective is exposed.
+- TP with --tp-comm-overlap (userbuffers): every collective is split into tp chunks pipelined
+  with its GEMM; the part the GEMM cannot cover, and at least the first chunk, is exposed.
+- CP: the K/V ring hides behind the attention of the chunks already received.
+- EP: the dispatch and combine all-to-alls wait for the slowest rank of the group (exposed).
 """
 
 from __future__ import annotations
@@ -21,10 +33,17 @@ from nest_megatron.cost.collectives import (
     reduce_scatter_time,
     worst,
 )
-from nest_megatron.cost.compute import BF16, ComputeModel
+from nest_megatron.cost.compute import ATTENTION_BACKWARD_FACTOR, BF16, ComputeModel
 from nest_megatron.cost.placement import Spans
-from nest_megatron.model.spec import ModelSpec
+from nest_megatron.model.spec import Gemm, ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
+
+# Bytes moved per element quantised to fp8: read bf16 (2), write the fp8 copy (1) and its transpose
+# (1), which Hopper's fp8 GEMMs need for the other operand order of the backward. Per-tensor current
+# scaling (tensorwise) first reads the tensor once more for its amax (2); the block-scaled recipes
+# write one scale per 32 (mxfp8) or 128 (blockwise) elements, and delayed scaling takes the amax
+# from the history, fused into the cast (Transformer Engine's quantize kernels).
+QUANTISE_BYTES = {"delayed": 4.0, "tensorwise": 6.0, "blockwise": 4.0 + 2 / 128, "mxfp8": 4.0 + 2 / 32}
 
 
 @dataclass(frozen=True)
@@ -34,7 +53,7 @@ class LayerTime:
     core_attention_fwd: float  # what selective recompute runs again
     fwd_comm: float  # exposed TP + CP + EP communication of the forward pass
     bwd_comm: float
-    tp_comm: float  # forward + backward, for the breakdown
+    tp_comm: float  # exposed, forward + backward, for the breakdown
     cp_comm: float
     ep_comm: float
 
@@ -51,7 +70,8 @@ def elementwise_bytes(model: ModelSpec, *, tokens: int, cfg: ParallelConfig, moe
     """HBM bytes read + written by the memory-bound ops of one layer's forward pass.
 
     Two norms, two residual adds, RoPE on q and k, the activation function, dropouts where p > 0,
-    and the softmax when attention is not fused.
+    the softmax when attention is not fused, and in a MoE layer the token permutation before the
+    experts and the unpermutation (weighted by the router's probabilities) after them.
     """
     m = model.cfg
     h, t = model.h, cfg.tp
@@ -60,8 +80,12 @@ def elementwise_bytes(model: ModelSpec, *, tokens: int, cfg: ParallelConfig, moe
     nbytes += 2 * (3 * h * tokens_sp)  # residual adds: two reads, one write
     if m.position_embedding_type == "rope":
         nbytes += 2 * tokens * (model.q_size + model.kv_size) / t
+    if m.qk_layernorm:
+        nbytes += 2 * tokens * (model.q_size + model.kv_size) / t
     rows, f, width = (model.routed_rows(tokens=tokens, tp=t, etp=cfg.etp), model.moe_ffn, cfg.etp) if moe else (tokens, m.ffn_hidden_size, t)
     nbytes += rows * f / width * (model.fc1_factor + 1)  # read FC1's output, write FC2's input
+    if moe:
+        nbytes += 2 * (2 * h * rows)  # permute and unpermute: read and write every routed copy
     if m.hidden_dropout > 0:
         nbytes += 2 * (2 * h * tokens_sp)
     if m.attention_backend != "flash":
@@ -69,60 +93,136 @@ def elementwise_bytes(model: ModelSpec, *, tokens: int, cfg: ParallelConfig, moe
     return BF16 * nbytes
 
 
+def quantisation_bytes(model: ModelSpec, gemms: list[Gemm]) -> tuple[float, float]:
+    """(forward, backward) bytes of the fp8 casts: each GEMM's input [m, k] forward, its output
+    gradient [m, n] backward. Weights are cast once per step (the first micro-batch's) and left out."""
+    if model.numerics.fp8_recipe is None:
+        return 0.0, 0.0
+    per_element = QUANTISE_BYTES[model.numerics.fp8_recipe]
+    fwd = sum(g.count * g.m * g.k for g in gemms if g.name != "router")
+    bwd = sum(g.count * g.m * g.n for g in gemms if g.name != "router")
+    return per_element * fwd, per_element * bwd
+
+
 def layer_time(
-    model: ModelSpec, *, cfg: ParallelConfig, moe: bool, spans: Spans, net: Network, compute: ComputeModel
+    model: ModelSpec, *, cfg: ParallelConfig, moe: bool, spans: Spans, net: Network, compute: ComputeModel,
+    tp_comm_overlap: bool = False,
 ) -> LayerTime:
     """One layer's times; configurations that differ only in what a layer does not see (ZeRO,
     recompute, pipeline depth, ...) share one computation."""
-    return _layer_time(model, cfg.tp, cfg.sp, cfg.cp, cfg.ep, cfg.etp, cfg.mbs, moe, spans.tp, spans.cp, spans.ep, net, compute)
+    return _layer_time(model, cfg.tp, cfg.sp, cfg.cp, cfg.ep, cfg.etp, cfg.mbs, moe, spans.tp, spans.cp, spans.ep, net,
+                       compute, tp_comm_overlap, ordered_streams(cfg))
+
+
+def ordered_streams(cfg: ParallelConfig) -> bool:
+    """Whether the launch sets CUDA_DEVICE_MAX_CONNECTIONS=1 (launch/prepare.py megatron_env): with TP, unless
+    Megatron-FSDP needs more queues. Only then are the backward's collectives issued ahead of the GEMMs
+    they overlap (megatron/core/tensor_parallel/layers.py:843-849); otherwise they may wait behind them."""
+    return cfg.zero < 2
+
+
+def _exposed(comm: float, gemm: float, chunks: int) -> float:
+    """A collective pipelined with a GEMM in `chunks` pieces: what the GEMM cannot cover, and at
+    least the first piece."""
+    return max(comm - gemm, comm / chunks)
 
 
 @lru_cache(maxsize=65536)
-def _layer_time(model, tp, sp, cp, ep, etp, mbs, moe, tp_shapes, cp_shapes, ep_shapes, net, compute) -> LayerTime:
+def _layer_time(model, tp, sp, cp, ep, etp, mbs, moe, tp_shapes, cp_shapes, ep_shapes, net, compute,
+                tp_comm_overlap, ordered) -> LayerTime:
     cfg = ParallelConfig(tp=tp, sp=sp, cp=cp, ep=ep, etp=etp, mbs=mbs)
     tokens = cfg.mbs * model.cfg.seq_length // cfg.cp
-    gemms = model.layer_gemms(tokens=tokens, tp=cfg.tp, etp=cfg.etp, moe=moe)
-    gemm = sum(compute.gemm_time(g) for g in gemms)
-    attention_flops = model.attention_flops(micro_batch=cfg.mbs, tp=cfg.tp, cp=cfg.cp)
-    attention = compute.attention_time(attention_flops)
-    memory = compute.memory_time(elementwise_bytes(model, tokens=tokens, cfg=cfg, moe=moe))
+    gemms = model.layer_gemms(tokens=tokens, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe)
+    fwd_gemm = {g.name: compute.gemm_time(g) for g in gemms}
+    dgrad = {g.name: compute.gemm_time(g.dgrad) for g in gemms}
+    wgrad = {g.name: compute.gemm_time(g.wgrad) for g in gemms}
+    passes = pass_times(compute, gemms, attention_flops=model.attention_flops(micro_batch=cfg.mbs, tp=cfg.tp, cp=cfg.cp),
+                        head_dim=model.head_dim, cp=cfg.cp, memory_bytes=elementwise_bytes(model, tokens=tokens, cfg=cfg, moe=moe),
+                        quantise_bytes=quantisation_bytes(model, gemms))
+    fwd_compute, bwd_compute, attention, attention_bwd = passes
 
-    # TP: two collectives on the [tokens, h] activation per pass (after attention and after the
-    # MLP): all-reduces, or with sequence parallel an all-gather before and a reduce-scatter after
-    # each block. The MoE block's tokens are exchanged by EP instead when etp is 1.
-    activation = BF16 * tokens * model.h
-    tp_blocks = 2 if not moe else 1 + (cfg.etp > 1)
-    if cfg.tp == 1:
-        tp_pass = 0.0
-    elif cfg.sp:
-        tp_pass = tp_blocks * (worst(all_gather_time, tp_shapes, activation, net) + worst(reduce_scatter_time, tp_shapes, activation, net))
-    else:
-        tp_pass = tp_blocks * worst(all_reduce_time, tp_shapes, activation, net)
+    tp_fwd, tp_bwd = tp_exposed(model, cfg, moe=moe, shapes=tp_shapes, net=net, gemm=fwd_gemm, dgrad=dgrad,
+                                wgrad=wgrad, overlap=tp_comm_overlap, ordered=ordered)
 
     # CP: a ring of cp - 1 steps, each passing one K/V chunk to the next rank; backward passes
-    # K/V and their gradients. It overlaps with the attention computation.
+    # K/V and their gradients. Each step hides behind the attention of the chunk in hand.
     cp_fwd = cp_bwd = 0.0
     if cfg.cp > 1:
         kv_chunk = 2 * BF16 * tokens * model.kv_size / cfg.tp
         ring_level = max(shape.top_level for shape in cp_shapes)
         step = p2p_time(ring_level, kv_chunk, net)
         cp_fwd = max(0.0, (cfg.cp - 1) * step - attention)
-        cp_bwd = max(0.0, 2 * (cfg.cp - 1) * step - 2 * attention)
+        cp_bwd = max(0.0, 2 * (cfg.cp - 1) * step - attention_bwd)
 
     # EP: dispatch and combine all-to-alls of the routed copies of this rank's tokens.
     ep_pass = 0.0
     if moe and cfg.ep > 1:
         tokens_sp = tokens / cfg.tp if cfg.sp else tokens
-        routed = BF16 * tokens_sp * model.cfg.moe_router_topk * model.h
+        routed = BF16 * tokens_sp * model.cfg.moe_router_topk * model.cfg.moe_load_imbalance * model.h
         ep_pass = 2 * worst(all_to_all_time, ep_shapes, routed, net)
 
     return LayerTime(
-        fwd_compute=gemm + attention + memory,
-        bwd_compute=2 * (gemm + attention + memory),
+        fwd_compute=fwd_compute,
+        bwd_compute=bwd_compute,
         core_attention_fwd=attention,
-        fwd_comm=tp_pass + cp_fwd + ep_pass,
-        bwd_comm=tp_pass + cp_bwd + ep_pass,
-        tp_comm=2 * tp_pass,
+        fwd_comm=tp_fwd + cp_fwd + ep_pass,
+        bwd_comm=tp_bwd + cp_bwd + ep_pass,
+        tp_comm=tp_fwd + tp_bwd,
         cp_comm=cp_fwd + cp_bwd,
         ep_comm=2 * ep_pass,
     )
+
+
+def pass_times(compute: ComputeModel, gemms: list[Gemm], *, attention_flops: float, head_dim: int, cp: int,
+               memory_bytes: float, quantise_bytes: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float, float, float]:
+    """(forward, backward, attention forward, attention backward) computation of one layer pass
+    without communication: what a profiled layer measures (profile/fit.py) and the cost model adds.
+    CP runs one attention kernel per ring step, each on one K/V chunk."""
+    attention = cp * compute.attention_time(attention_flops / cp, head_dim)
+    attention_bwd = cp * compute.attention_time(ATTENTION_BACKWARD_FACTOR * attention_flops / cp, head_dim)
+    forward = sum(compute.gemm_time(g) for g in gemms) + attention + compute.memory_time(memory_bytes + quantise_bytes[0])
+    backward = (sum(compute.gemm_time(g.dgrad) + compute.gemm_time(g.wgrad) for g in gemms) + attention_bwd
+                + compute.memory_time(2 * memory_bytes + quantise_bytes[1]))
+    return forward, backward, attention, attention_bwd
+
+
+# The column-parallel and row-parallel GEMMs of each block whose input / output TP exchanges.
+TP_BLOCKS = {"attention": ("qkv", "proj"), "mlp": ("fc1", "fc2"), "shared": ("shared_fc1", "shared_fc2")}
+
+
+def tp_exposed(model: ModelSpec, cfg: ParallelConfig, *, moe: bool, shapes, net: Network, gemm: dict, dgrad: dict,
+               wgrad: dict, overlap: bool, ordered: bool = True) -> tuple[float, float]:
+    """(forward, backward) exposed TP communication of one layer: per block (attention, the dense
+    MLP, or a MoE layer's shared expert; the routed experts exchange tokens by EP instead, or by
+    expert TP as an MLP block), the collectives on the [tokens, h] activation around its
+    column-parallel and row-parallel GEMMs. Without `ordered` streams the backward hides nothing."""
+    if cfg.tp == 1:
+        return 0.0, 0.0
+    tokens = cfg.mbs * model.cfg.seq_length // cfg.cp
+    activation = BF16 * tokens * model.h
+    gather = worst(all_gather_time, shapes, activation, net)
+    scatter = worst(reduce_scatter_time, shapes, activation, net)
+    reduce = worst(all_reduce_time, shapes, activation, net)
+    blocks = ["attention"]
+    if not moe:
+        blocks.append("mlp")
+    elif model.cfg.moe_shared_expert_intermediate_size:
+        blocks.append("shared")
+    fwd = bwd = 0.0
+    for block in blocks:
+        column, row = TP_BLOCKS[block]
+        if overlap:  # userbuffers: needs sequence parallel (a Megatron rule)
+            fwd += _exposed(gather, gemm[column], cfg.tp) + _exposed(scatter, gemm[row], cfg.tp)
+            bwd += (_exposed(gather, dgrad[row], cfg.tp) + _exposed(gather, dgrad[column], cfg.tp)
+                    + _exposed(scatter, wgrad[column], cfg.tp))
+        elif cfg.sp:
+            fwd += gather + scatter
+            hidden_d, hidden_w = (dgrad[column], wgrad[column]) if ordered else (0.0, 0.0)
+            bwd += gather + max(0.0, gather - hidden_d) + max(0.0, scatter - hidden_w)
+        else:
+            fwd += reduce
+            bwd += max(0.0, reduce - (wgrad[column] if ordered else 0.0))
+    if moe and cfg.etp > 1:  # the experts under expert TP: an MLP block's exchanges, exposed
+        fwd += gather + scatter if cfg.sp else reduce
+        bwd += gather + scatter if cfg.sp else reduce
+    return fwd, bwd

@@ -1,7 +1,8 @@
 """Memory of one device of one pipeline stage.
 
 Model states per parameter, with bf16 training and fp32 gradient accumulation (Megatron turns on
---accumulate-allreduce-grads-in-fp32 for bf16) and Adam with fp32 master weights:
+--accumulate-allreduce-grads-in-fp32 for bf16; --grad-reduce-in-bf16 halves the gradient's 4 B to 2)
+and Adam with fp32 master weights:
 
   zero 0  DDP                                  2 + 4 + 12         = 18 B
   zero 1  --use-distributed-optimizer          2 + 4 + 12/D       (Megatron's 6 + 12/d)
@@ -10,7 +11,8 @@ Model states per parameter, with bf16 training and fp32 gradient accumulation (M
                                                the layer being computed and the one prefetched
 
 D is the width of the group the state is sharded over: dp x cp for dense parameters, the
-expert-data-parallel width for expert parameters.
+expert-data-parallel width for expert parameters. With fp8 GEMMs each local layer's linears also
+keep an fp8 copy of their weight and its transpose for the step (2 B per parameter).
 
 Activations: the k-th stage from the end keeps k micro-batches in flight under 1F1B; with v
 virtual stages, rank i keeps min(m v, 2 (p - i - 1) + (v - 1) p + 1) chunks of L/(p v) layers
@@ -31,6 +33,7 @@ from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 
 GRAD_FP32, ADAM_FP32 = 4, 12  # main gradient; master weight + two moments
+FP8_WEIGHT_COPY_BYTES = 2  # an fp8 weight and its transpose, per parameter of a linear
 
 
 @dataclass(frozen=True)
@@ -57,10 +60,11 @@ class StageMemory:
         }
 
 
-def model_state_bytes(params: float, *, zero: int, shards: int) -> tuple[float, float, float]:
-    """(weights, grads, optimizer) bytes on one device for `params` parameters."""
+def model_state_bytes(params: float, *, zero: int, shards: int, grad_bytes: int = GRAD_FP32) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes on one device for `params` parameters; main gradients of
+    `grad_bytes` each (2 with --grad-reduce-in-bf16)."""
     weights = BF16 * params / (shards if zero == 3 else 1)
-    grads = GRAD_FP32 * params / (shards if zero >= 2 else 1)
+    grads = grad_bytes * params / (shards if zero >= 2 else 1)
     optimizer = ADAM_FP32 * params / (shards if zero >= 1 else 1)
     return weights, grads, optimizer
 
@@ -96,13 +100,19 @@ def stage_memory(
     field is an array when `sums` holds arrays (the DP solver's candidate stages)."""
     dense = sums.dense_params + (model.embedding_params(cfg.tp) if first else 0)
     dense = dense + (model.output_params(tp=cfg.tp, pp=cfg.pp) if last else 0)
-    w, g, o = model_state_bytes(dense, zero=cfg.zero, shards=cfg.dp * cfg.cp)
-    ew, eg, eo = model_state_bytes(sums.expert_params, zero=cfg.zero, shards=cfg.expert_dp)
+    grad_bytes = model.numerics.grad_bytes
+    w, g, o = model_state_bytes(dense, zero=cfg.zero, shards=cfg.dp * cfg.cp, grad_bytes=grad_bytes)
+    ew, eg, eo = model_state_bytes(sums.expert_params, zero=cfg.zero, shards=cfg.expert_dp, grad_bytes=grad_bytes)
     weights, grads, optimizer = w + ew, g + eg, o + eo
+    layer = max(sum(model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe)) for moe in set(model.layer_is_moe))
     if cfg.zero == 3:
         # The gathered weights of the layer being computed and of the one prefetched.
-        weights = weights + 2 * BF16 * max(sum(model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe))
-                                           for moe in set(model.layer_is_moe))
+        weights = weights + 2 * BF16 * layer
+    if model.numerics.fp8_recipe is not None:
+        # Transformer Engine caches each linear's fp8 weight and its transpose for the step (cast in
+        # the first micro-batch): of every local layer, or of the gathered ones under ZeRO-3.
+        local = 2 * layer if cfg.zero == 3 else sums.dense_params + sums.expert_params
+        weights = weights + FP8_WEIGHT_COPY_BYTES * local
     activations = (activation_bytes(sums, in_flight=in_flight, act_rebuilt=act_rebuilt)
                    + attention_buffer_bytes(model, mbs=cfg.mbs, tp=cfg.tp))
     logits = logits_bytes(model, mbs=cfg.mbs, tp=cfg.tp, cp=cfg.cp) if last else 0.0

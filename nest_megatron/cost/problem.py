@@ -18,14 +18,12 @@ class Problem:
     global_batch_size: int  # sequences per iteration
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
-    precision: str = "bf16"  # bf16 | fp8 (train.precision): the GEMMs' datatype
-    fp8_recipe: str = "delayed"  # with fp8: delayed | tensorwise | blockwise | mxfp8 (train.fp8_recipe)
     tp_comm_overlap: bool = False  # --tp-comm-overlap: TP collectives overlapped with the GEMMs (userbuffers)
     compute: ComputeModel | None = None  # None: the accelerator's roofline; a profile's fitted model otherwise
 
     @property
     def compute_model(self) -> ComputeModel:
-        return self.compute or RooflineCompute(self.accelerator)
+        return self.compute or RooflineCompute(self.accelerator, fp8=self.model.numerics.fp8_recipe is not None)
 
     @property
     def num_devices(self) -> int:

@@ -55,13 +55,15 @@ class LayerCosts:
 
 
 def layer_costs(
-    model: ModelSpec, cfg: ParallelConfig, *, spans: Spans | None, net: Network | None, compute: ComputeModel | None
+    model: ModelSpec, cfg: ParallelConfig, *, spans: Spans | None, net: Network | None, compute: ComputeModel | None,
+    tp_comm_overlap: bool = False,
 ) -> LayerCosts:
     """Per-layer costs; with spans=None only the memory columns (times are left at zero)."""
     kinds = model.layer_is_moe
     per_kind = {}
     for moe in set(kinds):
-        lt = layer_time(model, cfg=cfg, moe=moe, spans=spans, net=net, compute=compute) if spans else NO_TIME
+        lt = (layer_time(model, cfg=cfg, moe=moe, spans=spans, net=net, compute=compute, tp_comm_overlap=tp_comm_overlap)
+              if spans else NO_TIME)
         act = layer_activation_bytes(model, mbs=cfg.mbs, tp=cfg.tp, sp=cfg.sp, cp=cfg.cp, moe=moe, etp=cfg.etp)
         params = model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe)
         per_kind[moe] = (lt, act, params)

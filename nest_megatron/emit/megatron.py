@@ -29,9 +29,10 @@ def recompute_settings(cfg: ParallelConfig, layers_per_chunk: int) -> dict:
     return {"granularity": "full", "method": "block", "num_layers": min(cfg.recompute_num_layers, layers_per_chunk)}
 
 
-def model_args(model: ModelSpec, *, precision: str = "bf16", fp8_recipe: str = "delayed") -> list[str]:
-    """The model-shape flags, so that the argv is complete for pretrain_gpt.py; with `precision` fp8 also
-    Megatron's FP8 flags (hybrid: e4m3 forward, e5m2 gradients; bf16 stays the dtype of the rest)."""
+def model_args(model: ModelSpec) -> list[str]:
+    """The model-shape flags, so that the argv is complete for pretrain_gpt.py, and the datatypes it is
+    priced in (model.numerics): with fp8 Megatron's FP8 flags (hybrid: e4m3 forward, e5m2 gradients; bf16
+    stays the dtype of the rest), bf16 gradient reduction, the fused cross entropy."""
     m = model.cfg
     args = [
         "--num-layers", str(m.num_layers),
@@ -47,8 +48,13 @@ def model_args(model: ModelSpec, *, precision: str = "bf16", fp8_recipe: str = "
         "--make-vocab-size-divisible-by", str(m.make_vocab_size_divisible_by),
         "--bf16",
     ]
-    if precision == "fp8":
-        args += ["--fp8-format", "hybrid", "--fp8-recipe", fp8_recipe]
+    numerics = model.numerics
+    if numerics.fp8_recipe:
+        args += ["--fp8-format", "hybrid", "--fp8-recipe", numerics.fp8_recipe]
+    if numerics.grad_reduce_in_bf16:
+        args.append("--grad-reduce-in-bf16")
+    if numerics.cross_entropy_fusion:
+        args.append("--cross-entropy-loss-fusion")
     if model.query_groups != model.heads:
         args += ["--group-query-attention", "--num-query-groups", str(model.query_groups)]
     if m.kv_channels:

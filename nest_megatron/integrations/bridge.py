@@ -68,6 +68,10 @@ def bridge_overrides(plan: Plan) -> Overrides:
     if plan.zero_stage >= 2:
         out["checkpoint.ckpt_format"] = "fsdp_dtensor"
     out["model.tp_comm_overlap"] = "--tp-comm-overlap" in plan.megatron_args
+    # the datatypes the plan is priced in: DistributedDataParallelConfig.grad_reduce_in_fp32 and
+    # TransformerConfig.cross_entropy_loss_fusion (megatron-core)
+    out["ddp.grad_reduce_in_fp32"] = "--grad-reduce-in-bf16" not in plan.megatron_args
+    out["model.cross_entropy_loss_fusion"] = "--cross-entropy-loss-fusion" in plan.megatron_args
     if fp8_recipe(plan):
         out["mixed_precision"] = BRIDGE_FP8[fp8_recipe(plan)]
     return out

@@ -98,6 +98,9 @@ def nemo_overrides(plan: Plan, devices_per_node: int | None = None) -> Overrides
         out[f"{s}.fsdp"] = None
     # False below ZeRO-3, as on the argv, so that a recipe's True (fine only with Megatron-FSDP) is turned off
     out["model.config.init_model_with_meta_device"] = meta_device_init(plan)
+    # the datatypes the plan is priced in (megatron-core's DistributedDataParallelConfig and TransformerConfig)
+    out[f"{s}.ddp.grad_reduce_in_fp32"] = "--grad-reduce-in-bf16" not in plan.megatron_args
+    out["model.config.cross_entropy_loss_fusion"] = "--cross-entropy-loss-fusion" in plan.megatron_args
     recipe = fp8_recipe(plan)
     out["trainer.plugins.fp8"] = "hybrid" if recipe else None  # the precision the plan is priced for
     if recipe:

@@ -24,10 +24,35 @@ class Gemm:
     m: int
     n: int
     k: int
+    count: int = 1  # identical GEMMs of one kernel launch each (a grouped GEMM's local experts)
 
     @property
     def flops(self) -> float:
-        return 2.0 * self.m * self.n * self.k
+        return 2.0 * self.m * self.n * self.k * self.count
+
+    @property
+    def dgrad(self) -> Gemm:
+        """The backward input-gradient GEMM: [m, n] @ [n, k]."""
+        return Gemm(f"{self.name}_dgrad", self.m, self.k, self.n, self.count)
+
+    @property
+    def wgrad(self) -> Gemm:
+        """The backward weight-gradient GEMM: [k, m] @ [m, n]."""
+        return Gemm(f"{self.name}_wgrad", self.k, self.n, self.m, self.count)
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """The datatypes the model trains in, from the train.* keys: what its GEMMs, gradients and loss
+    cost and keep."""
+
+    fp8_recipe: str | None = None  # GEMMs in fp8 with this recipe (train.precision=fp8); None: bf16
+    grad_reduce_in_bf16: bool = False  # main gradients and their data-parallel reduction in bf16, not fp32
+    cross_entropy_fusion: bool = False  # the fused cross entropy: neither fp32 logits nor a softmax kept
+
+    @property
+    def grad_bytes(self) -> int:
+        return 2 if self.grad_reduce_in_bf16 else 4
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: per-layer costs are cached per model
@@ -37,6 +62,7 @@ class ModelSpec:
     # graph at one sequence, or None where the source cannot trace that width. Its per-layer-kind
     # parameters, GEMMs, attention FLOPs and saved bytes replace the analytic ones (`traced_layer`).
     tracer: Callable[[int, int, int], LayerGraph | None] | None = field(default=None, repr=False)
+    numerics: Numerics = field(default_factory=lambda: Numerics())
 
     def traced_layer(self, *, tp: int, ep: int = 1, etp: int = 1, moe: bool | None = None) -> tuple[LayerGraph, LayerTrace] | None:
         """The traced graph at (tp, ep, etp) and its first layer of this kind, or None (analytic)."""
@@ -162,7 +188,7 @@ class ModelSpec:
         return self.norm_params + head
 
     # --- forward GEMMs of one layer on one device -------------------------------------------
-    def layer_gemms(self, *, tokens: int, tp: int, etp: int = 1, moe: bool | None = None) -> list[Gemm]:
+    def layer_gemms(self, *, tokens: int, tp: int, ep: int = 1, etp: int = 1, moe: bool | None = None) -> list[Gemm]:
         """GEMMs of one layer's forward pass for `tokens` tokens on one device (after CP).
 
         Experts compute `routed_rows` rows; under TP the router sees this rank's sequence shard.
@@ -183,12 +209,15 @@ class ModelSpec:
                 Gemm("fc1", tokens, f * self.fc1_factor // tp, h),
                 Gemm("fc2", tokens, h, f // tp),
             ]
-        routed = self.routed_rows(tokens=tokens, tp=tp, etp=etp)
         f = self.moe_ffn
+        # A grouped GEMM over this device's experts, each with its share of the routed rows; the
+        # busiest expert-parallel rank sets the pace (model.moe_load_imbalance, 1: balanced routing).
+        local = max(1, self.cfg.num_experts // ep)
+        rows = math.ceil(self.routed_rows(tokens=tokens, tp=tp, etp=etp) * self.cfg.moe_load_imbalance / local)
         gemms += [
             Gemm("router", tokens // tp, self.cfg.num_experts, h),
-            Gemm("expert_fc1", routed, f * self.fc1_factor // etp, h),
-            Gemm("expert_fc2", routed, h, f // etp),
+            Gemm("expert_fc1", rows, f * self.fc1_factor // etp, h, local),
+            Gemm("expert_fc2", rows, h, f // etp, local),
         ]
         shared = self.cfg.moe_shared_expert_intermediate_size
         if shared:
@@ -219,7 +248,20 @@ class ModelSpec:
             return layer.attention_flops * micro_batch / (graph.micro_batch_size * cp)
         s = self.cfg.seq_length
         causal = 0.5 if self.cfg.family == "gpt" else 1.0
-        return 4.0 * micro_batch * (s // cp) * s * self.q_size / tp * causal
+        return 4.0 * micro_batch * (s // cp) * self.mean_keys_per_query(s, causal) * self.q_size / tp
+
+    def mean_keys_per_query(self, s: int, causal: float) -> float:
+        """Keys one query attends to, averaged over the layers: s x causal with full attention; a
+        sliding window of w past tokens (model.window_size) attends to about w where w < s / 2; with
+        model.window_attn_skip_freq = N every N-th layer keeps full attention (the mean over the
+        pattern prices every stage alike: exact for the model, close for a stage)."""
+        w = self.cfg.window_size
+        if not w:
+            return s * causal
+        windowed = min(w * (1 - w / (2 * s)), s * causal)  # the first w queries see fewer than w keys
+        skip = self.cfg.window_attn_skip_freq
+        full_share = 1 / skip if skip else 0.0
+        return full_share * s * causal + (1 - full_share) * windowed
 
 
 @lru_cache(maxsize=256)

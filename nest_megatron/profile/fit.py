@@ -24,7 +24,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from nest_megatron.cost.compute import RooflineCompute
+from nest_megatron.cost.compute import RooflineCompute, head_dim_factor
+from nest_megatron.cost.layer import pass_times
 from nest_megatron.hardware.accelerator import Accelerator
 from nest_megatron.model.spec import Gemm
 from nest_megatron.profile.cache import Entry
@@ -44,11 +45,14 @@ class FittedCompute:
     def gemm_time(self, gemm: Gemm) -> float:
         return self.roofline.gemm_time(gemm) + self.gemm_overhead_s
 
-    def attention_time(self, flops: float) -> float:
-        return self.roofline.attention_time(flops) + self.attention_overhead_s
+    def attention_time(self, flops: float, head_dim: int = 128) -> float:
+        return self.roofline.attention_time(flops, head_dim) + self.attention_overhead_s
 
     def memory_time(self, nbytes: float) -> float:
         return self.roofline.memory_time(nbytes) + self.memory_overhead_s
+
+    def with_bf16_gemms(self) -> FittedCompute:
+        return replace(self, roofline=self.roofline.with_bf16_gemms())
 
     @property
     def accelerator(self) -> Accelerator:
@@ -74,7 +78,9 @@ class Fit:
 OP_CLASSES = (
     ("memory", "memory_bound_efficiency", lambda e: e.shape["bytes"], RooflineCompute.memory_time),
     ("gemm", "gemm_efficiency", lambda e: Gemm("g", e.shape["m"], e.shape["n"], e.shape["k"]), RooflineCompute.gemm_time),
-    ("attention", "attention_efficiency", lambda e: e.work["flops"], RooflineCompute.attention_time),
+    # the kernel's FLOPs at head dim 128's pace: the efficiency fitted is of head dim 128, as the config's
+    ("attention", "attention_efficiency", lambda e: e.work["flops"] / head_dim_factor(e.shape.get("d", 128)),
+     RooflineCompute.attention_time),
 )
 
 
@@ -118,23 +124,26 @@ def _fit_rate(roof, measured: np.ndarray) -> tuple[float, float]:
     return eta, _overhead(predicted, measured)
 
 
-def _layer_roof(entry: Entry, compute: FittedCompute) -> float:
-    """One layer pass of `entry` under `compute`, without the per-pass memory overhead."""
+# memory_time calls per layer forward + backward in cost/layer.py pass_times: one per pass
+MEMORY_CALLS_PER_LAYER = 2
+
+
+def layer_time_of(entry: Entry, compute) -> float:
+    """Forward + backward of a profiled dense / MoE layer as the cost model prices it
+    (cost/layer.py pass_times), without communication."""
     w = entry.work
-    gemms = sum(compute.gemm_time(Gemm("g", *shape)) for shape in w["gemms"])
-    return gemms + compute.attention_time(w["attention_flops"]) + compute.roofline.memory_time(w["memory_bytes"])
-
-
-def layer_pass_time(entry: Entry, compute: FittedCompute) -> float:
-    """One forward pass of a profiled dense / MoE layer as `compute` prices it (the cost model
-    charges the backward pass twice this)."""
-    return _layer_roof(entry, compute) + compute.memory_overhead_s
+    gemms = [Gemm("g", *shape) for shape in w["gemms"]]  # [m, n, k] or [m, n, k, count]
+    fwd, bwd, _, _ = pass_times(compute, gemms, attention_flops=w["attention_flops"], head_dim=w.get("head_dim", 128),
+                                cp=entry.strategy.get("cp", 1), memory_bytes=w["memory_bytes"])
+    return fwd + bwd
 
 
 def fit(entries: list[Entry], accelerator: Accelerator) -> Fit:
     """Fit the compute model of `accelerator` (its peak FLOP/s and HBM bandwidth stay; its
     efficiencies and the overheads are fitted) to `entries`. A class with fewer than two
-    measurements keeps the accelerator's efficiency and no overhead."""
+    measurements keeps the accelerator's efficiency and no overhead. The fitted per-call overheads
+    replace the accelerator's calibrated kernel_overhead_s."""
+    accelerator = replace(accelerator, kernel_overhead_s=0.0)
     by_kind: dict[str, list[Entry]] = {}
     for e in entries:
         if e.seconds <= 0:  # below the timer's resolution: no information about a rate
@@ -161,11 +170,11 @@ def fit(entries: list[Entry], accelerator: Accelerator) -> Fit:
                             overheads.get("memory", 0.0))
     layers = [e for kind in ("dense", "moe") for e in by_kind.get(kind, []) if not e.includes_comm]
     if layers:
-        # The model's layer time is forward + backward = 3 x one pass (backward: two GEMMs per
-        # forward GEMM, twice the attention and the memory-bound bytes).
-        per_pass = np.array([e.seconds / 3 for e in layers])
-        roofs = np.array([_layer_roof(e, compute) for e in layers])
-        compute = replace(compute, memory_overhead_s=_overhead(roofs, per_pass))
+        # What the layers take beyond their GEMMs, attention and memory-bound bytes, per memory_time call.
+        measured = np.array([e.seconds for e in layers]) / MEMORY_CALLS_PER_LAYER
+        bare = replace(compute, memory_overhead_s=0.0)
+        roofs = np.array([layer_time_of(e, bare) for e in layers]) / MEMORY_CALLS_PER_LAYER
+        compute = replace(compute, memory_overhead_s=_overhead(roofs, measured))
         samples["layers"] = len(layers)
-        errors["layers"] = _relative_rms(roofs + compute.memory_overhead_s, per_pass)
+        errors["layers"] = _relative_rms(roofs + compute.memory_overhead_s, measured)
     return Fit(compute, samples, errors, tuple(sorted({e.device for e in entries})))

@@ -112,8 +112,9 @@ def layer_work(cfg: ModelConfig, s: Strategy, *, moe: bool) -> dict:
     tokens = s.mbs * cfg.seq_length // s.cp
     parallel = ParallelConfig(tp=s.tp, sp=s.sp, cp=s.cp, ep=s.ep, etp=s.etp, mbs=s.mbs)
     return {
-        "gemms": [[g.m, g.n, g.k] for g in spec.layer_gemms(tokens=tokens, tp=s.tp, etp=s.etp, moe=moe)],
+        "gemms": [[g.m, g.n, g.k, g.count] for g in spec.layer_gemms(tokens=tokens, tp=s.tp, ep=s.ep, etp=s.etp, moe=moe)],
         "attention_flops": spec.attention_flops(micro_batch=s.mbs, tp=s.tp, cp=s.cp),
+        "head_dim": spec.head_dim,
         "memory_bytes": elementwise_bytes(spec, tokens=tokens, cfg=parallel, moe=moe),
     }
 
@@ -132,7 +133,7 @@ def plan_tasks(problem: Problem, found: dict[Strategy, ParallelConfig], *, local
         tokens = s.mbs * cfg.seq_length // s.cp
         vocab = model.padded_vocab(s.tp)
         for moe in sorted(set(model.layer_is_moe)):
-            for g in model.layer_gemms(tokens=tokens, tp=s.tp, etp=s.etp, moe=moe):
+            for g in model.layer_gemms(tokens=tokens, tp=s.tp, ep=s.ep, etp=s.etp, moe=moe):  # one GEMM of a group
                 m = max(1, round(g.m))  # routed rows are an expectation (tokens x topk spread over experts)
                 add(ops, Task("gemm", {"m": m, "n": g.n, "k": g.k}, work={"flops": 2.0 * m * g.n * g.k}))
         add(ops, Task("gemm", {"m": tokens, "n": vocab // s.tp, "k": h}, work={"flops": 2.0 * tokens * vocab // s.tp * h}))

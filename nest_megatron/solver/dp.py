@@ -41,7 +41,7 @@ from nest_megatron.cost.evaluate import (
     stage_body,
     uniform_split,
 )
-from nest_megatron.cost.layer import layer_time
+from nest_megatron.cost.layer import layer_time, ordered_streams
 from nest_megatron.cost.memory import activation_bytes, in_flight_chunks, stage_memory
 from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.tables import range_sums
@@ -308,7 +308,8 @@ def lower_bound(problem: Problem, cfg: ParallelConfig) -> float:
     kinds = problem.model.layer_is_moe
     per_microbatch = 0.0
     for moe in set(kinds):
-        lt = layer_time(problem.model, cfg=cfg, moe=moe, spans=spans, net=net, compute=compute)
+        lt = layer_time(problem.model, cfg=cfg, moe=moe, spans=spans, net=net, compute=compute,
+                        tp_comm_overlap=problem.tp_comm_overlap)
         work = lt.fwd_compute + lt.bwd_compute + lt.tp_comm + lt.cp_comm + lt.ep_comm
         if cfg.recompute == "selective":
             work += lt.core_attention_fwd
@@ -366,9 +367,11 @@ def fields_but(cfg: ParallelConfig, *names: str) -> tuple:
 def shared_context(problem: Problem, cfg: ParallelConfig, mapping: np.ndarray | None, placement: int,
                    contexts: dict) -> Context:
     """`context(problem, cfg, rank_to_device=mapping)`, built once for the configurations that
-    differ only in what the per-layer costs do not see: ZeRO, and full recompute against none
-    (both keep the same columns; only selective changes the activations a layer keeps)."""
-    key = (fields_but(cfg, "zero", "recompute", "recompute_num_layers"), cfg.recompute == "selective", placement)
+    differ only in what the per-layer costs do not see: ZeRO (but for the stream ordering Megatron-FSDP
+    changes, layer.ordered_streams), and full recompute against none (both keep the same columns; only
+    selective changes the activations a layer keeps)."""
+    key = (fields_but(cfg, "zero", "recompute", "recompute_num_layers"), cfg.recompute == "selective",
+           ordered_streams(cfg), placement)
     base = contexts.get(key)
     if base is None:
         base = contexts[key] = context(problem, cfg, rank_to_device=mapping)

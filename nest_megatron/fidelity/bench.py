@@ -1,0 +1,98 @@
+"""Predicted against measured step time for every calibration row, and the summary statistics.
+
+`evaluate_row` prices a row's published layout with the one cost model, exactly as `nest-megatron
+evaluate` would with the row's overrides. A row whose recompute is only its recipe's default tries
+that, then selective, then full recomputation, and keeps the first that fits: the run ran, so it
+fit. `summarise` gives the median |error|, the bias (the median signed error), and the shares of
+rows within 10 % and 20 %.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+
+from nest_megatron.config.load import load
+from nest_megatron.cost.evaluate import Estimate, estimate
+from nest_megatron.cost.problem import Problem
+from nest_megatron.fidelity.published import Row
+from nest_megatron.hardware.accelerator import GIB
+from nest_megatron.solver.space import evaluate_config
+
+RECOMPUTE_ORDER = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class RowResult:
+    row: Row
+    estimate: Estimate | None  # None: not expressible
+    recompute: str | None  # the recomputation priced
+    refused: str | None = None  # why no recomputation fits
+    problem: Problem | None = None  # what was priced: a fit prices it again with other constants
+
+    @property
+    def error(self) -> float:
+        """predicted / measured - 1: positive when the model is too slow."""
+        return self.estimate.step_time / self.row.measured_step_s - 1
+
+
+def recompute_chain(row: Row) -> tuple[str, ...]:
+    stated = next(o.split("=", 1)[1] for o in row.overrides if o.startswith("plan.recompute="))
+    if row.recompute_stated:
+        return (stated,)
+    return RECOMPUTE_ORDER[RECOMPUTE_ORDER.index(stated):]
+
+
+def evaluate_row(row: Row, *, accelerator: dict | None = None) -> RowResult:
+    """`row` at its published layout; `accelerator` replaces fields of the accelerator (a fit)."""
+    if row.not_expressible:
+        return RowResult(row, None, None)
+    est = None
+    for recompute in recompute_chain(row):
+        overrides = [o for o in row.overrides if not o.startswith("plan.recompute=")] + [f"plan.recompute={recompute}"]
+        loaded = load(overrides)
+        problem = loaded.problem
+        if accelerator:
+            problem = dataclasses.replace(problem, accelerator=dataclasses.replace(problem.accelerator, **accelerator))
+        cfg = evaluate_config(problem, loaded.config.plan, default_mbs=loaded.config.train.micro_batch_size)
+        est = estimate(problem, cfg)
+        if est.fits:
+            return RowResult(row, est, recompute, problem=problem)
+    return RowResult(row, est, recompute, problem=problem,
+                     refused=f"needs {est.peak_memory / GIB:.1f} GiB of {est.capacity / GIB:.1f} GiB at recompute={recompute}")
+
+
+@dataclass(frozen=True)
+class Summary:
+    rows: int
+    median_abs_error: float
+    bias: float  # median signed error
+    within_10: float  # share of rows
+    within_20: float
+    max_abs_error: float
+
+    def line(self) -> str:
+        return (f"{self.rows} rows: median |error| {self.median_abs_error:.1%}, bias {self.bias:+.1%}, "
+                f"within 10 % {self.within_10:.0%}, within 20 % {self.within_20:.0%}, worst {self.max_abs_error:.1%}")
+
+
+def summarise(results: list[RowResult]) -> Summary | None:
+    """Over the rows priced and not refused; None when there are none."""
+    errors = [r.error for r in results if r.estimate is not None and r.refused is None]
+    if not errors:
+        return None
+    absolute = [abs(e) for e in errors]
+    return Summary(len(errors), statistics.median(absolute), statistics.median(errors),
+                   sum(a <= 0.10 for a in absolute) / len(errors), sum(a <= 0.20 for a in absolute) / len(errors),
+                   max(absolute))
+
+
+def groups(results: list[RowResult]) -> dict[str, list[RowResult]]:
+    """The summaries the targets are stated for: all, dense / MoE, bf16 / fp8, and per source."""
+    out = {"all": results, "dense": [r for r in results if not r.row.moe], "moe": [r for r in results if r.row.moe],
+           "bf16": [r for r in results if r.row.precision == "bf16"],
+           "fp8": [r for r in results if r.row.precision == "fp8"]}
+    for source in sorted({r.row.source for r in results}):
+        out[f"source {source}"] = [r for r in results if r.row.source == source]
+    return out

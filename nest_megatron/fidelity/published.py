@@ -1,0 +1,235 @@
+"""Published, measured H100 training runs (benchmarks/h100_published.yaml) as `evaluate` overrides.
+
+Each row of the calibration set gives a model shape, a parallel layout, batch sizes, precision and
+overlap settings, and what the run measured: tokens/s per GPU, or only model TFLOP/s per GPU under
+its source's FLOP convention. `rows()` turns every row into the overrides `nest-megatron evaluate`
+takes and the measured step time in seconds; a row whose model this cost model cannot express
+(Mamba hybrids, multi-head latent attention) carries the reason instead.
+
+What a row leaves unstated is filled with the source's default and listed in `Row.assumed`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+CALIBRATION_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "h100_published.yaml"
+
+# What a row's table leaves out, from the recipe the run used. NeMo-Framework-Launcher rows: the
+# model's launcher_scripts/conf/training/<model>.yaml and examples/training/*/h100/*.sh at the row's
+# release tag (cb3482d0 for 24.01); the tables override the parallel sizes only.
+RECIPE_VP = {  # (release, model) -> (the recipe's pp, its virtual_pipeline_model_parallel_size)
+    ("launcher-24.01", "GPT3-175B"): (8, 12), ("launcher-24.01", "LLAMA2-70B"): (4, 20),
+    ("launcher-24.01", "Nemotron-22B"): (4, 10), ("launcher-24.03", "LLAMA2-70B"): (4, 20),
+    ("launcher-24.05", "GPT3-175B"): (8, 12), ("launcher-24.05", "LLAMA2-70B"): (4, 20),
+    ("launcher-24.05", "LLAMA2-13B"): (4, 10), ("launcher-24.05", "LLAMA3-70B"): (4, 10),
+    ("launcher-24.05", "Nemotron-22B"): (4, 10),
+}
+# +training.model.optim.grad_sync_dtype=bf16 in the GPT-3 and Llama scripts from launcher commit e743722a
+# (2024-04-10) on, and in conf/training/nemotron/nemotron_340b.yaml (24.07): gradients reduced in bf16
+# (--grad-reduce-in-bf16). The 24.03 table was published after it (81b75a7c, 2024-04-22) and its rows
+# name the 24.05 recipes as their settings (and use their layouts: GPT3-20B at TP 2, MBS 2).
+GRAD_BF16_RELEASES = ("launcher-24.03", "launcher-24.05", "nemo-24.07")
+GRAD_BF16_MODELS = ("GPT3", "LLAMA", "Nemotron-340B")
+ROW_SETTINGS = {
+    # conf/training/mixtral/mixtral_8x7b.yaml at 3499f38e (the draft's commit): PP 4 as the table,
+    # expert_model_parallel_size: 1. The 8x3B conf there (PP 4, EP 1) is not the table's layout (PP 1), at EP 1
+    # its 19 B parameters cannot fit in 80 GB on one device, and the row's notes give the launcher's EP 8.
+    "launcher-24.05-MIXTRAL-8x3B-bf16-draft": {"ep": 8},
+    "launcher-24.05-MIXTRAL-8x7B-bf16-draft": {"ep": 1},
+    # NVIDIA-NeMo/Automodel examples/llm_benchmark/*.yaml at 36044ad: ep_size, activation_checkpointing,
+    # and MaskedCrossEntropy with fp32_upcast: false (no fp32 logits kept: priced as the fused loss)
+    "automodel-Qwen3_MoE_30B-8gpu-bf16": {"recompute": "full", "cross_entropy_fusion": True},
+    "automodel-GPT-OSS_20B-8gpu-bf16": {"ep": 8, "cross_entropy_fusion": True},
+    "automodel-GPT-OSS_120B-64gpu-bf16": {"ep": 64, "cross_entropy_fusion": True},
+}
+GPT_OSS_WINDOW = 128  # GPT-OSS: every other layer attends to the last 128 tokens (row arch note)
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    source: str  # e.g. NeMo-Framework-Launcher 24.01
+    precision: str  # bf16 | fp8
+    moe: bool
+    status: str  # published | draft ...
+    measured_step_s: float
+    overrides: list[str] = field(default_factory=list)  # for `nest-megatron evaluate`; empty when not expressible
+    not_expressible: str | None = None  # why the cost model cannot express this row's model
+    assumed: tuple[str, ...] = ()  # settings the row does not state, filled with its source's default
+    recompute_stated: bool = True  # False: a recipe default; the bench falls back to selective, then full
+
+
+def load_entries(path: Path = CALIBRATION_PATH) -> list[dict]:
+    return yaml.safe_load(path.read_text())["entries"]
+
+
+def rows(path: Path = CALIBRATION_PATH) -> list[Row]:
+    return [row_of(entry) for entry in load_entries(path)]
+
+
+def source_of(entry: dict) -> str:
+    repo = entry["source"]["repo"].split("/")[-1]
+    return {"NeMo-Framework-Launcher": "launcher", "NeMo": "nemo", "Automodel": "automodel"}.get(repo, repo)
+
+
+def convention_flops_per_token(entry: dict) -> float:
+    """Model FLOPs per token under the row's source convention (the calibration file's
+    meta.model_flops_conventions): NeMo 1.x, the launcher and NeMo 24.07 count full (non-causal)
+    attention, 12 s q per layer and token, plus 6 x every GEMM weight the token meets, output layer
+    included (Korthikanti et al., Appendix A, generalised to GQA and gated MLPs)."""
+    s = entry["model_shape"]
+    h, layers, seq = s["hidden"], s["layers"], entry["seq_length"]
+    head_dim = s.get("head_dim") or h // s["heads"]
+    q, kv = s["heads"] * head_dim, s["query_groups"] * head_dim
+    gated = _arch(entry)["swiglu"]
+    mlp = (3 if gated else 2) * h * s["ffn"]
+    per_layer = 6 * (h * (q + 2 * kv) + q * h + mlp) + 12 * seq * q
+    return layers * per_layer + 6 * h * s["vocab"]
+
+
+def measured_step_time(entry: dict) -> float:
+    """Seconds per step: from tokens/s per GPU where the table gives it, else from model TFLOP/s
+    per GPU under the source's FLOP convention (only NeMo-era rows lack tokens/s)."""
+    tokens = entry["gbs"] * entry["seq_length"]
+    if entry.get("tokens_per_sec_per_gpu"):
+        return tokens / (entry["tokens_per_sec_per_gpu"] * entry["num_gpus"])
+    flops = convention_flops_per_token(entry) * tokens
+    return flops / (entry["model_tflops_per_gpu"] * 1e12 * entry["num_gpus"])
+
+
+def _arch(entry: dict) -> dict:
+    """Model keys implied by the row's architecture note."""
+    arch = entry["model_shape"]["arch"]
+    gpt3 = arch.startswith("GPT (")
+    return {
+        "swiglu": not gpt3 and "squared-ReLU" not in arch,
+        "squared_relu": "squared-ReLU" in arch,
+        "position_embedding_type": "learned_absolute" if gpt3 else "rope",
+        "normalization": "LayerNorm" if gpt3 or "Nemotron" in arch else "RMSNorm",
+        "add_bias_linear": gpt3 or "GPT-OSS" in arch,
+        "dropout": 0.1 if gpt3 else 0.0,  # NeMo's GPT-3 configs keep dropout 0.1; the others train without
+        "untie": not gpt3,
+        "qk_layernorm": "qk-layernorm" in arch,
+        "window": GPT_OSS_WINDOW if "GPT-OSS" in arch else None,
+    }
+
+
+def _not_expressible(entry: dict) -> str | None:
+    arch = entry["model_shape"]["arch"]
+    if "Mamba" in arch or "hybrid" in arch:
+        return "hybrid Mamba / attention model (Mamba layers are not modelled)"
+    if "MLA" in arch:
+        return "multi-head latent attention (MLA is not modelled)"
+    if not entry["model_shape"].get("layers"):
+        return "model shape not published"
+    return None
+
+
+def _recompute(entry: dict) -> tuple[str, bool]:
+    """(recompute, stated). Stated: the run's own config says so. Otherwise it is the recipe's
+    default (or nothing is known): the bench keeps the first of it, selective and full that fits,
+    since the run ran."""
+    text = str(entry["recompute"])
+    if "activation_checkpointing: true" in text:
+        return "full", True
+    if "activation_checkpointing: false" in text:
+        return "none", True
+    if "selective" in text:
+        return "selective", False
+    return "none", False  # "none (launcher default)", "not stated"
+
+
+def _model_overrides(entry: dict) -> list[str]:
+    s, a = entry["model_shape"], _arch(entry)
+    out = [
+        f"model.name={entry['id']}", f"model.num_layers={s['layers']}", f"model.hidden_size={s['hidden']}",
+        f"model.ffn_hidden_size={s['ffn']}", f"model.num_attention_heads={s['heads']}",
+        f"model.num_query_groups={s['query_groups']}", f"model.seq_length={entry['seq_length']}",
+        f"model.vocab_size={s['vocab']}", f"model.swiglu={str(a['swiglu']).lower()}",
+        f"model.squared_relu={str(a['squared_relu']).lower()}",
+        f"model.position_embedding_type={a['position_embedding_type']}", f"model.normalization={a['normalization']}",
+        f"model.add_bias_linear={str(a['add_bias_linear']).lower()}", f"model.hidden_dropout={a['dropout']}",
+        f"model.attention_dropout={a['dropout']}",
+        f"model.untie_embeddings_and_output_weights={str(a['untie']).lower()}",
+        f"model.qk_layernorm={str(a['qk_layernorm']).lower()}",
+    ]
+    if s.get("head_dim"):
+        out.append(f"model.kv_channels={s['head_dim']}")
+    if s.get("experts"):
+        out += [f"model.num_experts={s['experts']}", f"model.moe_router_topk={s['topk']}",
+                f"model.moe_ffn_hidden_size={s['moe_ffn']}"]
+        if s.get("shared_expert_ffn"):
+            out.append(f"model.moe_shared_expert_intermediate_size={s['shared_expert_ffn']}")
+    if a["window"]:
+        out += [f"model.window_size={a['window']}", "model.window_attn_skip_freq=2"]
+    return out
+
+
+def row_of(entry: dict) -> Row:
+    moe = bool(entry["model_shape"].get("experts"))
+    common = dict(id=entry["id"], source=f"{source_of(entry)}", precision=entry["precision_class"].lower(), moe=moe,
+                  status=str(entry["status"]).split(" ")[0])
+    why = _not_expressible(entry)
+    if why:
+        return Row(**common, measured_step_s=math.nan, not_expressible=why)
+    assumed = []
+    settings = ROW_SETTINGS.get(entry["id"], {})
+    release = "-".join(entry["id"].split("-")[:2])
+    ep = entry["ep"] or settings.get("ep", 1)
+    if entry["ep"] is None and moe:
+        assumed.append(f"ep={ep} (the recipe's)")
+    vp = entry["vp"]
+    recipe_pp, recipe_vp = RECIPE_VP.get((release, entry["model"]), (None, None))
+    if vp is None and recipe_pp == entry["pp"]:
+        vp = recipe_vp
+        assumed.append(f"vpp={vp} (the recipe's)")
+    grad_bf16 = release in GRAD_BF16_RELEASES and entry["model"].startswith(GRAD_BF16_MODELS)
+    if grad_bf16:
+        assumed.append("grad_reduce_in_bf16 (the recipe's grad_sync_dtype=bf16)")
+    fused_loss = settings.get("cross_entropy_fusion", False)
+    mbs = entry["mbs"] or 1
+    if entry["mbs"] is None:
+        assumed.append("mbs=1 (not stated)")
+    fsdp = bool(entry["fsdp"])
+    zero = 3 if fsdp else 1  # every Megatron row uses a distributed optimizer (distributed_fused_adam / mcore)
+    if not fsdp and not str(entry["distributed_optimizer"]).startswith("true"):
+        assumed.append("zero=1 (NeMo's default distributed optimizer; not stated)")
+    recompute, stated = _recompute(entry)
+    if "recompute" in settings:
+        recompute, stated = settings["recompute"], True
+        assumed.append(f"recompute={recompute} (the recipe's)")
+    opt = entry.get("optimizations") or {}
+    plan = [f"plan.tp={entry['tp']}", f"plan.pp={entry['pp']}", f"plan.cp={entry['cp']}", f"plan.dp={entry['dp']}",
+            f"plan.vpp={vp or 1}", f"plan.mbs={mbs}", f"plan.zero={zero}",
+            f"plan.sp={str(bool(entry['sequence_parallel']) and entry['tp'] > 1).lower()}"]
+    if moe:
+        plan += [f"plan.ep={ep}", "plan.etp=1"]
+    plan.append(f"plan.recompute={recompute}")
+    train = [f"train.global_batch_size={entry['gbs']}", f"train.precision={entry['precision_class'].lower()}",
+             f"train.overlap_grad_reduce={str(opt.get('dp_overlap_grad_reduce', True)).lower()}",
+             f"train.overlap_param_gather={str(opt.get('dp_overlap_param_gather', True)).lower()}",
+             f"train.tp_comm_overlap={str(bool(opt.get('tp_comm_overlap_userbuffers')) and entry['tp'] > 1).lower()}",
+             f"train.grad_reduce_in_bf16={str(grad_bf16).lower()}",
+             f"train.cross_entropy_fusion={str(fused_loss).lower()}"]
+    overrides = ["model=llama2_7b", "cluster=dgx_h100_superpod", f"cluster.num_devices={entry['num_gpus']}",
+                 *_model_overrides(entry), *train, *plan]
+    return Row(**common, measured_step_s=measured_step_time(entry), overrides=overrides, assumed=tuple(assumed),
+               recompute_stated=stated)
+
+
+def implied_gflops_per_token(entry: dict) -> float | None:
+    """The row's own GFLOP per token (model TFLOP/s over tokens/s), where it gives both."""
+    if entry.get("tokens_per_sec_per_gpu") and entry.get("model_tflops_per_gpu"):
+        return entry["model_tflops_per_gpu"] * 1e3 / entry["tokens_per_sec_per_gpu"]
+    return None
+
+
+def is_nemo_era(entry: dict) -> bool:
+    """Rows whose TFLOP/s follow the NeMo 1.x / launcher / NeMo 24.07 convention."""
+    return source_of(entry) in ("launcher", "nemo") and bool(re.match(r"(launcher|nemo)-", entry["id"]))

@@ -1,0 +1,223 @@
+"""The calibrated cost model's terms against numbers worked out by hand: flash attention's backward
+and head size, fp8 GEMMs and their casts, what TP communication Megatron hides behind which GEMM,
+the cross entropy's bytes, fp8 and bf16-gradient memory, MoE grouped GEMMs and permutation, and
+sliding-window attention.
+
+The objects are the 64-wide synthetic GPT of tests/test_cost_terms.py; every expectation is derived
+in its comment from literal numbers, not from the code under test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from test_cost_terms import GemmOnly, accelerator, close, memory_of, model
+
+from nest_megatron.cost.activations import layer_activation_terms, logits_bytes
+from nest_megatron.cost.collectives import Network, all_gather_time, reduce_scatter_time
+from nest_megatron.cost.compute import RooflineCompute, head_dim_factor
+from nest_megatron.cost.evaluate import CROSS_ENTROPY_BYTES_PER_LOGIT, estimate
+from nest_megatron.cost.layer import elementwise_bytes, layer_time, quantisation_bytes
+from nest_megatron.cost.memory import model_state_bytes
+from nest_megatron.cost.placement import compute_spans
+from nest_megatron.cost.problem import Problem
+from nest_megatron.hardware.topology import Level, Topology
+from nest_megatron.model.spec import Gemm, Numerics
+from nest_megatron.parallel.config import ParallelConfig
+from nest_megatron.parallel.ranks import GroupShape, identity_placement
+
+
+def with_numerics(m, **kw):
+    return dataclasses.replace(m, numerics=Numerics(**kw))
+
+
+# --- attention -----------------------------------------------------------------------------------
+
+def test_attention_backward_is_two_and_a_half_forwards_at_head_dim_128():
+    rc = RooflineCompute(accelerator(peak_flops=1e15, attention_efficiency=0.5))
+    # 1e12 FLOP at 0.5 x 1e15 = 2 ms; the backward's five products: 2.5 x that
+    assert rc.attention_time(1e12, 128) == close(2e-3)
+    assert rc.attention_time(2.5e12, 128) == close(5e-3)
+
+
+@pytest.mark.parametrize("head_dim, factor", [(32, 0.75), (64, 0.75), (128, 1.0), (256, 1.1), (512, 1.1),
+                                              # log2(90.5) = 6.5: halfway from 64 to 128 -> 0.875
+                                              (2 ** 6.5, 0.875)])
+def test_head_dim_factor(head_dim, factor):
+    assert head_dim_factor(head_dim) == pytest.approx(factor, rel=1e-12)
+
+
+def test_small_heads_slow_attention_down():
+    rc = RooflineCompute(accelerator(peak_flops=1e15, attention_efficiency=0.5))
+    # head dim 64: 0.75 x the throughput -> 2 ms / 0.75
+    assert rc.attention_time(1e12, 64) == close(2e-3 / 0.75)
+
+
+def test_layer_prices_flash_backward_at_2_5_x():
+    # GEMM-free compute: only attention costs time, 1 FLOP per 1e-12 s.
+    class AttentionOnly(GemmOnly):
+        def gemm_time(self, gemm):
+            return 0.0
+
+        def attention_time(self, flops, head_dim=128):
+            return flops / 1e12
+
+    m = model()
+    cfg = ParallelConfig()
+    topo = Topology("one", (Level("node", 1, 100e9, 1e-6),))
+    spans = compute_spans(cfg, topo, identity_placement(1))
+    lt = layer_time(m, cfg=cfg, moe=False, spans=spans, net=Network.for_topology(topo), compute=AttentionOnly())
+    # causal attention of the 64-wide model at s 32, b 1: 4 x 32 x 32 x 64 x 1/2 = 131,072 FLOP
+    assert lt.fwd_compute == close(131_072 / 1e12)
+    assert lt.bwd_compute == close(2.5 * 131_072 / 1e12)
+
+
+def test_sliding_window_attends_to_about_the_window():
+    full = model(seq_length=1024)
+    windowed = model(seq_length=1024, window_size=128)
+    every_other = model(seq_length=1024, window_size=128, window_attn_skip_freq=2)
+    # full causal: s/2 = 512 keys per query; window 128: 128 (1 - 128 / 2048) = 120 keys (the first
+    # 128 queries see fewer); every other layer full: (512 + 120) / 2 = 316
+    assert full.mean_keys_per_query(1024, 0.5) == 512
+    assert windowed.mean_keys_per_query(1024, 0.5) == pytest.approx(120.0)
+    assert every_other.mean_keys_per_query(1024, 0.5) == pytest.approx(316.0)
+    assert windowed.attention_flops(micro_batch=1, tp=1, cp=1) == pytest.approx(4 * 1024 * 120 * 64)
+
+
+# --- fp8 -----------------------------------------------------------------------------------------
+
+def test_fp8_gemm_runs_at_the_fp8_peak():
+    acc = accelerator(peak_flops=1e15, gemm_efficiency=0.75, peak_fp8_flops=2e15, gemm_fp8_efficiency=0.6)
+    g = Gemm("g", 128 * 33, 256 * 4, 8192)  # exactly one wave of 132 tiles
+    flops = 2 * 128 * 33 * 256 * 4 * 8192
+    assert RooflineCompute(acc).gemm_time(g) == close(flops / 0.75e15)
+    assert RooflineCompute(acc, fp8=True).gemm_time(g) == close(flops / 1.2e15)
+    # the output layer stays in bf16
+    assert RooflineCompute(acc, fp8=True).with_bf16_gemms().gemm_time(g) == close(flops / 0.75e15)
+
+
+def test_fp8_quantisation_bytes_per_recipe():
+    m = model()
+    gemms = m.layer_gemms(tokens=32, tp=1)
+    # inputs [m, k]: qkv 32 x 64, proj 32 x 64, fc1 32 x 64, fc2 32 x 256 = 14,336 elements;
+    # output gradients [m, n]: qkv 32 x 192, proj 32 x 64, fc1 32 x 256, fc2 32 x 64 = 18,432
+    assert quantisation_bytes(m, gemms) == (0.0, 0.0)
+    assert quantisation_bytes(with_numerics(m, fp8_recipe="delayed"), gemms) == (4 * 14_336, 4 * 18_432)
+    # current scaling reads each tensor once more for its amax: 6 bytes an element
+    assert quantisation_bytes(with_numerics(m, fp8_recipe="tensorwise"), gemms) == (6 * 14_336, 6 * 18_432)
+
+
+def test_fp8_linears_keep_their_inputs_in_one_byte():
+    m = model(hidden_dropout=0.0, attention_dropout=0.0)
+    bf16 = layer_activation_terms(m, mbs=1, tp=1, sp=False, cp=1, moe=False)
+    fp8 = layer_activation_terms(with_numerics(m, fp8_recipe="delayed"), mbs=1, tp=1, sp=False, cp=1, moe=False)
+    # the inputs of QKV, the projection, FC1 and FC2 halve: 2 x 32 x 64 -> 32 x 64 (and FC2's 32 x 256)
+    for term in ("qkv_input", "proj_input", "fc1_input", "fc2_input"):
+        assert fp8[term] == bf16[term] / 2
+    # what the norms and the activation keep does not
+    for term in ("norm1_input", "norm2_input", "fc1_output", "qkv"):
+        assert fp8[term] == bf16[term]
+
+
+def test_fp8_caches_a_weight_copy_and_its_transpose():
+    m = model(untie_embeddings_and_output_weights=True, position_embedding_type="rope")
+    cfg = ParallelConfig(pp=3, zero=1, dp=1)
+    bf16 = memory_of(m, cfg, stage=1, layers=1, num_microbatches=3, reserved_bytes=0)
+    fp8 = memory_of(with_numerics(m, fp8_recipe="delayed"), cfg, stage=1, layers=1, num_microbatches=3, reserved_bytes=0)
+    # one layer of 49,984 parameters: + 2 bytes each
+    assert fp8.weights - bf16.weights == close(2 * 49_984)
+
+
+# --- gradients and the loss ------------------------------------------------------------------------
+
+def test_bf16_gradients_halve_memory_and_traffic():
+    assert model_state_bytes(1000, zero=1, shards=4, grad_bytes=2) == (2000, 2000, 3000)
+    m = model(num_layers=2, untie_embeddings_and_output_weights=True, position_embedding_type="rope")
+    slow = Topology("slow", (Level("node", 1, 100e9, 1e-6), Level("net", 2, 1e9, 0.0)))
+    problem = Problem(model=m, accelerator=accelerator(peak_flops=1e12), topology=slow, global_batch_size=2,
+                      overlap_grad_reduce=False, overlap_param_gather=False)
+    fp32 = estimate(problem, ParallelConfig(dp=2, zero=0), compute=GemmOnly())
+    half = estimate(dataclasses.replace(problem, model=with_numerics(m, grad_reduce_in_bf16=True)),
+                    ParallelConfig(dp=2, zero=0), compute=GemmOnly())
+    # all-reduce of P = 231,168 parameters over the 1 GB/s pair: 2 x 1/2 x 4P / 1e9, then 2P
+    params = 2 * 49_984 + 65_536 + 128 + 65_536
+    assert fp32.breakdown["dp_grad_sync"] == close(4 * params / 1e9)
+    assert half.breakdown["dp_grad_sync"] == close(2 * params / 1e9)
+
+
+def test_cross_entropy_bytes_and_logits_kept():
+    assert CROSS_ENTROPY_BYTES_PER_LOGIT == 38 + 14  # forward 6 + 4 + 8 + 8 + 4 + 8, backward 4 + 4 + 4 + 2
+    m = model()  # vocab 1000 padded to 1024 at tp 1; 32 tokens
+    assert logits_bytes(m, mbs=1, tp=1, cp=1) == 6 * 32 * 1024  # bf16 logits + fp32 softmax
+    assert logits_bytes(with_numerics(m, cross_entropy_fusion=True), mbs=1, tp=1, cp=1) == 2 * 32 * 1024
+
+
+# --- TP communication and what hides it --------------------------------------------------------------
+
+def _tp_layer(overlap: bool, bandwidth: float, zero: int = 1):
+    m = model(hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = ParallelConfig(tp=2, sp=True, zero=zero)
+    topo = Topology("pair", (Level("node", 2, bandwidth, 0.0),))
+    spans = compute_spans(cfg, topo, identity_placement(2))
+    net = Network.for_topology(topo)
+    lt = layer_time(m, cfg=cfg, moe=False, spans=spans, net=net, compute=GemmOnly(), tp_comm_overlap=overlap)
+    # the [32, 64] bf16 activation = 4,096 B; an all-gather or reduce-scatter over the pair: 1/2 x 4,096 / B
+    collective = 0.5 * 4096 / bandwidth
+    assert all_gather_time(GroupShape((2.0,)), 4096, net) == close(collective)
+    assert reduce_scatter_time(GroupShape((2.0,)), 4096, net) == close(collective)
+    return lt, collective
+
+
+def test_tp_without_overlap_on_a_slow_link():
+    # 1 MB/s: a collective takes 2.048 ms, far beyond any GEMM (the largest is 262,144 FLOP = 0.26 us at 1e12)
+    lt, c = _tp_layer(False, 1e6)
+    # forward: per block an all-gather and a reduce-scatter, exposed: 2 x 2c
+    assert lt.fwd_comm == close(4 * c)
+    # backward, per block: the row-parallel mirror (exposed), the column-parallel's input all-gather behind
+    # its input-gradient GEMM and its reduce-scatter behind its weight-gradient GEMM: c + (c - g_d) + (c - g_w)
+    # column GEMMs at tp 2 on 32 tokens: QKV [32, 96] x 64 -> 393,216 FLOP, FC1 [32, 128] x 64 -> 524,288 FLOP;
+    # their dgrad and wgrad have the same FLOPs
+    qkv, fc1 = 393_216 / 1e12, 524_288 / 1e12
+    assert lt.bwd_comm == close(2 * 3 * c - 2 * (qkv + fc1))
+
+
+def test_tp_backward_hides_nothing_without_ordered_streams():
+    # Megatron-FSDP runs with CUDA_DEVICE_MAX_CONNECTIONS > 1: the backward's three collectives per block
+    # are all exposed
+    lt, c = _tp_layer(False, 1e6, zero=3)
+    assert lt.bwd_comm == close(2 * 3 * c)
+
+
+def test_tp_comm_overlap_hides_all_but_a_chunk_behind_a_longer_gemm():
+    # 1 TB/s: a collective takes 2.048 ns, shorter than every GEMM it overlaps (>= 131,072 FLOP = 131 ns):
+    # with userbuffers each is exposed for its first of tp = 2 chunks only
+    lt, c = _tp_layer(True, 1e12)
+    assert lt.fwd_comm == close(2 * 2 * c / 2)
+    assert lt.bwd_comm == close(2 * 3 * c / 2)
+    # without the overlap the forward's four collectives are all exposed
+    plain, _ = _tp_layer(False, 1e12)
+    assert plain.fwd_comm == close(4 * c)
+
+
+# --- MoE ---------------------------------------------------------------------------------------------
+
+def test_experts_are_a_grouped_gemm_of_the_local_experts():
+    m = model(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128, swiglu=True)
+    gemms = {g.name: g for g in m.layer_gemms(tokens=32, tp=1, ep=2, etp=1, moe=True)}
+    # 32 tokens x top-2 = 64 routed rows on this rank's 8 / 2 = 4 experts: 16 rows each
+    assert (gemms["expert_fc1"].m, gemms["expert_fc1"].n, gemms["expert_fc1"].k, gemms["expert_fc1"].count) == (16, 256, 64, 4)
+    assert (gemms["expert_fc2"].m, gemms["expert_fc2"].n, gemms["expert_fc2"].k, gemms["expert_fc2"].count) == (16, 64, 128, 4)
+    # a router that sends the busiest rank 1.5 x the mean: 24 rows per expert
+    skewed = model(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128, swiglu=True, moe_load_imbalance=1.5)
+    assert {g.name: g for g in skewed.layer_gemms(tokens=32, tp=1, ep=2, moe=True)}["expert_fc1"].m == 24
+
+
+def test_moe_permutation_moves_every_routed_copy_twice():
+    dense_like = model(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=256, hidden_dropout=0.0)
+    cfg = ParallelConfig()
+    moe = elementwise_bytes(dense_like, tokens=32, cfg=cfg, moe=True)
+    # the MoE layer's FC1 / FC2 traffic is on 64 routed rows instead of 32 tokens: + 32 x 256 x 2 elements;
+    # permute and unpermute read and write every routed copy: + 2 x 2 x 64 x 64 elements; bf16
+    dense = elementwise_bytes(dense_like, tokens=32, cfg=cfg, moe=False)
+    assert moe - dense == close(2 * (32 * 256 * 2 + 2 * 2 * 64 * 64))
