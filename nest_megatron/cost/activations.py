@@ -25,6 +25,9 @@ size are sequence-sharded) and T without it; q and kv are the query and key/valu
   fc2_input                  2 T f/t
   hidden_dropout_masks       2 x 1 h T_sp      after attention and after the MLP (p > 0)
 
+With fp8 GEMMs (model.numerics) the inputs of the linears (qkv_input, proj_input, fc1_input,
+fc2_input, expert_input) are kept as Transformer Engine's 1-byte fp8 copies.
+
 For Korthikanti's GPT (learned positions, bf16 softmax) these terms add up to exactly their
 34 s b h + 5 a s^2 b; RoPE adds the new Q and K, 4 s b h. Selective recompute ("core_attn") drops the softmax and dropout terms and
 keeps Q, K, V un-repeated as the checkpoint's inputs; full recompute keeps the layer input only.

@@ -37,11 +37,11 @@ RECIPE_VP = {  # (release, model) -> (the recipe's pp, its virtual_pipeline_mode
 GRAD_BF16_RELEASES = ("launcher-24.03", "launcher-24.05", "nemo-24.07")
 GRAD_BF16_MODELS = ("GPT3", "LLAMA", "Nemotron-340B")
 ROW_SETTINGS = {
-    # conf/training/mixtral/mixtral_8x7b.yaml at 3499f38e (the draft's commit): PP 4 as the table,
-    # expert_model_parallel_size: 1. The 8x3B conf there (PP 4, EP 1) is not the table's layout (PP 1), at EP 1
-    # its 19 B parameters cannot fit in 80 GB on one device, and the row's notes give the launcher's EP 8.
+    # The rows' notes: "EP not given (launcher default 8)". The confs at the draft's commit 3499f38e say
+    # expert_model_parallel_size: 1, but at EP 1 neither layout fits in 80 GB without full recomputation
+    # (8x3B: 19 B parameters on one device; 8x7B: 11.7 B a stage, 106 GiB), which the rows do not use.
     "launcher-24.05-MIXTRAL-8x3B-bf16-draft": {"ep": 8},
-    "launcher-24.05-MIXTRAL-8x7B-bf16-draft": {"ep": 1},
+    "launcher-24.05-MIXTRAL-8x7B-bf16-draft": {"ep": 8},
     # NVIDIA-NeMo/Automodel examples/llm_benchmark/*.yaml at 36044ad: ep_size, activation_checkpointing,
     # and MaskedCrossEntropy with fp32_upcast: false (no fp32 logits kept: priced as the fused loss)
     "automodel-Qwen3_MoE_30B-8gpu-bf16": {"recompute": "full", "cross_entropy_fusion": True},
