@@ -95,8 +95,8 @@ def _plan_table(results: list[RowResult]) -> list[str]:
         gain = r.estimate.step_time / planned - 1
         if gain > 0.10:
             p = plan.parallel
-            layout = " ".join(f"{k}{p[k]}" for k in ("tp", "pp", "dp", "cp", "ep", "vpp", "mbs", "zero") if k in p)
-            layout += f" {p.get('recompute', '')}"
+            layout = " ".join([f"{k}{p[k]}" for k in ("tp", "pp", "dp", "cp", "ep", "vpp") if k in ("tp", "pp", "dp") or p[k] > 1]
+                              + [f"mbs{plan.micro_batch_size}", f"zero{plan.zero_stage}", plan.recompute["granularity"] or "none"])
             parts = ", ".join(f"{k} {v / planned:.0%}" for k, v in sorted(plan.predicted["breakdown"].items(),
                                                                         key=lambda kv: -kv[1]) if v >= BREAKDOWN_SHOWN * planned)
             lines.append(f"| {r.row.id} | {r.estimate.step_time:.3f} | {planned:.3f} | {gain:+.0%} | {layout} | "

@@ -295,7 +295,11 @@ def test_traced_numbers_replace_the_analytic_ones_in_the_cost_model():
     layer = graph.layers[1]
     assert spec.layer_params(tp=2) == (layer.dense_params, layer.expert_params)
     gemms = spec.layer_gemms(tokens=4 * 128, tp=2)
-    assert [(g.name, g.m, g.n, g.k) for g in gemms] == [(g.name, 4 * g.m, g.n, g.k) for g in layer.gemms]
+    # named by their role in the layer (self_attention.linear_qkv -> qkv, ...), as the analytic GEMMs are
+    assert [(g.name, g.m, g.n, g.k) for g in gemms] == [(role, 4 * g.m, g.n, g.k) for role, g in
+                                                         zip(("qkv", "proj", "fc1", "fc2"), layer.gemms)]
+    assert [g.name for g in layer.gemms] == ["self_attention.linear_qkv", "self_attention.linear_proj",
+                                             "mlp.linear_fc1", "mlp.linear_fc2"]
     assert spec.attention_flops(micro_batch=4, tp=2, cp=2) == layer.attention_flops * 4 / 2
 
     analytic = ModelSpec(spec.cfg)  # same kernels, no tracer

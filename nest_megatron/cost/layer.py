@@ -210,7 +210,9 @@ def tp_exposed(model: ModelSpec, cfg: ParallelConfig, *, moe: bool, shapes, net:
         blocks.append("shared")
     fwd = bwd = 0.0
     for block in blocks:
+        # a traced GEMM named otherwise hides nothing (model/spec.py gemm_role names megatron-core's)
         column, row = TP_BLOCKS[block]
+        gemm, dgrad, wgrad = (dict.fromkeys((column, row), 0.0) | times for times in (gemm, dgrad, wgrad))
         if overlap:  # userbuffers: needs sequence parallel (a Megatron rule)
             fwd += _exposed(gather, gemm[column], cfg.tp) + _exposed(scatter, gemm[row], cfg.tp)
             bwd += (_exposed(gather, dgrad[row], cfg.tp) + _exposed(gather, dgrad[column], cfg.tp)

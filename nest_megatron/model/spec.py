@@ -197,7 +197,7 @@ class ModelSpec:
         traced = self.traced_layer(tp=tp, etp=etp, moe=moe)
         if traced:  # the traced GEMMs, their rows (tokens, or routed tokens) scaled to `tokens`
             graph, layer = traced
-            return [Gemm(g.name, g.m * tokens / graph.tokens, g.n, g.k) for g in layer.gemms]
+            return [Gemm(gemm_role(g.name), g.m * tokens / graph.tokens, g.n, g.k) for g in layer.gemms]
         h = self.h
         gemms = [
             Gemm("qkv", tokens, (self.q_size + 2 * self.kv_size) // tp, h),
@@ -262,6 +262,18 @@ class ModelSpec:
         skip = self.cfg.window_attn_skip_freq
         full_share = 1 / skip if skip else 0.0
         return full_share * s * causal + (1 - full_share) * windowed
+
+
+# megatron-core's module names (relative to the layer) -> the GEMM roles the cost model prices by
+MEGATRON_GEMM_ROLES = {"self_attention.linear_qkv": "qkv", "self_attention.linear_proj": "proj", "mlp.linear_fc1": "fc1",
+                       "mlp.linear_fc2": "fc2", "mlp.router": "router", "mlp.shared_experts.linear_fc1": "shared_fc1",
+                       "mlp.shared_experts.linear_fc2": "shared_fc2", "mlp.experts.linear_fc1": "expert_fc1",
+                       "mlp.experts.linear_fc2": "expert_fc2"}
+
+
+def gemm_role(traced_name: str) -> str:
+    """The role of a traced GEMM (qkv, proj, fc1, ...); other models' names are kept as they are."""
+    return MEGATRON_GEMM_ROLES.get(traced_name, traced_name)
 
 
 @lru_cache(maxsize=256)
