@@ -43,6 +43,7 @@ class Plan:
     overrides: list[str] = field(default_factory=list)  # the Hydra overrides that rebuild this problem
     search: dict = field(default_factory=lambda: {"solver": "evaluate", "time_s": 0.0, "configs_evaluated": 1})
     runners_up: list[dict] = field(default_factory=list)
+    hosts: list[str] = field(default_factory=list)  # the allocation's nodes in node-rank order, idle ones last; [] unnamed
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -131,4 +132,16 @@ def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name
         overrides=list(overrides),
         search=search or {"solver": "evaluate", "time_s": 0.0, "configs_evaluated": 1},
         runners_up=[summary(e) for e in runners_up],
+        hosts=hosts_by_node_rank(problem.topology, mapping),
     )
+
+
+def hosts_by_node_rank(topology, rank_to_device) -> list[str]:
+    """The topology's named hosts in torchrun node-rank order: node rank k runs ranks k*n .. k*n + n - 1, on
+    the host of the device rank k*n is placed on; the hosts that run nothing follow in device order."""
+    if not topology.hosts:
+        return []
+    per = topology.devices_per_node
+    running = [topology.hosts[int(rank_to_device[r]) // per] for r in range(0, len(rank_to_device), per)]
+    busy = set(running)
+    return running + [h for h in topology.hosts if h not in busy]

@@ -54,9 +54,11 @@ def clean_environment() -> dict[str, str]:
 
 
 class SlurmCluster:
-    def __init__(self, num_nodes: int = 2, gpus_per_node: int = 2, start_timeout_s: float = 60.0):
+    def __init__(self, num_nodes: int = 2, gpus_per_node: int = 2, start_timeout_s: float = 60.0,
+                 topology: str | None = None):
         self.node_names = [f"127.0.0.{i + 1}" for i in range(num_nodes)]
         self.gpus_per_node = gpus_per_node
+        self.topology = topology  # a topology.conf for the tree plugin (None: no switch tree)
         self.start_timeout_s = start_timeout_s
         self.root: Path | None = None
         self.processes: dict[str, subprocess.Popen] = {}
@@ -185,7 +187,10 @@ MessageTimeout=20
 SlurmdTimeout=120
 {nodes}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+{"TopologyPlugin=topology/tree" if self.topology else ""}
 """)
+        if self.topology:  # slurmctld reads topology.conf beside slurm.conf
+            (r / "topology.conf").write_text(self.topology)
         names = f"{self.node_names[0].rsplit('.', 1)[0]}.[1-{len(self.node_names)}]"
         (r / "gres.conf").write_text(f"NodeName={names} Name=gpu File={r / 'dev'}/nvidia[0-{self.gpus_per_node - 1}]\n")
         (r / "state").mkdir()

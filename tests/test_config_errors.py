@@ -204,9 +204,10 @@ BAD = {
     "query groups do not divide heads": (["model.num_query_groups=3"],
                                          r"model\.num_query_groups=3: must divide model\.num_attention_heads=8",
                                          ["model.num_query_groups=4"]),
-    "num_devices not a multiple of the lower levels": (["cluster.num_devices=1000"],
-                                                       r"cluster\.num_devices=1000: must be a multiple of 32",
-                                                       ["cluster.num_devices=992"]),
+    # 125 nodes fill racks of 4 nodes partly (a partial tree); a part of a node is no host
+    "num_devices not whole nodes": (["cluster.num_devices=1001"],
+                                    r"cluster\.num_devices=1001: must be a multiple of 8 \(the devices in one node",
+                                    ["cluster.num_devices=1000"]),
     "num_devices inside a node not a multiple": (["cluster.num_devices=20"],
                                                  r"cluster\.num_devices=20: must be a multiple of 8",
                                                  ["cluster.num_devices=24"]),

@@ -1,6 +1,6 @@
 """The DP's layer split is the optimum of the cost model: it equals the best of every split
 enumerated by brute force and scored by `estimate`, on random small models (dense and MoE layers
-mixed), random 2-4 level clusters and tight memory."""
+mixed), random 2-4 level clusters, regular or irregular (units of unequal size), and tight memory."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from nest_megatron.config.schema import ModelConfig, PlanChoice, SolverConfig
 from nest_megatron.cost.evaluate import context, estimate, estimate_in
 from nest_megatron.cost.problem import Problem
 from nest_megatron.hardware.accelerator import Accelerator
-from nest_megatron.hardware.topology import Level, Topology
+from nest_megatron.hardware.topology import Level, Topology, irregular
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.ranks import node_permutations
@@ -37,6 +37,23 @@ from nest_megatron.solver.dp import (
 )
 from nest_megatron.solver.enumerate import solve as enumerate_solve
 from nest_megatron.solver.space import candidates
+
+
+@st.composite
+def trees(draw, levels):
+    """An irregular tree over `levels` (host level 0): 2-4 units of level 1 holding 1-3 nodes each,
+    grouped into consecutive runs at each level above, one unit at the top."""
+    nodes = draw(st.lists(st.integers(1, 3), min_size=2, max_size=4))
+    children = [(levels[0].fan_out,) * sum(nodes), tuple(nodes)]
+    units = len(nodes)
+    for _ in levels[2:-1]:
+        runs = []
+        while units:
+            runs.append(draw(st.integers(1, units)))
+            units -= runs[-1]
+        children.append(tuple(runs))
+        units = len(runs)
+    return (*children, (units,)) if len(children) < len(levels) else tuple(children)
 
 
 @st.composite
@@ -71,6 +88,8 @@ def problems(draw):
         for i in range(num_levels)
     )
     topology = Topology("random", levels)
+    if num_levels >= 3 and draw(st.booleans()):
+        topology = irregular(topology, draw(trees(levels)))
     devices = topology.num_devices
     stage_counts = [p for p in (2, 3, 4) if p <= model.cfg.num_layers and devices % p == 0]
     pp = draw(st.sampled_from(stage_counts or [1]))

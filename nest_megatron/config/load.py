@@ -10,7 +10,8 @@ import difflib
 import math
 import os
 import re
-from dataclasses import dataclass, fields
+import subprocess
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import yaml
@@ -33,8 +34,10 @@ from nest_megatron.config.schema import (
 )
 from nest_megatron.cost.problem import Problem
 from nest_megatron.errors import NestError
+from nest_megatron.hardware import slurm_tree
 from nest_megatron.hardware.accelerator import accelerator_from_config
-from nest_megatron.hardware.topology import BUILDERS
+from nest_megatron.hardware.hostlist import expand
+from nest_megatron.hardware.topology import BUILDERS, Topology
 from nest_megatron.model.spec import ModelSpec, Numerics
 from nest_megatron.parallel.config import RANK_ORDERS, RECOMPUTE_KINDS, ZERO_STAGES
 from nest_megatron.solver.registry import SOLVERS
@@ -114,12 +117,23 @@ def _compose(overrides: list[str]):
         if key in GROUPS and value not in options(key):
             raise NestError(_unknown_option_message(f"{key}={value}", key, value))
     try:
-        cfg = _hydra_compose(overrides)
+        cfg = _hydra_compose([_quoted_hostlist(item) for item in overrides])
     except yaml.YAMLError as err:  # a config file of the user's that is not YAML
         raise NestError(_yaml_message(err)) from None
     except (ConfigCompositionException, MissingConfigException, HydraException, OmegaConfBaseException) as err:
         raise NestError(_composition_message(err, overrides)) from None
     return cfg
+
+
+# Keys whose value is a SLURM hostlist or a path: n[01-12],n20 is a string, not Hydra's list and sweep syntax.
+VERBATIM_KEYS = ("cluster.nodes", "cluster.topology_conf")
+
+
+def _quoted_hostlist(item: str) -> str:
+    key, _, value = item.partition("=")
+    if key not in VERBATIM_KEYS or value[:1] in ("'", '"') or value == "null":
+        return item
+    return f"{key}='{value}'" if "'" not in value else f'{key}="{value}"'
 
 
 def _hydra_compose(overrides: list[str]):
@@ -380,12 +394,88 @@ def _check_cluster(c: ClusterConfig) -> int:
             _real(f"cluster.levels[{i}].latency_s", lv.latency_s, 0)
             _real(f"cluster.levels[{i}].oversubscription", lv.oversubscription, 1)
         described, where = [lv.fan_out for lv in c.levels], "cluster.levels: fan_outs"
+    nodes = _allocated_nodes(c)
+    if nodes is not None:
+        return _devices_of_nodes(c, nodes)
     if c.num_devices is not None:  # the levels are rescaled to it
         return c.num_devices
     devices = math.prod(described)
     if devices > MAX_DEVICES:
         raise NestError(f"{where} {'*'.join(map(str, described))} = {devices} devices; allowed 1..{MAX_DEVICES}")
     return devices
+
+
+def _allocated_nodes(c: ClusterConfig) -> list[str] | None:
+    """cluster.nodes expanded; inside a SLURM job without it, SLURM_JOB_NODELIST, unless cluster.num_devices
+    asks for another size (a what-if plan run from a login allocation)."""
+    if c.nodes is not None:
+        return expand(c.nodes, key="cluster.nodes")
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if nodelist is None or c.topology != "hierarchical":
+        return None
+    nodes = expand(nodelist, key="SLURM_JOB_NODELIST")
+    if c.num_devices is not None and c.num_devices != len(nodes) * _devices_per_node(c):
+        return None
+    return nodes
+
+
+def _devices_per_node(c: ClusterConfig) -> int:
+    if not 0 <= c.host_level < len(c.levels):
+        return 1  # the builder names the bad host_level
+    return math.prod(lv.fan_out for lv in c.levels[: c.host_level + 1])
+
+
+def _devices_of_nodes(c: ClusterConfig, nodes: list[str]) -> int:
+    if c.topology != "hierarchical":
+        raise NestError(f"cluster.nodes={c.nodes}: cluster {c.name} is a {c.topology}, whose chips are not named "
+                        "nodes; use cluster.num_devices")
+    if len(set(nodes)) != len(nodes):
+        twice = next(n for i, n in enumerate(nodes) if n in nodes[:i])
+        raise NestError(f"cluster.nodes={c.nodes}: node {twice} is listed twice")
+    devices = len(nodes) * _devices_per_node(c)
+    if c.num_devices is not None and c.num_devices != devices:
+        raise NestError(f"cluster.num_devices={c.num_devices}, but cluster.nodes={c.nodes} names {len(nodes)} nodes "
+                        f"of {_devices_per_node(c)} devices = {devices}; give one of them")
+    if devices > MAX_DEVICES:
+        raise NestError(f"cluster.nodes={c.nodes}: {len(nodes)} nodes = {devices} devices; allowed 1..{MAX_DEVICES}")
+    return devices
+
+
+def _allocation(c: ClusterConfig, topology: Topology) -> Topology:
+    """The topology of the allocated nodes: their switch tree from cluster.topology_conf (inside a SLURM job
+    without it, `scontrol show topology` when the tree plugin answers), else the levels' fan_outs filled in
+    node order; the nodes become the topology's hosts."""
+    nodes = _allocated_nodes(c)
+    if c.topology_conf is not None and c.topology != "hierarchical":
+        raise NestError(f"cluster.topology_conf={c.topology_conf}: cluster {c.name} is a {c.topology}, not a switch tree")
+    if c.topology_conf is not None:
+        tree, source = slurm_tree.read(c.topology_conf), c.topology_conf
+    elif nodes is not None and c.nodes is None:
+        tree, source = _scontrol_topology(), "scontrol show topology"
+    else:
+        tree, source = None, ""
+    if tree is not None:
+        nodes = nodes if nodes is not None else list(tree.leaf_of)
+        allocated = slurm_tree.allocation_topology(topology, tree, nodes, source=source)
+        if c.num_devices is not None and c.num_devices != allocated.num_devices:
+            raise NestError(f"cluster.num_devices={c.num_devices}, but the {len(nodes)} nodes of {source} have "
+                            f"{allocated.num_devices} devices; give one of them")
+        return allocated
+    if nodes is None:
+        return topology.rescaled(c.num_devices) if c.num_devices is not None else topology
+    return replace(topology.rescaled(len(nodes) * topology.devices_per_node), hosts=tuple(nodes))
+
+
+def _scontrol_topology() -> slurm_tree.SwitchTree | None:
+    """SLURM's switch tree inside a job, when the tree plugin is configured (None otherwise: no scontrol,
+    or it prints no switches)."""
+    try:
+        done = subprocess.run(["scontrol", "show", "topology"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0 or "SwitchName=" not in done.stdout:
+        return None
+    return slurm_tree.parse(done.stdout, source="scontrol show topology")
 
 
 def _check_train_and_solver(t: TrainConfig, s: SolverConfig) -> None:
@@ -476,9 +566,7 @@ def _check_split(p: PlanChoice, layers: int) -> None:
 
 
 def _problem(root: RootConfig, tracer=None) -> Problem:
-    topology = BUILDERS[root.cluster.topology](root.cluster)
-    if root.cluster.num_devices is not None:
-        topology = topology.rescaled(root.cluster.num_devices)
+    topology = _allocation(root.cluster, BUILDERS[root.cluster.topology](root.cluster))
     t = root.train
     numerics = Numerics(fp8_recipe=t.fp8_recipe if t.precision == "fp8" else None,
                         grad_reduce_in_bf16=t.grad_reduce_in_bf16, cross_entropy_fusion=t.cross_entropy_fusion)

@@ -116,13 +116,21 @@ class ClusterConfig:
     topology: str = "hierarchical"  # hierarchical | torus (levels built from `torus`)
     levels: list[LevelConfig] = field(default_factory=list)  # level 0 first (inside a node); see cluster.levels[i]
     torus: Optional[TorusConfig] = None  # with topology: torus, see cluster.torus
-    # Rescale the top level so that the cluster has this many devices (None: as described).
+    # Rescale the top level so that the cluster has this many devices (None: as described); a count that whole
+    # units do not make fills them in order, the last one partly (37 nodes of 32-node SUs: 32 + 5).
     num_devices: Optional[int] = None
     # Device memory as a study models it, overriding the accelerator's (None: the accelerator's).
     device_memory_gib: Optional[float] = None
     # The level whose unit is one host, i.e. one torchrun node (0: a node is the lowest level).
     # Levels below it are inside a host: NVLink pairs or PCIe switches of a PCIe box.
     host_level: int = 0
+    # The allocated nodes, a SLURM hostlist (n[01-12],n[21-24]): the plan's hosts, cluster.num_devices =
+    # nodes x devices per node (None: SLURM_JOB_NODELIST inside a SLURM job, else unnamed nodes).
+    nodes: Optional[str] = None
+    # SLURM's topology.conf (tree plugin: SwitchName=... Nodes=... / Switches=...): which switches the nodes
+    # hang off; a leaf switch is a unit of the level above the host, its parent one of the next level
+    # (None: `scontrol show topology` inside a SLURM job with the tree plugin, else the levels' fan_outs).
+    topology_conf: Optional[str] = None
 
 
 @dataclass

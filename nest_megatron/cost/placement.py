@@ -49,8 +49,7 @@ def boundary_levels(pp_groups: np.ndarray, rank_to_device: np.ndarray, topology:
         a, b = devices[:, stage], devices[:, stage + 1]
         level = -1
         for lvl in range(len(topology.levels)):
-            size = topology.unit_size(lvl)
-            if np.any(a // size != b // size):
+            if np.any(topology.unit_of(lvl, a) != topology.unit_of(lvl, b)):
                 continue
             level = lvl
             break

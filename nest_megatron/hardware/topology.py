@@ -4,12 +4,20 @@ Devices are numbered so that level 0 varies fastest: device d sits in node d // 
 unit d // (f0*f1), and so on. Two devices communicate over the lowest level whose unit holds both.
 A torus is described the same way, one level per dimension (hop-distance classes), so every fabric
 the planner knows reduces to the same few numbers per level.
+
+A job's allocation is rarely that regular: 37 nodes of a SuperPOD are one full 32-node scalable unit
+and a partial one of 5, and the nodes SLURM hands out hang off whatever leaves were free. Such a
+tree keeps the levels (the link classes) and adds `children`: per level, how many units of the level
+below each of its units holds, in device order. Units stay contiguous ranges of device ids, so the
+unit of a device is a lookup, and sorted devices still give sorted units.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from nest_megatron.config.schema import ClusterConfig
 from nest_megatron.errors import NestError
@@ -29,10 +37,50 @@ class Topology:
     name: str
     levels: tuple[Level, ...]
     host_level: int = 0  # the level whose unit is one host (torchrun node); lower levels are inside it
+    # An irregular tree: children[l][u] = units of level l - 1 (devices for l = 0) in unit u of level l,
+    # units in device order; the top level has one unit. None: every unit of level l holds fan_out.
+    children: tuple[tuple[int, ...], ...] | None = None
+    hosts: tuple[str, ...] | None = None  # the allocation's node names in device order (cluster.nodes); None: unnamed
+    _unit_ids: tuple = field(default=(), compare=False, hash=False, repr=False)
+
+    def __post_init__(self):
+        if self.children is None:
+            return
+        assert len(self.children) == len(self.levels) and len(self.children[-1]) == 1, "one unit at the top"
+        ids, sizes = [], list(self.children[0])  # sizes: devices of each unit of the current level
+        ids.append(np.repeat(np.arange(len(sizes)), sizes))
+        for level in range(1, len(self.levels)):
+            counts = self.children[level]
+            assert sum(counts) == len(sizes), f"level {level} holds {sum(counts)} units of {len(sizes)}"
+            bounds = np.cumsum((0, *counts))
+            sizes = [sum(sizes[bounds[u]:bounds[u + 1]]) for u in range(len(counts))]
+            ids.append(np.repeat(np.arange(len(sizes)), sizes))
+        object.__setattr__(self, "_unit_ids", tuple(ids))
+
+    @property
+    def regular(self) -> bool:
+        return self.children is None
 
     @property
     def num_devices(self) -> int:
+        if self.children is not None:
+            return sum(self.children[0])
         return math.prod(level.fan_out for level in self.levels)
+
+    def unit_of(self, level: int, devices):
+        """The level-`level` unit of each device in `devices` (an int or an array): numbered in device order."""
+        if self.children is None:
+            return devices // self.unit_size(level)
+        return self._unit_ids[level][devices]
+
+    def unit_sizes(self, level: int) -> tuple[int, ...]:
+        """Devices in each unit of `level`, in device order."""
+        if self.children is None:
+            return (self.unit_size(level),) * (self.num_devices // self.unit_size(level))
+        return tuple(np.bincount(self._unit_ids[level]).tolist())
+
+    def num_units(self, level: int) -> int:
+        return len(self.unit_sizes(level)) if self.children is not None else self.num_devices // self.unit_size(level)
 
     @property
     def devices_per_node(self) -> int:
@@ -40,26 +88,55 @@ class Topology:
         return self.unit_size(min(self.host_level, len(self.levels) - 1))
 
     def unit_size(self, level: int) -> int:
-        """Devices in one unit of `level`."""
+        """Devices in one unit of `level`; in an irregular tree only for the levels up to the host, which are
+        whole (the nodes of an allocation are alike)."""
+        assert self.children is None or level <= self.host_level, "units above the host differ in size"
         return math.prod(lv.fan_out for lv in self.levels[: level + 1])
 
     def rescaled(self, num_devices: int) -> Topology:
         """The same fabric with `num_devices` devices.
 
         More devices than described grow the top level; fewer keep the lowest levels whose units
-        hold them (16 GPUs of a superpod: two nodes of one scalable unit, no spine).
+        hold them (16 GPUs of a superpod: two nodes of one scalable unit, no spine). A count that
+        whole units of the level below do not make (37 nodes of 32-node units) fills the units in
+        order: full ones, then one partial unit (`partial_tree`).
         """
         if num_devices <= 0:
             raise NestError(f"cluster.num_devices={num_devices}: must be positive")
         top = next((lvl for lvl in range(len(self.levels)) if self.unit_size(lvl) >= num_devices), len(self.levels) - 1)
         below = self.unit_size(top - 1) if top > 0 else 1
-        if num_devices % below:
-            raise NestError(
-                f"cluster.num_devices={num_devices}: must be a multiple of {below} "
-                f"(the devices in one {self.levels[top - 1].name} of cluster {self.name})"
-            )
-        level = replace(self.levels[top], fan_out=num_devices // below)
-        return replace(self, levels=(*self.levels[:top], level))
+        if num_devices % below == 0:
+            level = replace(self.levels[top], fan_out=num_devices // below)
+            return replace(self, levels=(*self.levels[:top], level))
+        host = self.devices_per_node
+        if top <= self.host_level or num_devices % host:
+            unit, name = (below, self.levels[top - 1].name) if top <= self.host_level else (host, self.levels[self.host_level].name)
+            raise NestError(f"cluster.num_devices={num_devices}: must be a multiple of {unit} "
+                            f"(the devices in one {name} of cluster {self.name})")
+        return partial_tree(self, num_devices // host, top=top)
+
+
+def partial_tree(topology: Topology, num_nodes: int, *, top: int) -> Topology:
+    """The first `num_nodes` hosts of `topology`'s regular tree, levels up to `top`: above the host, full
+    units in order and one partial unit per level (37 nodes of 32-node units: 32 + 5)."""
+    h = topology.host_level
+    children = [(lv.fan_out,) * (num_nodes * topology.devices_per_node // topology.unit_size(lvl))
+                for lvl, lv in enumerate(topology.levels[: h + 1])]
+    units = num_nodes
+    for lvl in range(h + 1, top):
+        fan = topology.levels[lvl].fan_out
+        counts = (fan,) * (units // fan) + ((units % fan,) if units % fan else ())
+        children.append(counts)
+        units = len(counts)
+    children.append((units,))
+    return irregular(topology, tuple(children))
+
+
+def irregular(topology: Topology, children: tuple[tuple[int, ...], ...], hosts: tuple[str, ...] | None = None) -> Topology:
+    """`topology`'s lowest len(children) levels over the tree `children`; each level's fan_out becomes its
+    largest unit's, as the report draws it."""
+    levels = tuple(replace(lv, fan_out=max(counts)) for lv, counts in zip(topology.levels, children))
+    return Topology(topology.name, levels, topology.host_level, children, hosts)
 
 
 def hierarchical(cfg: ClusterConfig) -> Topology:

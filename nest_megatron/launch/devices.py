@@ -7,10 +7,10 @@ SLURM_NODEID, SLURM_GPUS_ON_NODE) describe the job. What is missing or inconsist
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 
 from nest_megatron.errors import NestError
+from nest_megatron.hardware.hostlist import expand
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -37,49 +37,7 @@ def expand_nodelist(text: str) -> list[str]:
 
     Zero padding is kept ('n[08-10]' -> n08 n09 n10); several bracket groups in one name multiply.
     """
-    hosts: list[str] = []
-    for item in _split_top(text.strip()):
-        if not item:
-            raise NestError(f"SLURM_JOB_NODELIST={text!r}: an empty host name")
-        hosts.extend(_expand_one(item, text))
-    return hosts
-
-
-def _split_top(text: str) -> list[str]:
-    """Split at the commas outside brackets."""
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        depth += ch == "["
-        depth -= ch == "]"
-        if depth < 0 or depth > 1:
-            raise NestError(f"SLURM_JOB_NODELIST={text!r}: unbalanced brackets")
-        if ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    if depth:
-        raise NestError(f"SLURM_JOB_NODELIST={text!r}: unbalanced brackets")
-    parts.append(text[start:])
-    return parts
-
-
-def _expand_one(item: str, whole: str) -> list[str]:
-    match = re.search(r"\[([^\]]*)\]", item)
-    if not match:
-        return [item]
-    prefix, suffix = item[: match.start()], item[match.end():]
-    out = []
-    for part in match.group(1).split(","):
-        bounds = part.split("-")
-        if len(bounds) == 1 and bounds[0].isdigit():
-            numbers = [bounds[0]]
-        elif len(bounds) == 2 and all(b.isdigit() for b in bounds) and int(bounds[0]) <= int(bounds[1]):
-            width = len(bounds[0])
-            numbers = [str(n).zfill(width) for n in range(int(bounds[0]), int(bounds[1]) + 1)]
-        else:
-            raise NestError(f"SLURM_JOB_NODELIST={whole!r}: cannot read the range {part!r}")
-        for number in numbers:
-            out.extend(_expand_one(prefix + number + suffix, whole))
-    return out
+    return expand(text.strip(), key="SLURM_JOB_NODELIST")
 
 
 def _int(name: str, value) -> int:

@@ -89,6 +89,18 @@ def assignments_for_map(rank_to_device: Sequence[int], num_devices: int, hosts: 
     return out
 
 
+def hosts_in_device_order(plan: Plan) -> list[str]:
+    """`plan.hosts` (node-rank order, idle hosts last) back in device order, the order `host_assignments`
+    takes: node rank k's host holds the device block of rank k * n; the idle hosts fill the blocks left."""
+    per = plan.num_devices // len(plan.hosts)
+    order: list[str | None] = [None] * len(plan.hosts)
+    running = len(plan.rank_to_device) // per
+    for k in range(running):
+        order[plan.rank_to_device[k * per] // per] = plan.hosts[k]
+    idle = iter(plan.hosts[running:])
+    return [host if host is not None else next(idle) for host in order]
+
+
 def master_host(assignments: Sequence[HostAssignment]) -> str:
     """The host of node rank 0: global rank 0 and the static rendezvous store run there
     (torchrun --master-addr)."""

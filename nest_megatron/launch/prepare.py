@@ -26,7 +26,7 @@ from nest_megatron.launch.changes import change_lines, flag_reasons, layout_why
 from nest_megatron.launch.constraints import Constraint, argv_constraints
 from nest_megatron.launch.devices import Devices
 from nest_megatron.launch.megatron_rules import violations
-from nest_megatron.launch.placement import HostAssignment, host_assignments, master_host
+from nest_megatron.launch.placement import HostAssignment, host_assignments, hosts_in_device_order, master_host
 from nest_megatron.launch.rewrite import model_part, parse_pins, pin_overrides, planner_part, rewrite
 from nest_megatron.launch.torchrun import NodeCommand, node_command, torchrun_flags
 from nest_megatron.plan import Plan
@@ -175,7 +175,14 @@ def megatron_env(plan: Plan) -> dict[str, str | None]:
     return {}
 
 
-def _hosts(devices: Devices) -> list[str]:
+def _hosts(plan: Plan, devices: Devices) -> list[str]:
+    """The launch's hosts in the plan's device order: the planned allocation's when the plan names its hosts
+    (a switch tree may order them otherwise than SLURM lists them), else SLURM's order, else placeholders."""
+    if plan.hosts:
+        if sorted(plan.hosts) != sorted(devices.hosts):
+            raise NestError(f"the plan is for hosts {','.join(plan.hosts)}, but the launch runs on "
+                            f"{','.join(devices.hosts) or f'{devices.num_nodes} unnamed nodes'}")
+        return hosts_in_device_order(plan)
     return list(devices.hosts) or [f"node{i}" for i in range(devices.num_nodes)]
 
 
@@ -183,7 +190,7 @@ def _commands(plan: Plan, devices: Devices, script: str, final: list[str],
               user_flags: list[str] | None) -> tuple[list[NodeCommand], NodeCommand | None]:
     """One torchrun command per node that runs ranks; the plan's placement gives each node its --node-rank and
     CUDA_VISIBLE_DEVICES (launch/placement.py)."""
-    assignments: list[HostAssignment] = host_assignments(plan, _hosts(devices))
+    assignments: list[HostAssignment] = host_assignments(plan, _hosts(plan, devices))
     running = [a for a in assignments if not a.idle]
     if user_flags is not None:
         # nest-torchrun: the user's torchrun flags stay as typed, so the placement must keep torchrun's node order.
@@ -212,7 +219,9 @@ def _commands(plan: Plan, devices: Devices, script: str, final: list[str],
                                          node_rank=a.node_rank, env={**a.env(), **megatron_env(plan)}))
     this = None
     if devices.node_rank is not None:  # this process runs on node index devices.node_rank (SLURM_NODEID, ...)
-        mine = assignments[devices.node_rank]
+        # By name where the nodes have names: the plan's device order need not be SLURM's.
+        mine = (next(a for a in assignments if a.host == devices.hosts[devices.node_rank]) if devices.hosts
+                else assignments[devices.node_rank])
         this = next((c for c in commands if c.node_rank == mine.node_rank), None) if not mine.idle else None
     return commands, this
 

@@ -75,12 +75,12 @@ def group_shapes(groups: np.ndarray, rank_to_device: np.ndarray, topology: Topol
     """The distinct shapes of `groups` (ranks) once placed by `rank_to_device`."""
     if groups.shape[1] == 1:  # groups of one (cp = 1, ep = 1, ...): at 65,536 ranks the general path costs 10 ms
         return [GroupShape((1.0,) * len(topology.levels))]
-    # Sorted device ids give sorted unit ids at every level (floor division keeps the order), so
-    # one sort serves all levels.
+    # Sorted device ids give sorted unit ids at every level (units are contiguous ranges of devices,
+    # in order, regular or not), so one sort serves all levels.
     devices = np.sort(rank_to_device[groups], axis=1)
     counts = [np.full(len(groups), groups.shape[1])]  # distinct devices, then units per level
     for level in range(len(topology.levels)):
-        units = devices // topology.unit_size(level)
+        units = topology.unit_of(level, devices)
         counts.append(1 + np.count_nonzero(np.diff(units, axis=1), axis=1))
     counts = np.stack(counts)
     if (counts == counts[:, :1]).all():  # Megatron's regular groups: one shape, without a set of 65,536 tuples

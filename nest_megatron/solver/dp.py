@@ -50,7 +50,7 @@ from nest_megatron.parallel.ranks import decoder_sizes, host_placements
 from nest_megatron.parallel.rules import num_microbatches
 from nest_megatron.solver.bounds import MemoryFloors, no_fit_reason
 from nest_megatron.solver.enumerate import SearchResult, row_key
-from nest_megatron.solver.space import candidates, empty_space_reason, pinned_split
+from nest_megatron.solver.space import candidates, empty_space_reason, min_stage_layers, pinned_split, searched_worlds
 from nest_megatron.solver.visit import Progress, default_jobs, visit
 
 FRONT_CAPACITY = 64  # Pareto points kept per state; exceeding it is an error, never a silent cut
@@ -110,11 +110,13 @@ def memory_tables(ctx: Context, sums=None) -> tuple:
     rebuilt = activation_bytes(sums, in_flight=0, act_rebuilt=ctx.costs.act_rebuilt)
     per_chunk = activation_bytes(sums, in_flight=1, act_rebuilt=ctx.costs.act_rebuilt) - rebuilt
     distinct = _kinds(cfg.pp)
+    # A stage of fewer layers than the search allows has no room: no split the DP returns holds one.
+    too_short = (b - a) < min_stage_layers(ctx.costs.num_layers, cfg.pp)
     room = []
     for first, last in distinct:
         states = stage_memory(problem.model, cfg, sums, first=first, last=last, in_flight=0,
                               reserved_bytes=acc.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt)
-        room.append(acc.memory_bytes - states.total + 0 * a * b)
+        room.append(np.where(too_short, -np.inf, acc.memory_bytes - states.total + 0 * a * b))
     return (np.stack(room).astype(float), np.asarray(per_chunk + 0 * a * b, dtype=float),
             np.array([distinct.index((s == 0, s == cfg.pp - 1)) for s in range(cfg.pp)], dtype=np.int64),
             np.array([in_flight_chunks(cfg, stage=s, num_microbatches=ctx.num_microbatches)
@@ -166,11 +168,12 @@ def _stage(tables, s, a, b):
 
 
 @numba.njit(cache=True)
-def _fill_state(tables, s, a, stages, factor, cutoff, front_t, front_x, next_b, next_i, count):  # pragma: no cover
-    """The Pareto front of state (s, a) from the fronts of stage s + 1; False when it overflows."""
+def _fill_state(tables, s, a, stages, shortest, factor, cutoff, front_t, front_x, next_b, next_i, count):  # pragma: no cover
+    """The Pareto front of state (s, a) from the fronts of stage s + 1, stages of at least `shortest`
+    layers; False when it overflows."""
     capacity = front_t.shape[2]
     layers = tables[3].shape[0] - 1
-    for b in range(a + 1, layers - (stages - 1 - s) + 1):
+    for b in range(a + shortest, layers - shortest * (stages - 1 - s) + 1):
         ts, xs = _stage(tables, s, a, b)
         # No split with this stage can beat the cutoff, nor with a longer one: a stage's time and
         # memory only grow with its layers (sums over them, and maxima of such sums).
@@ -211,7 +214,7 @@ def _fill_state(tables, s, a, stages, factor, cutoff, front_t, front_x, next_b, 
 # a descheduled thread stalls the loop for a time slice (GPT-3 on 128 devices: 63 s instead of 4 s);
 # the sleeping layers (workqueue, OMP_WAIT_POLICY=passive) were 1.4-2x slower than one thread.
 @numba.njit(cache=True)
-def _pareto_split(tables, stages, factor, capacity, cutoff):  # pragma: no cover - compiled; tests run it compiled
+def _pareto_split(tables, stages, shortest, factor, capacity, cutoff):  # pragma: no cover - compiled; tests run it compiled
     n1 = tables[3].shape[0]
     layers = n1 - 1
     # Only the first count[s, a] points of a front are ever read: no fill of memory never read.
@@ -221,7 +224,7 @@ def _pareto_split(tables, stages, factor, capacity, cutoff):  # pragma: no cover
     next_i = np.empty((stages, n1, capacity), dtype=np.int64)
     count = np.zeros((stages, n1), dtype=np.int64)
     last = stages - 1
-    for a in range(last, layers):
+    for a in range(shortest * last, layers - shortest + 1):
         ts, xs = _stage(tables, last, a, layers)
         if factor * ts < cutoff:
             front_t[last, a, 0] = ts
@@ -231,11 +234,11 @@ def _pareto_split(tables, stages, factor, capacity, cutoff):  # pragma: no cover
             count[last, a] = 1
     complete = np.ones(n1, dtype=np.bool_)
     for s in range(stages - 2, -1, -1):
-        a_first = 0 if s == 0 else s
-        a_last = 0 if s == 0 else layers - (stages - s)
+        a_first = 0 if s == 0 else shortest * s
+        a_last = 0 if s == 0 else layers - shortest * (stages - s)
         # The states of one stage depend only on the next stage's.
         for a in range(a_first, a_last + 1):
-            complete[a] = complete[a] and _fill_state(tables, s, a, stages, factor, cutoff,
+            complete[a] = complete[a] and _fill_state(tables, s, a, stages, shortest, factor, cutoff,
                                                       front_t, front_x, next_b, next_i, count)
         if not complete.all():
             return -1.0, np.zeros(0, dtype=np.int64)  # front overflow
@@ -268,7 +271,8 @@ def best_split(ctx: Context, *, cutoff: float = np.inf, memory: tuple | None = N
     even = _split_value(tables, ctx.pipeline_factor, np.array(balanced_split(ctx.costs.num_layers, ctx.cfg.pp)))
     capacity = 8  # fronts are short; a longer one is solved again with room for it
     while True:
-        value, split = _pareto_split(tables, ctx.cfg.pp, ctx.pipeline_factor, capacity,
+        value, split = _pareto_split(tables, ctx.cfg.pp, min_stage_layers(ctx.costs.num_layers, ctx.cfg.pp),
+                                     ctx.pipeline_factor, capacity,
                                      min(cutoff, np.nextafter(even, np.inf)))
         if value >= 0:
             break
@@ -281,13 +285,16 @@ def best_split(ctx: Context, *, cutoff: float = np.inf, memory: tuple | None = N
 
 
 def brute_force_split(ctx: Context) -> Estimate | None:
-    """Every split of the layers into cfg.pp non-empty stages, scored by `estimate`; the fastest
-    that fits. Exponential: for the exactness tests only."""
+    """Every split of the layers into cfg.pp stages of at least `min_stage_layers`, scored by `estimate`; the
+    fastest that fits. Exponential: for the exactness tests only."""
     layers, stages = ctx.costs.num_layers, ctx.cfg.pp
+    shortest = min_stage_layers(layers, stages)
     best = None
     for cuts in itertools.combinations(range(1, layers), stages - 1):
         bounds = (0, *cuts, layers)
         split = tuple(bounds[i + 1] - bounds[i] for i in range(stages))
+        if min(split) < shortest:
+            continue
         est = estimate_in(ctx, split)
         if est.fits and (best is None or est.step_time < best.step_time):
             best = est
@@ -482,7 +489,8 @@ def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_bat
     changes) and skipped once the bound cannot beat the kept plans; `progress(done, total, best)`
     hears of each."""
     start = time.perf_counter()
-    space = list(candidates(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=True))
+    space = [cfg for world in searched_worlds(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=True)
+             for cfg in candidates(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=True, world=world)]
     if not space:
         return SearchResult(best=None, runners_up=[], configs_evaluated=0, time_s=time.perf_counter() - start,
                             empty_space=empty_space_reason(problem, solver, pins, micro_batch_size=micro_batch_size,

@@ -13,7 +13,7 @@ from nest_megatron.cost.tables import layer_costs, stage_sums
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.rules import num_microbatches
 from nest_megatron.solver.bounds import MemoryFloors, no_fit_reason
-from nest_megatron.solver.space import candidates, empty_space_reason, pinned_split
+from nest_megatron.solver.space import candidates, empty_space_reason, pinned_split, searched_worlds
 from nest_megatron.solver.visit import Progress
 
 
@@ -49,7 +49,8 @@ def row_key(cfg: ParallelConfig) -> tuple:
 def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None,
           progress: Progress | None = None) -> SearchResult:
     start = time.perf_counter()
-    space = list(candidates(problem, solver, pins, micro_batch_size=micro_batch_size))
+    space = [cfg for world in searched_worlds(problem, solver, pins, micro_batch_size=micro_batch_size)
+             for cfg in candidates(problem, solver, pins, micro_batch_size=micro_batch_size, world=world)]
     too_big_line = no_fit_reason(MemoryFloors(problem), space)
     if too_big_line is not None:
         return SearchResult(best=None, runners_up=[], configs_evaluated=0, time_s=time.perf_counter() - start,

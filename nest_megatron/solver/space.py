@@ -82,13 +82,49 @@ def overlap_without_sp(problem: Problem, cfg: ParallelConfig) -> bool:
 
 
 def candidates(
-    problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None, any_split: bool = False
+    problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None, any_split: bool = False,
+    world: int | None = None,
 ) -> Iterator[ParallelConfig]:
-    """Every configuration that uses all devices, satisfies Megatron's rules and the pins; with
-    `any_split`, also those whose layers only split unevenly over the stages."""
-    for cfg, broken in _configurations(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=any_split):
+    """Every configuration that uses all devices (or `world` of them, the rest idle), satisfies Megatron's
+    rules and the pins; with `any_split`, also those whose layers only split unevenly over the stages."""
+    for cfg, broken in _configurations(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=any_split,
+                                       world=world):
         if broken is None:
             yield cfg
+
+
+def launchable_world(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None,
+                     any_split: bool = False) -> int | None:
+    """The most devices some configuration of the space runs on: all of them when Megatron can, else the
+    fewest left idle, in whole hosts (torchrun starts the same number of ranks on every node). 37 nodes
+    whose 296 GPUs no batch-dividing data-parallel size fills fall back to 36 nodes, 35, ... None when
+    even one host (or one device) runs nothing."""
+    devices, host = problem.num_devices, problem.topology.devices_per_node
+    step = host if devices > host else 1
+    for world in dict.fromkeys([devices, *range(devices // step * step, 0, -step)]):
+        if next(candidates(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=any_split,
+                           world=world), None) is not None:
+            return world
+    return None
+
+
+def searched_worlds(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None,
+                    any_split: bool = False) -> list[int]:
+    """The device counts the search runs configurations on: `launchable_world`, and below it the largest
+    power of two of hosts. Batches are powers of two, so 37 nodes fill only with 37 pipeline stages (2
+    layers each, a third of the FLOPs lost to the bubble and transfers), where 32 nodes with 5 idle can be
+    faster; the cost model picks. A power-of-two host count (the usual cluster) searches one world."""
+    first = launchable_world(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=any_split)
+    if first is None:
+        return []
+    host = problem.topology.devices_per_node
+    if first <= host:
+        return [first]
+    second = host * 2 ** ((first // host).bit_length() - 1)
+    if second == first or next(candidates(problem, solver, pins, micro_batch_size=micro_batch_size,
+                                          any_split=any_split, world=second), None) is None:
+        return [first]
+    return [first, second]
 
 
 def empty_space_reason(
@@ -127,12 +163,32 @@ def _unused_devices(tp: int, cp: int, pp: int, devices: int) -> str:
             "(the planner uses every device)")
 
 
+def stage_counts(num_layers: int, devices: int, *, any_split: bool) -> list[int]:
+    """The pipeline sizes searched: those that leave each stage at least MIN_STAGE_LAYERS layers (PP 37 on
+    80 layers: 2 or 3 a stage, never 1), among the divisors of the devices with `any_split`, else among
+    those of the layers (even splits)."""
+    sizes = divisors(devices) if any_split else divisors(num_layers)
+    return [p for p in sizes if p == 1 or p * MIN_STAGE_LAYERS <= num_layers]
+
+
+# A stage of one layer spends as much on its pipeline transfers as on a layer's work; a planner that
+# picks it (the first and last stages lighten so, beside the embedding and the loss) is trading a
+# model artefact for a plan nobody would run. Pinned sizes may still ask for it.
+MIN_STAGE_LAYERS = 2
+
+
+def min_stage_layers(num_layers: int, pp: int) -> int:
+    """The fewest layers a searched split gives a stage: MIN_STAGE_LAYERS when the layers allow it."""
+    return MIN_STAGE_LAYERS if num_layers >= MIN_STAGE_LAYERS * pp else 1
+
+
 def _configurations(
-    problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None, any_split: bool
+    problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None, any_split: bool,
+    world: int | None = None,
 ) -> Iterator[tuple[ParallelConfig | None, str | None]]:
-    """The search space within the pins: (cfg, None) for each configuration Megatron launches, (cfg or None,
-    the rule's line) for each it does not."""
-    model, devices = problem.model, problem.num_devices
+    """The search space within the pins on `world` devices (None: all): (cfg, None) for each configuration
+    Megatron launches, (cfg or None, the rule's line) for each it does not."""
+    model, devices = problem.model, world or problem.num_devices
     node = problem.topology.devices_per_node
 
     def axis(pinned, values):
@@ -140,8 +196,7 @@ def _configurations(
 
     tps = axis(pins.tp, [t for t in divisors(node) if model.heads % t == 0 and model.query_groups % t == 0])
     cps = axis(pins.cp, [c for c in (1, 2, 4, 8, 16, 32) if c <= solver.max_context_parallel])
-    pps = axis(pins.pp, [p for p in divisors(devices) if p <= model.cfg.num_layers] if any_split
-               else divisors(model.cfg.num_layers))
+    pps = axis(pins.pp, stage_counts(model.cfg.num_layers, devices, any_split=any_split))
     mbss = axis(pins.mbs, [micro_batch_size] if micro_batch_size else list(solver.micro_batch_sizes))
     zeros = axis(pins.zero, list(solver.zero_stages))
     recomputes = axis(pins.recompute, list(solver.recompute))
@@ -167,5 +222,5 @@ def _configurations(
             for recomputed in recomputed_counts if recompute == "full" else [None]:
                 cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
                                      recompute=recompute, recompute_num_layers=recomputed, order=order)
-                yield cfg, violation(cfg, model=model, num_devices=devices, global_batch_size=problem.global_batch_size,
+                yield cfg, violation(cfg, model=model, num_devices=problem.num_devices, global_batch_size=problem.global_batch_size,
                                      any_split=any_split, layers_per_stage=pinned_split(pins))

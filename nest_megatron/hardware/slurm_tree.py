@@ -1,0 +1,141 @@
+"""The allocation's switch tree: SLURM's topology.conf (tree plugin) and the allocated nodes, as a Topology.
+
+topology.conf lines name a switch and what hangs off it: `SwitchName=s0 Nodes=n[01-20]` (a leaf) or
+`SwitchName=s2 Switches=s[0-1]`; `#` starts a comment; other keys (LinkSpeed) are ignored. `scontrol
+show topology` prints the same form. The link
+classes (bandwidths, latencies) and the devices of a node stay those of the named cluster config; the
+tree only says which unit each node is in. Switch depth maps onto the config's levels from the bottom:
+a node's leaf switch is the unit of the level above the host, the leaf's parent the next level, and so
+on. A tree deeper than the config's levels above the host merges its upper switches into the config's
+top level; a shallower one ends where its root is (the config's upper levels are not crossed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nest_megatron.errors import NestError
+from nest_megatron.hardware.hostlist import expand
+from nest_megatron.hardware.topology import Topology, irregular
+
+
+@dataclass(frozen=True)
+class SwitchTree:
+    parent: dict[str, str]  # switch -> the switch above it
+    leaf_of: dict[str, str]  # node -> its leaf switch
+
+    def chain(self, node: str) -> list[str]:
+        """The node's switches, leaf first, up to its root."""
+        out = [self.leaf_of[node]]
+        while out[-1] in self.parent:
+            out.append(self.parent[out[-1]])
+        return out
+
+
+def parse(text: str, *, source: str) -> SwitchTree:
+    """topology.conf's switches; one NestError line with the line number for what is malformed."""
+    parent: dict[str, str] = {}
+    leaf_of: dict[str, str] = {}
+    switches: set[str] = set()
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{source}:{number}"
+        keys: dict[str, str] = {}
+        for token in line.split():
+            key, eq, value = token.partition("=")
+            if not eq or not value:
+                raise NestError(f"{where}: {token!r} is not KEY=VALUE (e.g. SwitchName=s0 Nodes=n[01-20])")
+            keys[key.lower()] = value
+        name = keys.get("switchname")
+        if name is None:
+            raise NestError(f"{where}: a line without SwitchName= (the tree plugin's lines are SwitchName=... "
+                            "Nodes=... or SwitchName=... Switches=...)")
+        if name in switches:
+            raise NestError(f"{where}: switch {name} is described twice")
+        switches.add(name)
+        # A switch with Switches= is not a leaf: the Nodes= that `scontrol show topology` prints beside it are
+        # the nodes below its children.
+        for node in expand(keys["nodes"], key=f"{where}: Nodes") if "nodes" in keys and "switches" not in keys else []:
+            if node in leaf_of:
+                raise NestError(f"{where}: node {node} hangs off switches {leaf_of[node]} and {name}")
+            leaf_of[node] = name
+        for child in expand(keys["switches"], key=f"{where}: Switches") if "switches" in keys else []:
+            if child in parent:
+                raise NestError(f"{where}: switch {child} hangs off switches {parent[child]} and {name}")
+            parent[child] = name
+    unknown = sorted(set(parent) - switches)
+    if unknown:
+        raise NestError(f"{source}: switch {unknown[0]} is listed under Switches= but never described with SwitchName=")
+    tree = SwitchTree(parent, leaf_of)
+    for switch in parent:  # a loop would walk up forever
+        seen = {switch}
+        up = switch
+        while up in parent:
+            up = parent[up]
+            if up in seen:
+                raise NestError(f"{source}: switch {switch} is its own ancestor (a loop in Switches=)")
+            seen.add(up)
+    return tree
+
+
+def allocation_topology(base: Topology, tree: SwitchTree, nodes: list[str], *, source: str) -> Topology:
+    """`base`'s levels over the allocated `nodes` as the tree connects them, with the nodes in device order
+    as its hosts (node i holds devices i * devices_per_node ...). Units are ordered largest first, so the devices a plan
+    leaves idle (the last ones) are in the smallest units; inside a unit, nodes keep the order given."""
+    missing = [n for n in nodes if n not in tree.leaf_of]
+    if missing:
+        raise NestError(f"cluster.nodes: node {missing[0]} is not under any switch of {source}")
+    seen: set[str] = set()
+    for n in nodes:
+        if n in seen:
+            raise NestError(f"cluster.nodes: node {n} is listed twice")
+        seen.add(n)
+    h = base.host_level
+    above = len(base.levels) - 1 - h  # config levels above the host; the top one holds everything
+    chains = {n: tree.chain(n) for n in nodes}
+
+    def unit(node: str, k: int) -> str:
+        """The node's unit at the k-th level above the host (k = 1: its leaf); the top level is one unit."""
+        if k >= above:
+            return ""
+        chain = chains[node]
+        return chain[min(k, len(chain)) - 1]
+
+    levels_above = range(above, 0, -1)  # top first
+    size = {(k, unit(n, k)): 0 for n in nodes for k in levels_above}
+    for n in nodes:
+        for k in levels_above:
+            size[(k, unit(n, k))] += 1
+    position = {n: i for i, n in enumerate(nodes)}
+    order = sorted(nodes, key=lambda n: [(-size[(k, unit(n, k))], unit(n, k)) for k in levels_above] + [position[n]])
+    children = [(lv.fan_out,) * (len(nodes) * base.devices_per_node // base.unit_size(lvl))
+                for lvl, lv in enumerate(base.levels[: h + 1])]
+    for k in range(1, above + 1):
+        counts: list[int] = []
+        below = [unit(n, k - 1) if k > 1 else n for n in order]
+        here = [unit(n, k) for n in order]
+        previous = None
+        for i, name in enumerate(here):
+            if i and below[i] == below[i - 1]:
+                continue  # the same unit of the level below: counted once
+            if name != previous or not counts:
+                counts.append(0)
+                previous = name
+            counts[-1] += 1
+        children.append(tuple(counts))
+    # A tree shallower than the config ends at its root: drop the levels whose single unit holds one unit below.
+    while len(children) > h + 1 and len(children[-1]) == 1 and len(children[-2]) == 1:
+        children.pop()
+    return irregular(base, tuple(children), tuple(order))
+
+
+def read(path: str) -> SwitchTree:
+    """Parse the topology.conf at `path`; an unreadable file is one line."""
+    try:
+        text = open(path, encoding="utf-8").read()  # noqa: SIM115 - one read
+    except OSError as err:
+        raise NestError(f"cluster.topology_conf={path}: cannot read it ({err.strerror})") from None
+    return parse(text, source=path)
+

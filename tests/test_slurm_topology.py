@@ -1,0 +1,62 @@
+"""SLURM with the tree plugin: the job's plan follows `scontrol show topology`, and each node takes its node rank by
+name. A real cluster (tests/slurm_cluster.py) of four slurmd, 2 "GPUs" each, whose topology.conf puts nodes 1 and 3
+under one leaf switch and nodes 2 and 4 under another, the opposite of the order SLURM lists them in."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from slurm_cluster import SlurmCluster, SlurmClusterError
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = str(ROOT / "tests" / "slurm_probe.py")
+TOPOLOGY = "SwitchName=s0 Nodes=127.0.0.[1,3]\nSwitchName=s1 Nodes=127.0.0.[2,4]\nSwitchName=s2 Switches=s[0-1]\n"
+# 2 GPUs a node, 2 nodes a leaf (rack), racks on a slow spine: a pipeline's stages want one rack.
+OVERRIDES = ["model=tiny_gpt", "cluster=h100_spine_leaf", "cluster.levels.0.fan_out=2", "cluster.levels.1.fan_out=2",
+             "train.global_batch_size=8", "plan.tp=2", "plan.pp=2"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    slurm = SlurmCluster(num_nodes=4, gpus_per_node=2, topology=TOPOLOGY)
+    try:
+        slurm.start()
+    except SlurmClusterError as e:
+        pytest.fail(f"the test SLURM cluster did not start: {e}", pytrace=False)
+    yield slurm
+    slurm.stop()
+
+
+def test_scontrol_show_topology_is_the_plans_tree(cluster, tmp_path):
+    # Inside a job, without cluster.topology_conf or cluster.nodes, the plan reads SLURM's tree and node list.
+    # Device order: leaf s0 first (nodes .1, .3), then s1 (.2, .4). TP 2 x PP 2 x DP 2 in tp-cp-ep-dp-pp, rank =
+    # tp + 2 dp + 4 pp, torchrun node rank = dp + 2 pp. Pipeline neighbours want one leaf: node ranks 0 and 2 (the
+    # stages of replica 0) on .1 and .3, node ranks 1 and 3 on .2 and .4. So .1 -> 0, .2 -> 1, .3 -> 2, .4 -> 3,
+    # and the plan's hosts in node-rank order are .1 .2 .3 .4.
+    out = tmp_path / "plan.json"
+    # salloc runs the command here, inside a four-node job (SLURM_JOB_NODELIST set)
+    step = cluster.run(["salloc", "-N4", "nest-megatron", "plan", *OVERRIDES, f"out={out}"], cwd=ROOT, timeout_s=300)
+    assert step.returncode == 0, step.stderr[-3000:] + cluster.logs()
+    plan = json.loads(out.read_text())
+    assert plan["hosts"] == ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    assert plan["group_levels"]["pp"] == "rack" and plan["group_levels"]["dp"] == "spine"
+
+
+def test_srun_launch_gives_each_node_its_planned_node_rank_by_name(cluster, tmp_path):
+    probe = tmp_path / "probe"
+    env = cluster.env(NEST_PROBE_DIR=str(probe), OMP_NUM_THREADS="1", NEST_PROBE_ONLY="1")
+    step = cluster.run(["srun", "-N4", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--gpus-per-node=2",
+                        "nest-megatron", "launch", *OVERRIDES, "--", PROBE, "--bf16"], env=env, cwd=ROOT, timeout_s=300)
+    assert step.returncode == 0, step.stderr[-4000:] + cluster.logs()
+    records = [json.loads(p.read_text()) for p in sorted(probe.glob("rank*.json"))]
+    node_rank_of = {r["SLURMD_NODENAME"]: int(r["GROUP_RANK"]) for r in records}
+    # As worked out above: the stages of a replica share a leaf switch.
+    assert node_rank_of == {"127.0.0.1": 0, "127.0.0.2": 1, "127.0.0.3": 2, "127.0.0.4": 3}
+
+
+def test_scontrol_reads_the_tree(cluster):
+    shown = cluster.run(["scontrol", "show", "topology"], timeout_s=30)
+    assert shown.returncode == 0 and "SwitchName=s0" in shown.stdout, shown.stdout + shown.stderr
+
