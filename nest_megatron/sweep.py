@@ -6,7 +6,8 @@
                            "cluster.num_devices=256,1024,4096"])
     rows = [sweep.row(o) for o in sweep.run(points, jobs=4)]   # NestError on bad input, before any planning
 
-Expansion is Hydra's own: OverridesParser parses `a=1,2`, `a=range(8,64,8)` and `model=glob(llama*)`,
+Expansion is Hydra's own: OverridesParser parses `a=1,2`, `a=range(8,64,8)` and `model=glob(llama*)`;
+a hostlist is one value (`cluster.nodes=n[01-12],n20`), several are quoted (`cluster.nodes='n[01-08]','n[01-16]'`),
 and the points are the Cartesian product of the swept keys in the order given (the last varies
 fastest), as Hydra's basic sweeper orders its jobs.
 """
@@ -21,11 +22,11 @@ from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Glob, Override, ValueType
+from hydra.core.override_parser.types import Glob, Override, QuotedString, ValueType
 from hydra.errors import HydraException
 
 from nest_megatron import api
-from nest_megatron.config.load import GROUPS, load, options
+from nest_megatron.config.load import GROUPS, load, options, quote_verbatim
 from nest_megatron.errors import NestError
 from nest_megatron.plan import Plan
 
@@ -54,7 +55,7 @@ def expand(overrides: list[str], *, max_points: int = MAX_POINTS) -> list[Point]
     """The points of the sweep, in order. NestError for malformed syntax, a key given twice, a sweep that
     cannot be listed (interval) or more than `max_points` points."""
     try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        parsed = OverridesParser.create().parse_overrides([quote_verbatim(item) for item in overrides])
     except HydraException as err:
         text = " ".join(str(err).split()).split(" See https://")[0]  # Hydra's message, less its link to the grammar
         raise NestError(f"bad sweep override: {text}") from None
@@ -97,7 +98,9 @@ def _values(override: Override) -> list[tuple[object, str]]:
     if not override.is_discrete_sweep():
         raise NestError(f"{override.input_line}: an interval cannot be listed; give the values (a=1,2,4) "
                         "or range(start,stop,step)")
-    values = list(zip(override.sweep_iterator(), override.sweep_string_iterator()))
+    # a quoted value ('n[01-08]', a hostlist) is its text
+    values = [(value.text if isinstance(value, QuotedString) else value, text)
+              for value, text in zip(override.sweep_iterator(), override.sweep_string_iterator())]
     if not values:
         raise NestError(f"{override.input_line}: lists no value")
     return values

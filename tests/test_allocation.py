@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from nest_megatron import api
+from nest_megatron import api, sweep
 from nest_megatron.config.load import load
 from nest_megatron.cost.placement import compute_spans
 from nest_megatron.errors import NestError
@@ -16,6 +16,7 @@ from nest_megatron.hardware.hostlist import expand
 from nest_megatron.hardware.slurm_tree import parse
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.ranks import identity_placement
+from nest_megatron.report.plots.placement import device_positions, draw
 
 TWO_LEAVES = """# two leaves of 20 nodes under one spine switch
 SwitchName=s0 Nodes=n[01-20] LinkSpeed=400
@@ -127,3 +128,26 @@ def test_bad_nodes_are_one_line(conf, extra, words):
 def test_an_unreadable_topology_conf_is_one_line(tmp_path):
     with pytest.raises(NestError, match=r"^cluster.topology_conf=.*missing.conf: cannot read it \(No such file or directory\)$"):
         load(["model=tiny_gpt", "cluster=dgx_h100_superpod", f"cluster.topology_conf={tmp_path}/missing.conf"])
+
+
+def test_sweep_over_node_lists_prices_the_spine(conf):
+    # 2 nodes under one leaf against 2 nodes on two leaves: whatever tiny_gpt's plan, some group crosses nodes
+    # (16 GPUs, 8 a node), and only the second allocation's cross the spine.
+    points = sweep.expand(["model=tiny_gpt", "cluster=dgx_h100_superpod", "train.global_batch_size=64",
+                           f"cluster.topology_conf={conf}", "cluster.nodes='n[01-02]','n01,n21'"])
+    assert [p.values["cluster.nodes"] for p in points] == ["n[01-02]", "n01,n21"]
+    outcomes = sweep.run(points)
+    levels = [set(o.plan.group_levels.values()) - {None} for o in outcomes]
+    assert [o.num_devices for o in outcomes] == [16, 16]
+    assert "spine" not in levels[0] and "su" in levels[0] and "spine" in levels[1]
+
+
+def test_the_placement_drawing_holds_the_allocations_tree_and_its_idle_nodes(conf, tmp_path):
+    # n[01-12] under s0 and n[21-23] under s1: 15 node boxes in two leaf boxes, of 12 and 3 nodes; the last
+    # 7 nodes (56 GPUs) idle.
+    topology = load(cell(conf)[:3] + ["cluster.nodes=n[01-12],n[21-23]"]).problem.topology
+    positions, boxes = device_positions(topology, topology.num_devices)
+    assert len(positions) == 120
+    assert sum(1 for b in boxes if b[0] == 0) == 15 and sum(1 for b in boxes if b[0] == 1) == 2
+    drawn = draw(topology, stage_of_device=[0] * 64 + [-1] * 56, groups=[], title="t", path=tmp_path / "p.png")
+    assert drawn["devices_drawn"] == 120 and (tmp_path / "p.png").stat().st_size > 0

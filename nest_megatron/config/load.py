@@ -117,7 +117,7 @@ def _compose(overrides: list[str]):
         if key in GROUPS and value not in options(key):
             raise NestError(_unknown_option_message(f"{key}={value}", key, value))
     try:
-        cfg = _hydra_compose([_quoted_hostlist(item) for item in overrides])
+        cfg = _hydra_compose([quote_verbatim(item) for item in overrides])
     except yaml.YAMLError as err:  # a config file of the user's that is not YAML
         raise NestError(_yaml_message(err)) from None
     except (ConfigCompositionException, MissingConfigException, HydraException, OmegaConfBaseException) as err:
@@ -129,7 +129,9 @@ def _compose(overrides: list[str]):
 VERBATIM_KEYS = ("cluster.nodes", "cluster.topology_conf")
 
 
-def _quoted_hostlist(item: str) -> str:
+def quote_verbatim(item: str) -> str:
+    """`item` with an unquoted hostlist or path value quoted for Hydra (a quoted one, or several as a sweep
+    'a','b', stay as written)."""
     key, _, value = item.partition("=")
     if key not in VERBATIM_KEYS or value[:1] in ("'", '"') or value == "null":
         return item

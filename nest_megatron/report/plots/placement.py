@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from matplotlib import colormaps
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
@@ -59,10 +60,14 @@ def _unit_sizes(topology: Topology) -> list[tuple[_Box, int]]:
 
 def device_positions(topology: Topology, num_devices: int) -> tuple[list[tuple[float, float]], list[tuple]]:
     """Lower-left corner of each of the first `num_devices` devices, and the unit boxes
-    (level, index, x, y, width, height) of levels >= 1 that hold them."""
+    (level, index, x, y, width, height) of levels >= 1 that hold them. A unit of an irregular tree
+    (a partial scalable unit, a leaf switch of the allocation) holds the children it really has."""
     sizes = _unit_sizes(topology)
     positions: list[tuple[float, float]] = []
     boxes: list[tuple] = []
+    # first child and first device of each unit, per level
+    first_child = [None] + [np.concatenate(([0], np.cumsum(_children(topology, lvl)))) for lvl in range(1, len(topology.levels))]
+    first_device = [np.concatenate(([0], np.cumsum(topology.unit_sizes(lvl)))) for lvl in range(len(topology.levels))]
 
     def place(level: int, index: int, x: float, y: float) -> None:
         box, cols = sizes[level]
@@ -76,10 +81,8 @@ def device_positions(topology: Topology, num_devices: int) -> tuple[list[tuple[f
         boxes.append((level, index, x, y, box.width, box.height))
         child, _ = sizes[level - 1]
         pad, header = 0.35 + 0.25 * level, 0.9 + 0.2 * level
-        fan = topology.levels[level].fan_out
-        for c in range(fan):
-            child_index = index * fan + c
-            if child_index * topology.unit_size(level - 1) >= num_devices:
+        for c, child_index in enumerate(range(first_child[level][index], first_child[level][index + 1])):
+            if first_device[level - 1][child_index] >= num_devices:
                 break
             place(level - 1, child_index, x + pad + (c % cols) * (child.width + pad),
                   y + header + pad + (c // cols) * (child.height + pad))
@@ -87,6 +90,13 @@ def device_positions(topology: Topology, num_devices: int) -> tuple[list[tuple[f
     top = len(topology.levels) - 1
     place(top, 0, 0.0, 0.0)
     return positions, boxes
+
+
+def _children(topology: Topology, level: int) -> tuple[int, ...]:
+    """Units of level - 1 in each unit of `level`."""
+    if topology.children is not None:
+        return topology.children[level]
+    return (topology.levels[level].fan_out,) * topology.num_units(level)
 
 
 def stage_colours(num_stages: int) -> list:
@@ -126,12 +136,16 @@ def draw(topology: Topology, *, stage_of_device: list[int], groups: list[GroupMa
     ax.axis("off")
 
     unit_font = 7 if len(boxes) < 200 else 5
+    first = np.concatenate(([0], np.cumsum(topology.unit_sizes(0))))  # first device of each level-0 unit
     for level, index, x, y, w, h in boxes:
         if level == 0:
-            ax.add_patch(Rectangle((x, y), w, h, facecolor="#FAFAFA", edgecolor="#9A9A9A", linewidth=0.6))
+            idle = all(stage_of_device[d] < 0 for d in range(first[index], min(first[index + 1], total)))
+            ax.add_patch(Rectangle((x, y), w, h, facecolor="#E4E4E4" if idle else "#FAFAFA", edgecolor="#9A9A9A",
+                                   linewidth=0.6, hatch="///" if idle else None))
             if len(boxes) <= 64:
-                ax.text(x + w - 0.25, y + h / 2, f"{level_names[0]} {index}", fontsize=unit_font - 1, va="center",
-                        ha="center", color="#606060", rotation=90)
+                name = topology.hosts[index] if topology.hosts and topology.host_level == 0 else f"{level_names[0]} {index}"
+                ax.text(x + w - 0.25, y + h / 2, name + (" idle" if idle else ""), fontsize=unit_font - 1,
+                        va="center", ha="center", color="#606060", rotation=90)
         else:
             ax.add_patch(Rectangle((x, y), w, h, facecolor="none", edgecolor="#505050", linewidth=0.6 + 0.5 * level))
             ax.text(x + 0.3, y + 0.25, f"{level_names[level]} {index}", fontsize=unit_font + level, va="top",
