@@ -17,7 +17,7 @@ LAYERS = [
     ["plan"],
     ["report"],
     ["config.load", "trace", "profile"],
-    ["api"],
+    ["api", "fidelity"],
     ["launch", "integrations", "sweep"],
     ["commands"],
     ["cli", "reference"],

@@ -190,19 +190,25 @@ def _memory_in(ctx: Context, sums: list[StageSums]) -> tuple:
 def stage_parts(ctx: Context, sums: StageSums, *, stage: int) -> dict:
     """Seconds one micro-batch spends on pipeline rank `stage`, by kind (all its chunks)."""
     parts = stage_body(ctx, sums, first=stage == 0, last=stage == ctx.cfg.pp - 1)
-    parts["pp_p2p"] = pipeline_p2p(ctx, stage=stage)
+    parts["pp_p2p"] = pipeline_p2p(ctx, stage=stage, sums=sums)
     return parts
 
 
-def pipeline_p2p(ctx: Context, *, stage: int) -> float:
-    """Point-to-point time of one micro-batch on `stage`: its activation forward and its gradient
-    backward, each at the network level of that boundary."""
-    return sum(pipeline_sends(ctx, stage=stage))
+def pipeline_p2p(ctx: Context, *, stage: int, sums: StageSums | None = None) -> float:
+    """Exposed point-to-point time of one micro-batch on `stage`: its activation forward and its
+    gradient backward, each at the network level of that boundary (see `pipeline_sends`)."""
+    return sum(pipeline_sends(ctx, stage=stage, sums=sums))
 
 
-def pipeline_sends(ctx: Context, *, stage: int) -> tuple[float, float]:
-    """(send of the activation to the next stage, send of the gradient to the previous one) of one
-    micro-batch on `stage`, over all its chunks; the schedule timeline draws them apart."""
+def pipeline_sends(ctx: Context, *, stage: int, sums: StageSums | None = None) -> tuple:
+    """(exposed send of the activation to the next stage, of the gradient to the previous one) of one
+    micro-batch on `stage`, over all its chunks; the schedule timeline draws them apart.
+
+    1F1B waits for each transfer. The interleaved schedule sends every chunk boundary, the wrap from
+    the last rank to the first included, and overlaps each send with the next chunk's computation
+    (Megatron's --overlap-p2p-communication, on by default with virtual stages): only what a chunk's
+    forward (backward) cannot cover is exposed, and at least the latency. Without `sums` (a bound
+    before the layers are known) the latency alone."""
     model, cfg, spans, net = ctx.problem.model, ctx.cfg, ctx.spans, ctx.net
     if cfg.pp == 1:
         return 0.0, 0.0
@@ -210,8 +216,11 @@ def pipeline_sends(ctx: Context, *, stage: int) -> tuple[float, float]:
     boundary = BF16 * tokens * model.h / (cfg.tp if cfg.sp else 1)
     levels = spans.pp_boundary_level
     if cfg.vpp > 1:
-        # Every chunk boundary is crossed, including the wrap from the last rank to the first.
-        return (cfg.vpp * p2p_time(max(levels), boundary, net),) * 2
+        level = max(levels)
+        send, latency = p2p_time(level, boundary, net), net.latency[level]
+        if sums is None:
+            return (cfg.vpp * latency,) * 2
+        return tuple(cfg.vpp * np.maximum(latency, send - work / cfg.vpp) for work in (sums.fwd, sums.bwd))
     forward = p2p_time(levels[stage], boundary, net) if stage < cfg.pp - 1 else 0.0
     backward = p2p_time(levels[stage - 1], boundary, net) if stage > 0 else 0.0
     return forward, backward

@@ -99,7 +99,7 @@ def _pieces(ctx: Context, split: tuple[int, ...], stage: int, pace: float) -> tu
     cfg = ctx.cfg
     sums = stage_sums(ctx.costs, cfg, split, stage)
     parts = stage_parts(ctx, sums, stage=stage)
-    send_forward, send_backward = pipeline_sends(ctx, stage=stage)
+    send_forward, send_backward = pipeline_sends(ctx, stage=stage, sums=sums)
     layer_work = parts["compute"] + parts["tp_comm"] + parts["cp_comm"] + parts["ep_comm"]
     layer_time = float(sums.fwd + sums.bwd)
     forward_share = float(sums.fwd) / layer_time if layer_time > 0 else 0.5  # a rank of empty stages has no layer work
