@@ -17,11 +17,12 @@ from test_cost_terms import GemmOnly, accelerator, close, memory_of, model
 from nest_megatron.cost.activations import layer_activation_terms, logits_bytes
 from nest_megatron.cost.collectives import Network, all_gather_time, reduce_scatter_time
 from nest_megatron.cost.compute import RooflineCompute, head_dim_factor
-from nest_megatron.cost.evaluate import CROSS_ENTROPY_BYTES_PER_LOGIT, estimate
+from nest_megatron.cost.evaluate import CROSS_ENTROPY_BYTES_PER_LOGIT, context, estimate, pipeline_sends
 from nest_megatron.cost.layer import elementwise_bytes, layer_time, quantisation_bytes
 from nest_megatron.cost.memory import model_state_bytes
 from nest_megatron.cost.placement import compute_spans
 from nest_megatron.cost.problem import Problem
+from nest_megatron.cost.tables import stage_sums
 from nest_megatron.hardware.topology import Level, Topology
 from nest_megatron.model.spec import Gemm, Numerics
 from nest_megatron.parallel.config import ParallelConfig
@@ -221,3 +222,24 @@ def test_moe_permutation_moves_every_routed_copy_twice():
     # permute and unpermute read and write every routed copy: + 2 x 2 x 64 x 64 elements; bf16
     dense = elementwise_bytes(dense_like, tokens=32, cfg=cfg, moe=False)
     assert moe - dense == close(2 * (32 * 256 * 2 + 2 * 2 * 64 * 64))
+
+
+# --- pipeline --------------------------------------------------------------------------------------
+
+def test_interleaved_sends_hide_behind_the_next_chunk():
+    m = model(num_layers=4)
+    # 2 ranks on two devices joined by one level: 1 GB/s, 1 us. The boundary activation of one micro-batch
+    # (32 tokens x 64 x bf16 = 4,096 B) takes 1e-6 + 4,096 / 1e9 = 5.096 us a send.
+    for bandwidth, send in ((1e9, 1e-6 + 4096 / 1e9), (1e6, 1e-6 + 4096 / 1e6)):
+        topo = Topology("two", (Level("link", 2, bandwidth, 1e-6),))
+        problem = Problem(model=m, accelerator=accelerator(peak_flops=1e12), topology=topo, global_batch_size=4)
+        cfg = ParallelConfig(pp=2, vpp=2, mbs=1)
+        ctx = context(problem, cfg, compute=GemmOnly())
+        sums = stage_sums(ctx.costs, cfg, (2, 2), 0)
+        # a rank holds 2 chunks of 1 layer: forward 3.145728 us a chunk (GEMMs at 1e12), backward twice that
+        chunk_fwd, chunk_bwd = 3.145728e-6, 2 * 3.145728e-6
+        forward, backward = pipeline_sends(ctx, stage=0, sums=sums)
+        assert forward == close(2 * max(1e-6, send - chunk_fwd))
+        assert backward == close(2 * max(1e-6, send - chunk_bwd))
+        # without the layers (a bound) only the latency of each chunk's send
+        assert pipeline_sends(ctx, stage=0) == (2e-6, 2e-6)
