@@ -141,7 +141,9 @@ PLAN_KEYS = {
     "schema, keys",
     [
         (ModelConfig, MODEL_KEYS), (AcceleratorConfig, ACCELERATOR_KEYS),
-        (ClusterConfig, {**CLUSTER_KEYS, "levels": None, "torus": None}), (LevelConfig, LEVEL_KEYS),
+        # nodes and topology_conf: overridden in tests/test_allocation.py (a node list and a file that go together)
+        (ClusterConfig, {**CLUSTER_KEYS, "levels": None, "torus": None, "nodes": None, "topology_conf": None}),
+        (LevelConfig, LEVEL_KEYS),
         (TorusConfig, TORUS_KEYS), (TrainConfig, TRAIN_KEYS), (SolverConfig, SOLVER_KEYS), (PlanChoice, PLAN_KEYS),
         (ProfileConfig, PROFILE_KEYS),
     ],
