@@ -45,16 +45,19 @@ def test_plan_with_a_pinned_dp_that_splits_no_batch_names_the_batch_rule():
     # Mixtral has 8 experts; 3 divides no 8.
     (["model=mixtral_8x7b", "cluster.num_devices=64", "plan.ep=3"],
      "plan.ep=3: must divide num_experts=8 (plan.ep=3 pinned)"),
-    # TP 8 x PP 16 = 128 ranks fit in 192 devices but leave 64 over, and the planner uses every device.
-    (["model=llama3_8b", "cluster.num_devices=192", "plan.tp=8", "plan.pp=16"],
-     "cluster.num_devices=192: must be a multiple of tp*cp*pp = 8*1*16 = 128 (the planner uses every device) "
-     "(plan.tp=8, plan.pp=16 pinned)"),
 ])
 def test_pins_that_break_a_rule_name_it(overrides, line):
     with pytest.raises(NestError) as err:
         api.plan([*overrides, *H100])
     assert not isinstance(err.value, InfeasibleError)
     assert str(err.value) == f"no launchable configuration: {line}"
+
+
+def test_pins_that_leave_devices_over_run_on_fewer_and_say_so():
+    # TP 8 x PP 16 = 128 ranks: 192 devices hold one replica and 64 over (no DP fills them), so the plan runs
+    # on 128 (16 whole nodes) and leaves 64 idle.
+    plan = api.plan(["model=llama3_8b", "cluster.num_devices=192", "plan.tp=8", "plan.pp=16", *H100])
+    assert (plan.world_size, plan.idle_devices, plan.parallel["dp"]) == (128, 64, 1)
 
 
 @pytest.mark.parametrize("solver", ["dp", "enumerate"])
