@@ -24,6 +24,12 @@ stage, the rest; the loss is the mean over the micro-batches and data-parallel r
     pretrain_gpt done: iterations=10 first_loss=5.553990 last_loss=3.487909
 (an fp16 step skipped for a loss-scale overflow shows "skipped: loss scale overflow" for the grad norm).
 
+With --save DIR --save-interval N it writes a torch_dist checkpoint (megatron-core's dist_checkpointing, Megatron-LM's
+layout: DIR/iter_NNNNNNN and DIR/latest_checkpointed_iteration.txt) every N iterations; --load DIR resumes from
+the latest one, under any TP / PP / DP (the vocabulary must pad to the same size), and trains on to --train-iters:
+    pretrain_gpt loaded checkpoint: iteration=10 dir=DIR/iter_0000010
+    iteration 11/20 | lm loss: ...
+
 With NEST_DUMP_GROUPS=DIR each rank writes DIR/rank<global rank>.json: its TP, PP, DP, CP, EP
 groups as megatron-core built them (global ranks), its host, node rank, local rank and the
 CUDA_VISIBLE_DEVICES it sees. With --train-iters 0 it stops after that.
@@ -112,7 +118,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     par.add_argument("--data-parallel-sharding-strategy", default="optim_grads_params",
                      choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
     par.add_argument("--init-model-with-meta-device", action="store_true")
-    par.add_argument("--ckpt-format", default="torch_dist", help="read for Megatron-LM's checks only: no checkpoints here")
+    par.add_argument("--ckpt-format", default="torch_dist", help="--save/--load read and write torch_dist only")
+
+    ckpt = p.add_argument_group("checkpointing (Megatron-LM's layout: DIR/iter_NNNNNNN, DIR/latest_checkpointed_iteration.txt)")
+    ckpt.add_argument("--save", default=None, help="write a torch_dist checkpoint here every --save-interval iterations")
+    ckpt.add_argument("--load", default=None, help="resume from the latest checkpoint here (none yet: start from scratch)")
+    ckpt.add_argument("--save-interval", type=int, default=None)
+    ckpt.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                      help="the distributed optimizer's state saved reshardable across TP / PP too (else DP only)")
 
     train = p.add_argument_group("training")
     train.add_argument("--micro-batch-size", type=int, required=True)
@@ -200,6 +213,12 @@ def check_sizes(args) -> None:
         if args.init_model_with_meta_device and args.data_parallel_sharding_strategy == "no_shard":
             fail("--init-model-with-meta-device with --data-parallel-sharding-strategy no_shard: not supported")
         args.use_distributed_optimizer = True  # as validate_args: Megatron-FSDP v1 runs with the distributed optimizer
+    if (args.save or args.load) and (args.ckpt_format != "torch_dist" or args.use_megatron_fsdp):
+        fail(f"--save / --load with --ckpt-format {args.ckpt_format}"
+             f"{' and --use-megatron-fsdp' if args.use_megatron_fsdp else ''}: this example checkpoints torch_dist "
+             "only (DDP or the distributed optimizer)")
+    if args.save and not args.save_interval:
+        fail("--save needs --save-interval N (iterations between checkpoints)")
 
 
 def init_distributed(args, use_cuda: bool) -> None:
@@ -511,8 +530,8 @@ def unwrap(module):
 CYCLE = 8  # tokens in one cycle
 
 
-def micro_batches(args, vocab_size: int, device: str, num_microbatches: int):
-    """Endless micro-batches for this rank's data-parallel replica.
+def micro_batches(args, vocab_size: int, device: str, num_microbatches: int, start: int = 0):
+    """Endless micro-batches for this rank's data-parallel replica, from iteration `start` on (a resume).
 
     Each sequence repeats a cycle of CYCLE distinct tokens with a random phase; the generator is
     seeded by (seed, iteration, dp rank), so every rank of one replica (its TP, CP and PP ranks)
@@ -523,7 +542,7 @@ def micro_batches(args, vocab_size: int, device: str, num_microbatches: int):
     dp_rank = ps.get_data_parallel_rank()
     cycles = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(args.seed))[: 4 * CYCLE].view(4, CYCLE)
     positions = torch.arange(args.seq_length + 1)
-    iteration = 0
+    iteration = start
     while True:
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + iteration * 1009 + dp_rank)
         for _ in range(num_microbatches):
@@ -548,6 +567,77 @@ def forward_step(data_iterator, model):
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, loss_func
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: megatron-core's dist_checkpointing (torch_dist), as Megatron-LM's training/checkpointing.py
+# ---------------------------------------------------------------------------------------------
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def sharded_metadata(args) -> dict:
+    """Megatron-LM's _build_sharded_state_dict_metadata: how the distributed optimizer lays out its state
+    (dp_reshardable reshards across DP only; fully_reshardable across TP and PP too)."""
+    from megatron.core import parallel_state as ps
+
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    if args.use_distributed_optimizer:
+        metadata["distrib_optim_sharding_type"] = ("fully_reshardable" if args.dist_ckpt_optim_fully_reshardable
+                                                   else "dp_reshardable")
+        metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+    return metadata
+
+
+def sharded_state(args, chunks, optimizer, *, loading: bool) -> dict:
+    """Megatron-LM's generate_state_dict for torch_dist: each chunk's ShardedTensors (global shapes and offsets,
+    so that another TP / PP / DP layout reads them; of the model inside the DDP and fp16 wrappers, as Megatron-LM's
+    unwrap_model) and the optimizer state mapped onto them."""
+    metadata = sharded_metadata(args)
+    state = {"model" if len(chunks) == 1 else f"model{i}": unwrap(chunk).sharded_state_dict(metadata=metadata)
+             for i, chunk in enumerate(chunks)}
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=loading, metadata=metadata)
+    return state
+
+
+def save_checkpoint(args, iteration: int, chunks, optimizer, scheduler) -> None:
+    from megatron.core import dist_checkpointing
+
+    directory = Path(args.save) / f"iter_{iteration:07d}"
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    state = sharded_state(args, chunks, optimizer, loading=False)
+    state.update(iteration=iteration, opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0)
+    dist_checkpointing.save(state, str(directory))
+    dist.barrier()  # every rank has written its shards: only now is the checkpoint the latest
+    if dist.get_rank() == 0:
+        tmp = Path(args.save) / f"{TRACKER}.tmp"
+        tmp.write_text(str(iteration))
+        tmp.replace(Path(args.save) / TRACKER)
+        print(f"{PREFIX} saved checkpoint: iteration={iteration} dir={directory}", flush=True)
+
+
+def load_checkpoint(args, chunks, optimizer, scheduler) -> int:
+    """The iteration of the latest checkpoint under --load, its model, optimizer and scheduler state loaded
+    into this layout; 0 when there is none yet (as Megatron-LM: a fresh start)."""
+    from megatron.core import dist_checkpointing
+
+    tracker = Path(args.load) / TRACKER
+    if not tracker.is_file():
+        if dist.get_rank() == 0:
+            print(f"{PREFIX} no checkpoint in {args.load}: training from scratch", flush=True)
+        return 0
+    iteration = int(tracker.read_text().strip())
+    directory = Path(args.load) / f"iter_{iteration:07d}"
+    state = dist_checkpointing.load(sharded_state(args, chunks, optimizer, loading=True), str(directory))
+    for i, chunk in enumerate(chunks):
+        unwrap(chunk).load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["opt_param_scheduler"])
+    if dist.get_rank() == 0:
+        print(f"{PREFIX} loaded checkpoint: iteration={state['iteration']} dir={directory}", flush=True)
+    return int(state["iteration"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -594,12 +684,13 @@ def train(args, use_cuda: bool) -> None:
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=max(args.train_iters, 1), wd_incr_style="constant",
     )
-    data = micro_batches(args, args.vocab_size, device, num_microbatches)
+    resumed = load_checkpoint(args, chunks, optimizer, scheduler) if args.load else 0
+    data = micro_batches(args, args.vocab_size, device, num_microbatches, resumed)
     iterators = [data] * len(chunks) if len(chunks) > 1 else data
     forward_backward = get_forward_backward_func()
     is_logger = dist.get_rank() == dist.get_world_size() - 1  # all coordinates maximal: a last-stage rank
     first_loss = last_loss = float("nan")
-    for iteration in range(1, args.train_iters + 1):
+    for iteration in range(resumed + 1, args.train_iters + 1):
         start = time.perf_counter()
         for chunk in chunks:
             chunk.zero_grad_buffer()
@@ -615,7 +706,7 @@ def train(args, use_cuda: bool) -> None:
             loss = torch.stack([entry["lm loss"] for entry in losses]).mean()
             dist.all_reduce(loss, group=ps.get_data_parallel_group(with_context_parallel=True))
             last_loss = loss.item() / ps.get_data_parallel_world_size(with_context_parallel=True)
-            first_loss = last_loss if iteration == 1 else first_loss
+            first_loss = last_loss if iteration == resumed + 1 else first_loss
         if use_cuda:  # CUDA kernels run asynchronously: the iteration ends when this rank's have run
             torch.cuda.synchronize()
         elapsed_ms = 1000 * (time.perf_counter() - start)
@@ -624,8 +715,10 @@ def train(args, use_cuda: bool) -> None:
             print(f"iteration {iteration}/{args.train_iters} | lm loss: {last_loss:.6E} | "
                   f"learning rate: {optimizer.param_groups[0]['lr']:.6E} | {step} | "
                   f"time (ms): {elapsed_ms:.1f}", flush=True)
+        if args.save and iteration % args.save_interval == 0:
+            save_checkpoint(args, iteration, chunks, optimizer, scheduler)
     if is_logger:
-        print(f"{PREFIX} done: iterations={args.train_iters} first_loss={first_loss:.6f} last_loss={last_loss:.6f}",
+        print(f"{PREFIX} done: iterations={args.train_iters - resumed} first_loss={first_loss:.6f} last_loss={last_loss:.6f}",
               flush=True)
 
 

@@ -7,19 +7,34 @@ Each flag of the ARGS the plan changes is listed on stderr before anything start
 the ARGS fix (a resume: launch/constraints.py) constrains the plan.
 --dry-run prints the plan, its digest and the final command line(s) and starts nothing; so does any
 error, as one line with exit status 2. --expect-plan DIGEST (written by `nest-megatron sbatch`) refuses
-a node whose plan differs from the job's.
+a node whose plan differs from the job's. --nnodes MIN:MAX plans every node count first and runs torchrun's
+elastic agent, whose workers pick the plan of the nodes present after each rendezvous (launch/elastic.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 from nest_megatron.commands.common import fail, stdout_console
 from nest_megatron.errors import NestError
 from nest_megatron.launch.devices import resolve
+from nest_megatron.launch.elastic import (
+    AGENT_ENV,
+    check_resumable,
+    check_resume_argv,
+    node_range,
+    plan_sizes,
+    rdzv_id,
+    sized,
+    torchrun_argv,
+    write_cache,
+)
 from nest_megatron.launch.prepare import Prepared, check_digest_format, check_expected_plan, prepare
-from nest_megatron.launch.torchrun import check_script, run_command, sigterm_stops_with_status
+from nest_megatron.launch.torchrun import NodeCommand, check_script, run_command, sigterm_stops_with_status
 from nest_megatron.report.table import render
 
 HELP = "plan a Megatron launch line, rewrite its parallel flags and run torchrun"
@@ -29,6 +44,9 @@ EPILOG = """examples:
   srun --ntasks-per-node=1 nest-megatron launch cluster=dgx_h100_superpod -- pretrain_gpt.py ...
   nest-megatron launch model=tiny_gpt cluster.num_devices=2 train.global_batch_size=8 --nproc-per-node 2 \
       -- scripts/pretrain_gpt.py --train-iters 5
+  on each node (elastic, 2 to 4 nodes; the plan follows the nodes present):
+  nest-megatron launch cluster=... --nnodes 2:4 --nproc-per-node 8 --rdzv-endpoint n1:29500 \
+      -- pretrain_gpt.py ... --save ckpt --load ckpt --save-interval 100
 pin what you chose by hand: --pin tp,pp (or solver.keep_user_parallelism=[tp,pp]) keeps the argv's
 --tensor-model-parallel-size / --pipeline-model-parallel-size as constraints of the plan. A resume (--load or
 --ckpt-format) keeps the checkpoint's format, optimizer and the sizes it cannot reshard; with --tp-comm-overlap
@@ -50,6 +68,11 @@ def _options(parser: argparse.ArgumentParser) -> None:
     torchrun.add_argument("--master-addr", "--master_addr", dest="master_addr")
     torchrun.add_argument("--master-port", "--master_port", dest="master_port")
     torchrun.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint")
+    elastic = parser.add_argument_group("elastic (--nnodes MIN:MAX)")
+    elastic.add_argument("--run-dir", help="where the per-node-count plans are written (default: a new temporary directory)")
+    elastic.add_argument("--max-restarts", type=int, default=3, help="torchrun's: worker-group restarts after a failure "
+                         "(a lost node is one); a node joining restarts without counting (default 3)")
+    elastic.add_argument("--rdzv-conf", help="torchrun's c10d rendezvous settings, e.g. last_call_timeout=5,is_host=true")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,6 +153,9 @@ def _launch(args: argparse.Namespace) -> int:
         script, *script_args = args.script_argv
         if not args.dry_run:
             check_script(script)
+        span = node_range(args.nnodes)
+        if span is not None:
+            return _elastic(args, script, script_args, span)
         overrides = args.overrides
         devices = resolve(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
                           master_addr=args.master_addr, master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint)
@@ -140,6 +166,49 @@ def _launch(args: argparse.Namespace) -> int:
     except (NestError, OSError) as err:
         return fail("launch", err)
     return execute(prepared, dry_run=args.dry_run, command="launch")
+
+
+def _elastic(args: argparse.Namespace, script: str, script_args: list[str], span: tuple[int, int]) -> int:
+    """--nnodes MIN:MAX: every node count planned and checked before torchrun's elastic agent starts."""
+    try:
+        if args.node_rank is not None or args.expect_plan is not None:
+            raise NestError(f"--nnodes {args.nnodes} with {'--node-rank' if args.node_rank is not None else '--expect-plan'}: "
+                            "an elastic job's rendezvous numbers the nodes in join order and runs one plan per node count")
+        check_resume_argv(script_args, args.nnodes)
+        # The rendezvous decides the node count, not the allocation: SLURM's node variables are not read.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        devices = resolve(nnodes=span[0], nproc_per_node=args.nproc_per_node, master_addr=args.master_addr,
+                          master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, env=env)
+        if args.master_addr is None and args.rdzv_endpoint is None:
+            raise NestError(f"--nnodes {args.nnodes}: give the rendezvous, the same on every node: --rdzv-endpoint HOST:PORT")
+        pins = args.pin.split(",") if args.pin else []
+        sized_plans = plan_sizes(lambda n: prepare(overrides=args.overrides, script=script, script_args=script_args,
+                                                   devices=sized(devices, n), pins=pins), *span, args.nnodes)
+        entries = [e for _, e in sized_plans]
+        check_resumable(entries, script_args)
+        run_dir = Path(args.run_dir or (tempfile.mkdtemp(prefix="nest-elastic-") if not args.dry_run else "RUN_DIR"))
+        argv = torchrun_argv(nnodes=args.nnodes, per_node=devices.per_node, endpoint=f"{devices.master_addr}:{devices.master_port}",
+                             run_id=rdzv_id(entries, script), max_restarts=args.max_restarts,
+                             run_dir=run_dir if args.dry_run else run_dir.absolute(), rdzv_conf=args.rdzv_conf)
+        if not args.dry_run:
+            write_cache(run_dir, sized_plans, script)
+    except (NestError, OSError) as err:
+        return fail("launch", err)
+    for prepared, e in sized_plans:
+        if prepared.changes:
+            print("\n".join([f"nest-megatron: on {e.nodes} node(s) the plan changes {len(prepared.changes)} flag(s) of "
+                             "the script's arguments:", *prepared.changes]), file=sys.stderr, flush=True)
+    out = sys.stdout if args.dry_run else sys.stderr
+    print("\n".join(f"nest-megatron: elastic, {e.summary()}" for e in entries), file=out, flush=True)
+    command = NodeCommand(node_rank=None, argv=argv, env=dict(AGENT_ENV))
+    if args.dry_run:
+        print("# every node runs the same command:\n" + command.render())
+        return 0
+    print(f"nest-megatron: plans for {span[0]}..{span[1]} nodes in {run_dir}", file=sys.stderr, flush=True)
+    try:
+        return run_command(command)
+    except NestError as err:  # torchrun could not be imported: nothing started
+        return fail("launch", err)
 
 
 # --- nest-torchrun --------------------------------------------------------------------------------------------
