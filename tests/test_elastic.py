@@ -74,14 +74,14 @@ def test_dry_run_plans_every_node_count_and_prints_the_elastic_agent():
     (["--nnodes", "2:3"], ["--ckpt-format", "torch"],
      "--nnodes 2:3 with --ckpt-format torch: an elastic job resumes under another plan"),
     (["--nnodes", "2:3"], ["--load", "/tmp/other"], "--nnodes 2:3: an elastic job resumes from its last checkpoint"),
-    (["--nnodes", "1:3"], [], "--nnodes 1:3: 1 node(s) cannot be planned:"),
+    # 5 ranks: TP divides the 4 heads and 5, PP the 2 layers and 5 (both 1), DP 5 does not divide the global batch
+    # 12: no layout uses all 5 devices (4 of them do, DP 4), and torchrun would start a worker on the fifth.
+    (["--nnodes", "3:5"], [], "--nnodes 3:5: 5 node(s) cannot be planned: the plan for 5 node(s) leaves 1 device(s) idle"),
 ])
 def test_bad_elastic_input_is_one_line_and_starts_nothing(flags, script_extra, message):
     args = megatron_args(Path("/tmp/ckpt"))
     if "--load" in script_extra:
         args = args[: args.index("--load")] + args[args.index("--load") + 2:]
-    if flags[1] == "1:3":  # the cluster config's node count is pinned, so that 1 node does not match it
-        flags = ["cluster.num_devices=3", *flags]
     result = run_launch([*flags, "--nproc-per-node", "1", "--rdzv-endpoint", "127.0.0.1:29400", "--",
                          "scripts/pretrain_gpt.py", *args, *script_extra])
     assert result.returncode == 2, result.stderr
