@@ -227,3 +227,18 @@ def test_a_lost_node_replans_to_two_nodes_and_resumes_from_the_checkpoint(tmp_pa
     assert at_checkpoint < initial - 1.5, (at_checkpoint, initial)
     assert abs(after - at_checkpoint) < 0.5, (after, at_checkpoint)
     assert second_run[-1][1] < after  # and it keeps falling on 2 nodes
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--save", "/tmp/ckpt"], "--save needs --save-interval N"),
+    (["--load", "/tmp/ckpt", "--ckpt-format", "torch"], "--save / --load with --ckpt-format torch: this example checkpoints "
+                                                         "torch_dist only"),
+])
+def test_the_script_refuses_checkpoints_it_cannot_write_in_one_line(extra, message):
+    base = megatron_args(Path("/tmp/ckpt"))
+    base = base[: base.index("--save")]  # without the checkpoint flags
+    result = subprocess.run([sys.executable, "scripts/pretrain_gpt.py", *base, *extra], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pretrain_gpt: error: {message}"), lines
