@@ -133,14 +133,15 @@ def _layer_time(model, tp, sp, cp, ep, etp, mbs, moe, tp_shapes, cp_shapes, ep_s
     cfg = ParallelConfig(tp=tp, sp=sp, cp=cp, ep=ep, etp=etp, mbs=mbs)
     tokens = cfg.mbs * model.cfg.seq_length // cfg.cp
     gemms = model.layer_gemms(tokens=tokens, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe)
-    fwd_gemm = {g.name: compute.gemm_time(g) for g in gemms}
-    dgrad = {g.name: compute.gemm_time(g.dgrad) for g in gemms}
-    wgrad = {g.name: compute.gemm_time(g.wgrad) for g in gemms}
-    passes = pass_times(compute, gemms, attention_flops=model.attention_flops(micro_batch=cfg.mbs, tp=cfg.tp, cp=cfg.cp),
+    timed = gemm_times(compute, gemms)
+    passes = pass_times(compute, timed, attention_flops=model.attention_flops(micro_batch=cfg.mbs, tp=cfg.tp, cp=cfg.cp),
                         head_dim=model.head_dim, cp=cfg.cp, memory_bytes=elementwise_bytes(model, tokens=tokens, cfg=cfg, moe=moe),
                         quantise_bytes=quantisation_bytes(model, gemms))
     fwd_compute, bwd_compute, attention, attention_bwd = passes
 
+    fwd_gemm = {name: forward for name, forward, _, _ in timed}
+    dgrad = {name: input_gradient for name, _, input_gradient, _ in timed}
+    wgrad = {name: weight_gradient for name, _, _, weight_gradient in timed}
     tp_fwd, tp_bwd = tp_exposed(model, cfg, moe=moe, shapes=tp_shapes, net=net, gemm=fwd_gemm, dgrad=dgrad,
                                 wgrad=wgrad, overlap=tp_comm_overlap, ordered=ordered)
 
@@ -173,15 +174,22 @@ def _layer_time(model, tp, sp, cp, ep, etp, mbs, moe, tp_shapes, cp_shapes, ep_s
     )
 
 
-def pass_times(compute: ComputeModel, gemms: list[Gemm], *, attention_flops: float, head_dim: int, cp: int,
-               memory_bytes: float, quantise_bytes: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float, float, float]:
+def gemm_times(compute: ComputeModel, gemms: list[Gemm]) -> list[tuple[str, float, float, float]]:
+    """(name, forward, input-gradient, weight-gradient) time of each GEMM of a layer."""
+    return [(g.name, compute.gemm_time(g), compute.gemm_time(g.dgrad), compute.gemm_time(g.wgrad)) for g in gemms]
+
+
+def pass_times(compute: ComputeModel, timed: list[tuple[str, float, float, float]], *, attention_flops: float,
+               head_dim: int, cp: int, memory_bytes: float,
+               quantise_bytes: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float, float, float]:
     """(forward, backward, attention forward, attention backward) computation of one layer pass
-    without communication: what a profiled layer measures (profile/fit.py) and the cost model adds.
-    CP runs one attention kernel per ring step, each on one K/V chunk."""
+    without communication, from its GEMMs' `gemm_times`: what a profiled layer measures
+    (profile/fit.py) and the cost model adds. CP runs one attention kernel per ring step, each on
+    one K/V chunk."""
     attention = cp * compute.attention_time(attention_flops / cp, head_dim)
     attention_bwd = cp * compute.attention_time(ATTENTION_BACKWARD_FACTOR * attention_flops / cp, head_dim)
-    forward = sum(compute.gemm_time(g) for g in gemms) + attention + compute.memory_time(memory_bytes + quantise_bytes[0])
-    backward = (sum(compute.gemm_time(g.dgrad) + compute.gemm_time(g.wgrad) for g in gemms) + attention_bwd
+    forward = sum(t[1] for t in timed) + attention + compute.memory_time(memory_bytes + quantise_bytes[0])
+    backward = (sum(t[2] + t[3] for t in timed) + attention_bwd
                 + compute.memory_time(2 * memory_bytes + quantise_bytes[1]))
     return forward, backward, attention, attention_bwd
 
@@ -212,18 +220,19 @@ def tp_exposed(model: ModelSpec, cfg: ParallelConfig, *, moe: bool, shapes, net:
     for block in blocks:
         # a traced GEMM named otherwise hides nothing (model/spec.py gemm_role names megatron-core's)
         column, row = TP_BLOCKS[block]
-        gemm, dgrad, wgrad = (dict.fromkeys((column, row), 0.0) | times for times in (gemm, dgrad, wgrad))
+        col_fwd, row_fwd = gemm.get(column, 0.0), gemm.get(row, 0.0)
+        col_dgrad, row_dgrad, col_wgrad = dgrad.get(column, 0.0), dgrad.get(row, 0.0), wgrad.get(column, 0.0)
         if overlap:  # userbuffers: needs sequence parallel (a Megatron rule)
-            fwd += _exposed(gather, gemm[column], cfg.tp) + _exposed(scatter, gemm[row], cfg.tp)
-            bwd += (_exposed(gather, dgrad[row], cfg.tp) + _exposed(gather, dgrad[column], cfg.tp)
-                    + _exposed(scatter, wgrad[column], cfg.tp))
+            fwd += _exposed(gather, col_fwd, cfg.tp) + _exposed(scatter, row_fwd, cfg.tp)
+            bwd += (_exposed(gather, row_dgrad, cfg.tp) + _exposed(gather, col_dgrad, cfg.tp)
+                    + _exposed(scatter, col_wgrad, cfg.tp))
         elif cfg.sp:
             fwd += gather + scatter
-            hidden_d, hidden_w = (dgrad[column], wgrad[column]) if ordered else (0.0, 0.0)
+            hidden_d, hidden_w = (col_dgrad, col_wgrad) if ordered else (0.0, 0.0)
             bwd += gather + max(0.0, gather - hidden_d) + max(0.0, scatter - hidden_w)
         else:
             fwd += reduce
-            bwd += max(0.0, reduce - (wgrad[column] if ordered else 0.0))
+            bwd += max(0.0, reduce - (col_wgrad if ordered else 0.0))
     if moe and cfg.etp > 1:  # the experts under expert TP: an MLP block's exchanges, exposed
         fwd += gather + scatter if cfg.sp else reduce
         bwd += gather + scatter if cfg.sp else reduce

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from nest_megatron.cost.compute import RooflineCompute, head_dim_factor
-from nest_megatron.cost.layer import pass_times
+from nest_megatron.cost.layer import gemm_times, pass_times
 from nest_megatron.hardware.accelerator import Accelerator
 from nest_megatron.model.spec import Gemm
 from nest_megatron.profile.cache import Entry
@@ -133,7 +133,8 @@ def layer_time_of(entry: Entry, compute) -> float:
     (cost/layer.py pass_times), without communication."""
     w = entry.work
     gemms = [Gemm("g", *shape) for shape in w["gemms"]]  # [m, n, k] or [m, n, k, count]
-    fwd, bwd, _, _ = pass_times(compute, gemms, attention_flops=w["attention_flops"], head_dim=w.get("head_dim", 128),
+    fwd, bwd, _, _ = pass_times(compute, gemm_times(compute, gemms), attention_flops=w["attention_flops"],
+                                head_dim=w.get("head_dim", 128),
                                 cp=entry.strategy.get("cp", 1), memory_bytes=w["memory_bytes"])
     return fwd + bwd
 
