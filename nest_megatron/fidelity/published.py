@@ -12,7 +12,6 @@ What a row leaves unstated is filled with the source's default and listed in `Ro
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -173,7 +172,7 @@ def _model_overrides(entry: dict) -> list[str]:
 
 def row_of(entry: dict) -> Row:
     moe = bool(entry["model_shape"].get("experts"))
-    common = dict(id=entry["id"], source=f"{source_of(entry)}", precision=entry["precision_class"].lower(), moe=moe,
+    common = dict(id=entry["id"], source=source_of(entry), precision=entry["precision_class"].lower(), moe=moe,
                   status=str(entry["status"]).split(" ")[0])
     why = _not_expressible(entry)
     if why:
@@ -232,4 +231,4 @@ def implied_gflops_per_token(entry: dict) -> float | None:
 
 def is_nemo_era(entry: dict) -> bool:
     """Rows whose TFLOP/s follow the NeMo 1.x / launcher / NeMo 24.07 convention."""
-    return source_of(entry) in ("launcher", "nemo") and bool(re.match(r"(launcher|nemo)-", entry["id"]))
+    return source_of(entry) in ("launcher", "nemo")
