@@ -84,6 +84,11 @@ def activation_bytes(sums: StageSums, *, in_flight: int, act_rebuilt: float):
     return float(act) if np.ndim(act) == 0 else act
 
 
+def largest_layer_params(model: ModelSpec, cfg: ParallelConfig) -> int:
+    """Parameters of the largest layer on one device (dense and MoE layers may alternate)."""
+    return max(sum(model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe)) for moe in set(model.layer_is_moe))
+
+
 def stage_memory(
     model: ModelSpec,
     cfg: ParallelConfig,
@@ -104,14 +109,13 @@ def stage_memory(
     w, g, o = model_state_bytes(dense, zero=cfg.zero, shards=cfg.dp * cfg.cp, grad_bytes=grad_bytes)
     ew, eg, eo = model_state_bytes(sums.expert_params, zero=cfg.zero, shards=cfg.expert_dp, grad_bytes=grad_bytes)
     weights, grads, optimizer = w + ew, g + eg, o + eo
-    layer = max(sum(model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe)) for moe in set(model.layer_is_moe))
-    if cfg.zero == 3:
-        # The gathered weights of the layer being computed and of the one prefetched.
-        weights = weights + 2 * BF16 * layer
+    # ZeRO-3 gathers the weights of the layer being computed and of the one prefetched.
+    gathered = 2 * largest_layer_params(model, cfg) if cfg.zero == 3 else 0
+    weights = weights + BF16 * gathered
     if model.numerics.fp8_recipe is not None:
         # Transformer Engine caches each linear's fp8 weight and its transpose for the step (cast in
         # the first micro-batch): of every local layer, or of the gathered ones under ZeRO-3.
-        local = 2 * layer if cfg.zero == 3 else sums.dense_params + sums.expert_params
+        local = gathered if cfg.zero == 3 else sums.dense_params + sums.expert_params
         weights = weights + FP8_WEIGHT_COPY_BYTES * local
     activations = (activation_bytes(sums, in_flight=in_flight, act_rebuilt=act_rebuilt)
                    + attention_buffer_bytes(model, mbs=cfg.mbs, tp=cfg.tp))
