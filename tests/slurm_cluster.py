@@ -258,3 +258,17 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
             lines = path.read_text(errors="replace").splitlines()[-tail_lines:]
             parts.append(f"--- {path.name} ---\n" + "\n".join(lines))
         return "\n".join(parts)
+
+
+def running_cluster(**kwargs):
+    """A started SlurmCluster for a module fixture (yielded, stopped after), or the test fails with
+    why it did not start."""
+    import pytest
+
+    slurm = SlurmCluster(**kwargs)
+    try:
+        slurm.start()
+    except SlurmClusterError as e:
+        pytest.fail(f"the test SLURM cluster did not start: {e}", pytrace=False)
+    yield slurm
+    slurm.stop()

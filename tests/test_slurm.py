@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import SlurmCluster, SlurmClusterError, clean_environment
+from slurm_cluster import SlurmCluster, SlurmClusterError, clean_environment, running_cluster
 
 from nest_megatron import api, cli
 from nest_megatron.config.load import load
@@ -39,13 +39,7 @@ LAUNCHER = str(Path(sys.executable).parent / "nest-megatron")
 
 @pytest.fixture(scope="module")
 def cluster():
-    slurm = SlurmCluster(num_nodes=4, gpus_per_node=GPUS_PER_NODE)
-    try:
-        slurm.start()
-    except SlurmClusterError as e:
-        pytest.fail(f"the test SLURM cluster did not start: {e}", pytrace=False)
-    yield slurm
-    slurm.stop()
+    yield from running_cluster(num_nodes=4, gpus_per_node=GPUS_PER_NODE)
 
 
 def job_env(cluster: SlurmCluster, probe_dir: Path, **extra: str) -> dict[str, str]:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from slurm_cluster import SlurmCluster, SlurmClusterError
+from slurm_cluster import running_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = str(ROOT / "tests" / "slurm_probe.py")
@@ -20,13 +20,7 @@ OVERRIDES = ["model=tiny_gpt", "cluster=h100_spine_leaf", "cluster.levels.0.fan_
 
 @pytest.fixture(scope="module")
 def cluster():
-    slurm = SlurmCluster(num_nodes=4, gpus_per_node=2, topology=TOPOLOGY)
-    try:
-        slurm.start()
-    except SlurmClusterError as e:
-        pytest.fail(f"the test SLURM cluster did not start: {e}", pytrace=False)
-    yield slurm
-    slurm.stop()
+    yield from running_cluster(num_nodes=4, gpus_per_node=2, topology=TOPOLOGY)
 
 
 def test_scontrol_show_topology_is_the_plans_tree(cluster, tmp_path):
