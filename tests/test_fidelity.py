@@ -87,3 +87,17 @@ def test_no_published_layout_is_refused_as_out_of_memory(tmp_path):
     assert "- published layouts refused as out of memory: 0" in text
     assert "| all | 57 |" in text  # 63 rows, 6 not expressible (3 Mamba hybrids, 3 with MLA), every other one priced
     assert len(list(tmp_path.glob("published_*.png"))) == 1
+
+
+def test_rows_take_their_recipe_layout_where_the_table_does_not_give_the_run_s():
+    # Nemotron-22B BF16: the table of cb3482d0 gives 16 GPUs and GBS 32 only; its recipe
+    # nemotron_22b_bf16.sh runs 2 nodes at MBS 1 with the conf's TP 2 PP 4 VP 10: DP = 16 / 8 = 2.
+    row = row_of(ENTRIES["launcher-24.01-Nemotron-22B-bf16"])
+    for key in ("plan.tp=2", "plan.pp=4", "plan.vpp=10", "plan.dp=2", "plan.mbs=1", "plan.sp=true"):
+        assert key in row.overrides
+    # LLAMA2-13B FP8 of 81b75a7c: the conf of that commit (TP 1 PP 4 VP 10, no userbuffers), DP = 16 / 4 = 4
+    row = row_of(ENTRIES["launcher-24.03-LLAMA2-13B-fp8"])
+    for key in ("plan.tp=1", "plan.pp=4", "plan.vpp=10", "plan.dp=4", "plan.sp=false", "train.tp_comm_overlap=false"):
+        assert key in row.overrides
+    # the measured time is the table's: 128 x 4,096 tokens at 8,317 tokens/s on each of 16 GPUs = 3.940 s
+    assert row.measured_step_s == pytest.approx(128 * 4096 / (8317 * 16))

@@ -46,6 +46,19 @@ ROW_SETTINGS = {
     "automodel-Qwen3_MoE_30B-8gpu-bf16": {"recompute": "full", "cross_entropy_fusion": True},
     "automodel-GPT-OSS_20B-8gpu-bf16": {"ep": 8, "cross_entropy_fusion": True},
     "automodel-GPT-OSS_120B-64gpu-bf16": {"ep": 64, "cross_entropy_fusion": True},
+    # The BF16 table of commit cb3482d0 gives only 16 GPUs and GBS 32; the row's TP1 PP4 MBS2 is the
+    # FP8 row's of the later table (0d09460d). The run's recipe, examples/training/nemotron/h100/
+    # nemotron_22b_bf16.sh at cb3482d0, sets num_nodes=2, micro_batch_size=1 and keeps the conf's
+    # tensor_model_parallel_size 2, pipeline 4, virtual 10, sequence_parallel and ub_tp_comm_overlap
+    # (launcher_scripts/conf/training/nemotron/nemotron_22b.yaml:58-64,128,156 at 24.01), no recompute.
+    "launcher-24.01-Nemotron-22B-bf16": {"layout": {"tp": 2, "pp": 4, "vp": 10, "dp": 2, "mbs": 1,
+                                                    "sequence_parallel": True}},
+    # The 2024-04-22 table (81b75a7c) prints TP 4 PP 1, but three days earlier 5c7e280a "Fixed llama2 13b
+    # perf (#293)" moved launcher_scripts/conf/training/llama/llama2_13b.yaml to tensor 1, pipeline 4,
+    # virtual 10, ub_tp_comm_overlap false (lines 60-62, 136 at 81b75a7c), and the row's 8,317 tokens/s/GPU
+    # is that layout's (launcher-24.05-LLAMA2-13B-fp8, TP1 PP4: 8,344), not a TP-4 one.
+    "launcher-24.03-LLAMA2-13B-fp8": {"layout": {"tp": 1, "pp": 4, "vp": 10, "dp": 4,
+                                                 "sequence_parallel": False, "tp_comm_overlap": False}},
 }
 GPT_OSS_WINDOW = 128  # GPT-OSS: every other layer attends to the last 128 tokens (row arch note)
 
@@ -179,6 +192,13 @@ def row_of(entry: dict) -> Row:
         return Row(**common, measured_step_s=math.nan, not_expressible=why)
     assumed = []
     settings = ROW_SETTINGS.get(entry["id"], {})
+    layout = settings.get("layout", {})
+    if layout:
+        entry = {**entry, **{k: v for k, v in layout.items() if k != "tp_comm_overlap"}}
+        if "tp_comm_overlap" in layout:
+            entry["optimizations"] = {**(entry.get("optimizations") or {}),
+                                      "tp_comm_overlap_userbuffers": layout["tp_comm_overlap"]}
+        assumed.append("layout " + " ".join(f"{k}={v}" for k, v in layout.items()) + " (the recipe's)")
     release = "-".join(entry["id"].split("-")[:2])
     ep = entry["ep"] or settings.get("ep", 1)
     if entry["ep"] is None and moe:
