@@ -44,6 +44,7 @@ class Plan:
     search: dict = field(default_factory=lambda: {"solver": "evaluate", "time_s": 0.0, "configs_evaluated": 1})
     runners_up: list[dict] = field(default_factory=list)
     hosts: list[str] = field(default_factory=list)  # the allocation's nodes in node-rank order, idle ones last; [] unnamed
+    failed_hosts: list[str] = field(default_factory=list)  # the allocation's nodes that are down (cluster.failed_nodes)
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -133,6 +134,7 @@ def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name
         search=search or {"solver": "evaluate", "time_s": 0.0, "configs_evaluated": 1},
         runners_up=[summary(e) for e in runners_up],
         hosts=hosts_by_node_rank(problem.topology, mapping),
+        failed_hosts=list(problem.topology.failed_hosts),
     )
 
 

@@ -151,3 +151,75 @@ def test_the_placement_drawing_holds_the_allocations_tree_and_its_idle_nodes(con
     assert sum(1 for b in boxes if b[0] == 0) == 15 and sum(1 for b in boxes if b[0] == 1) == 2
     drawn = draw(topology, stage_of_device=[0] * 64 + [-1] * 56, groups=[], title="t", path=tmp_path / "p.png")
     assert drawn["devices_drawn"] == 120 and (tmp_path / "p.png").stat().st_size > 0
+
+
+# --- failed nodes (cluster.failed_nodes) ---------------------------------------------------------------------------
+
+def test_failed_nodes_are_planned_around(conf):
+    # n03 (leaf s0) and n22 (leaf s1) are down: 11 + 3 working nodes = 112 GPUs, none of them on n03 or n22.
+    extra = "cluster.failed_nodes=n03,n22"
+    topology = load(cell(conf, extra)).problem.topology
+    working = [h for h in HOSTS if h not in ("n03", "n22")]
+    assert topology.hosts == tuple(working) and topology.children[1] == (11, 3) and topology.num_devices == 112
+    assert topology.failed_hosts == ("n03", "n22") and topology.allocation.num_devices == 128
+    plan = api.plan(cell(conf, extra))
+    assert plan.failed_hosts == ["n03", "n22"] and sorted(plan.hosts) == sorted(working)
+    assert plan.num_devices == 112
+
+
+def test_the_placement_moves_onto_the_whole_allocation_with_the_failed_nodes_marked(conf, tmp_path):
+    from nest_megatron.report.explain import on_allocation
+    from nest_megatron.report.plots.placement import FAILED, GroupMark
+
+    topology = load(cell(conf, "cluster.failed_nodes=n03,n22")).problem.topology
+    # The allocation in device order: n01..n12 (s0, the larger leaf) then n21..n24. n03 is its node 2 (GPUs
+    # 16-23), n22 its node 13 (GPUs 104-111). Working device 16 is on n04 (the working list's node 2), which
+    # is the allocation's node 3: device 24; working device 95 (n21's last GPU, node 11) -> node 12 -> 103.
+    stages = [d // 56 for d in range(112)]  # two "stages" of 56 devices, by hand
+    whole, moved, groups = on_allocation(topology, stages, [GroupMark("dp", (0, 16, 95), "dp")])
+    assert whole.num_devices == 128 and whole.hosts == tuple(HOSTS)
+    assert [d for d, s in enumerate(moved) if s == FAILED] == [*range(16, 24), *range(104, 112)]
+    assert groups[0].devices == (0, 24, 103)
+    assert moved[24] == stages[16] and moved[103] == stages[95]
+    drawn = draw(whole, stage_of_device=moved, groups=groups, title="t", path=tmp_path / "p.png")
+    assert drawn["devices"] == 128 and (tmp_path / "p.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["cluster.failed_nodes=n30"], "cluster.failed_nodes=n30: node n30 is not one of the allocation's 16 nodes"),
+    ([f"cluster.failed_nodes={NODES}"], f"cluster.failed_nodes={NODES}: every node of the allocation failed"),
+    (["cluster.failed_nodes=n01", "cluster.num_devices=128"],
+     f"cluster.num_devices=128, but cluster.nodes={NODES} names 16 nodes, 15 of them working, of 8 devices = 120"),
+])
+def test_bad_failed_nodes_are_one_line(conf, extra, words):
+    with pytest.raises(NestError) as err:
+        load(cell(conf, *extra))
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_failed_nodes_of_unnamed_nodes_are_one_line():
+    with pytest.raises(NestError, match=r"^cluster.failed_nodes=n05: the allocation's nodes are unnamed; give "
+                                        r"cluster.nodes \(or cluster.topology_conf\)"):
+        load(["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.failed_nodes=n05"])
+
+
+def test_a_failed_node_of_the_job_runs_nothing_and_the_others_launch():
+    from nest_megatron.launch.devices import resolve
+    from nest_megatron.launch.prepare import prepare
+
+    # A 3-node SLURM job whose gpu08 failed: the plan runs on gpu07 and gpu09 (16 GPUs), and gpu08's launcher
+    # starts nothing.
+    overrides = ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.nodes=gpu[07-09]", "cluster.failed_nodes=gpu08",
+                 "train.global_batch_size=64", "plan.tp=8", "plan.pp=2", "plan.mbs=1", "plan.zero=1",
+                 "plan.recompute=none", "plan.vpp=1"]
+    env = {"SLURM_JOB_NODELIST": "gpu[07-09]", "SLURM_NNODES": "3", "SLURM_GPUS_ON_NODE": "8", "SLURM_JOB_ID": "7"}
+    runs = {}
+    for node in range(3):
+        devices = resolve(env={**env, "SLURM_NODEID": str(node)})
+        prepared = prepare(overrides=overrides, script="train.py", script_args=[], devices=devices)
+        runs[devices.hosts[node]] = prepared.this_node
+    assert prepared.plan.failed_hosts == ["gpu08"] and sorted(prepared.plan.hosts) == ["gpu07", "gpu09"]
+    assert runs["gpu08"] is None
+    heads = {host: run.argv[: run.argv.index("train.py")] for host, run in runs.items() if run is not None}
+    assert sorted(head[6] for head in heads.values()) == ["0", "1"]  # --node-rank 0 and 1 of --nnodes 2
+    assert all(head[:5] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "8"] for head in heads.values())

@@ -120,3 +120,17 @@ def test_awkward_node_counts_plan_on_every_shipped_hierarchical_cluster(cluster,
     plan = api.plan(["model=llama3_8b", f"cluster={cluster}", f"cluster.num_devices={8 * nodes}"])
     assert plan.num_devices == 8 * nodes and min(plan.layers_per_stage) >= 2
     assert (plan.world_size) % 8 == 0  # whole nodes run; the rest are idle
+
+
+def test_an_awkward_host_count_also_searches_the_nearest_host_counts_with_a_small_odd_part():
+    from nest_megatron.solver.space import searched_worlds
+
+    def worlds(nodes: int) -> list[int]:
+        loaded = load(["model=llama3_8b", "cluster=dgx_h100_superpod", f"cluster.num_devices={8 * nodes}"])
+        return searched_worlds(loaded.problem, loaded.config.solver, PlanChoice(), micro_batch_size=None, any_split=True)
+
+    # 15 nodes: 120 GPUs launch (TP 8 x PP 15 or TP 4 x PP 15 x DP 2: 32 layers, >= 2 a stage). 15's odd part is
+    # 15, so the search also runs the most nodes of the form 2^k x m below it: 8 (m 1), 12 (3), 10 (5), 14 (7).
+    assert worlds(15) == [120, 64, 96, 80, 112]
+    # 16 and 12 nodes (odd parts 1 and 3) search only their own world.
+    assert worlds(16) == [128] and worlds(12) == [96]

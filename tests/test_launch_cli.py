@@ -285,7 +285,9 @@ def test_devices_from_torchrun_flags_and_slurm():
     # torchrun's flags win for the processes per node (a CPU allocation has no SLURM_GPUS_ON_NODE)
     assert resolve(nproc_per_node="2", env={"SLURM_JOB_NODELIST": "n1", "SLURM_NODEID": "0"}).num_devices == 2
     for kwargs, message in [
-        (dict(nnodes="1:4", nproc_per_node="8"), "--nnodes 1:4: an elastic range cannot be planned"),
+        (dict(nnodes="1:4", nproc_per_node="8"), "--nnodes 1:4: nest-torchrun plans one node count; for an elastic "
+                                                  "range, which plans every count and replans at each rendezvous, use "
+                                                  "nest-megatron launch --nnodes 1:4"),
         (dict(nnodes="2", nproc_per_node="8", node_rank="2"), "node rank 2: must be below the node count 2"),
         (dict(nproc_per_node="0"), "--nproc-per-node 0: must be at least 1"),
         (dict(nproc_per_node="8", master_addr="a", rdzv_endpoint="b:1"), "--rdzv-endpoint and --master-addr: give one"),

@@ -126,7 +126,7 @@ def _compose(overrides: list[str]):
 
 
 # Keys whose value is a SLURM hostlist or a path: n[01-12],n20 is a string, not Hydra's list and sweep syntax.
-VERBATIM_KEYS = ("cluster.nodes", "cluster.topology_conf")
+VERBATIM_KEYS = ("cluster.nodes", "cluster.failed_nodes", "cluster.topology_conf")
 
 
 def quote_verbatim(item: str) -> str:
@@ -399,6 +399,9 @@ def _check_cluster(c: ClusterConfig) -> int:
     nodes = _allocated_nodes(c)
     if nodes is not None:
         return _devices_of_nodes(c, nodes)
+    if c.failed_nodes is not None and c.topology_conf is None:
+        raise NestError(f"cluster.failed_nodes={c.failed_nodes}: the allocation's nodes are unnamed; give "
+                        "cluster.nodes (or cluster.topology_conf) to say which of them failed")
     if c.num_devices is not None:  # the levels are rescaled to it
         return c.num_devices
     devices = math.prod(described)
@@ -434,9 +437,11 @@ def _devices_of_nodes(c: ClusterConfig, nodes: list[str]) -> int:
     if len(set(nodes)) != len(nodes):
         twice = next(n for i, n in enumerate(nodes) if n in nodes[:i])
         raise NestError(f"cluster.nodes={c.nodes}: node {twice} is listed twice")
-    devices = len(nodes) * _devices_per_node(c)
+    working = _working_nodes(c, nodes)
+    devices = len(working) * _devices_per_node(c)
     if c.num_devices is not None and c.num_devices != devices:
-        raise NestError(f"cluster.num_devices={c.num_devices}, but cluster.nodes={c.nodes} names {len(nodes)} nodes "
+        names = f"names {len(nodes)} nodes" + (f", {len(working)} of them working," if len(working) < len(nodes) else "")
+        raise NestError(f"cluster.num_devices={c.num_devices}, but cluster.nodes={c.nodes} {names} "
                         f"of {_devices_per_node(c)} devices = {devices}; give one of them")
     if devices > MAX_DEVICES:
         raise NestError(f"cluster.nodes={c.nodes}: {len(nodes)} nodes = {devices} devices; allowed 1..{MAX_DEVICES}")
@@ -458,14 +463,40 @@ def _allocation(c: ClusterConfig, topology: Topology) -> Topology:
         tree, source = None, ""
     if tree is not None:
         nodes = nodes if nodes is not None else list(tree.leaf_of)
-        allocated = slurm_tree.allocation_topology(topology, tree, nodes, source=source)
+        working = _working_nodes(c, nodes)
+        allocated = slurm_tree.allocation_topology(topology, tree, working, source=source)
         if c.num_devices is not None and c.num_devices != allocated.num_devices:
-            raise NestError(f"cluster.num_devices={c.num_devices}, but the {len(nodes)} nodes of {source} have "
-                            f"{allocated.num_devices} devices; give one of them")
-        return allocated
+            raise NestError(f"cluster.num_devices={c.num_devices}, but the {len(working)} working nodes of {source} "
+                            f"have {allocated.num_devices} devices; give one of them")
+        if len(working) == len(nodes):
+            return allocated
+        return replace(allocated, allocation=slurm_tree.allocation_topology(topology, tree, nodes, source=source))
     if nodes is None:
         return topology.rescaled(c.num_devices) if c.num_devices is not None else topology
-    return replace(topology.rescaled(len(nodes) * topology.devices_per_node), hosts=tuple(nodes))
+    working = _working_nodes(c, nodes)
+    planned = replace(topology.rescaled(len(working) * topology.devices_per_node), hosts=tuple(working))
+    if len(working) == len(nodes):
+        return planned
+    return replace(planned, allocation=replace(topology.rescaled(len(nodes) * topology.devices_per_node),
+                                               hosts=tuple(nodes)))
+
+
+def _working_nodes(c: ClusterConfig, nodes: list[str]) -> list[str]:
+    """The allocated `nodes` without cluster.failed_nodes, each of which must be one of them."""
+    if c.failed_nodes is None:
+        return nodes
+    failed = expand(c.failed_nodes, key="cluster.failed_nodes")
+    allocated = set(nodes)
+    stranger = next((n for n in failed if n not in allocated), None)
+    if stranger is not None:
+        raise NestError(f"cluster.failed_nodes={c.failed_nodes}: node {stranger} is not one of the allocation's "
+                        f"{len(nodes)} nodes ({', '.join(nodes[:3])}{', ...' if len(nodes) > 3 else ''})")
+    down = set(failed)
+    working = [n for n in nodes if n not in down]
+    if not working:
+        raise NestError(f"cluster.failed_nodes={c.failed_nodes}: every node of the allocation failed; nothing is "
+                        "left to plan on")
+    return working
 
 
 def _scontrol_topology() -> slurm_tree.SwitchTree | None:

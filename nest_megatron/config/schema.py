@@ -131,6 +131,9 @@ class ClusterConfig:
     # hang off; a leaf switch is a unit of the level above the host, its parent one of the next level
     # (None: `scontrol show topology` inside a SLURM job with the tree plugin, else the levels' fan_outs).
     topology_conf: Optional[str] = None
+    # Nodes of the allocation that are down (a SLURM hostlist, e.g. after a node failed mid-run): the plan
+    # runs on the others, and the report draws these as failed in the allocation's tree.
+    failed_nodes: Optional[str] = None
 
 
 @dataclass

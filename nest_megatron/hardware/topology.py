@@ -41,6 +41,8 @@ class Topology:
     # units in device order; the top level has one unit. None: every unit of level l holds fan_out.
     children: tuple[tuple[int, ...], ...] | None = None
     hosts: tuple[str, ...] | None = None  # the allocation's node names in device order (cluster.nodes); None: unnamed
+    # The whole allocation, failed nodes included (cluster.failed_nodes), for the report to draw; None: none failed.
+    allocation: Topology | None = field(default=None, compare=False, repr=False)
     _unit_ids: tuple = field(default=(), compare=False, hash=False, repr=False)
 
     def __post_init__(self):
@@ -56,6 +58,14 @@ class Topology:
             sizes = [sum(sizes[bounds[u]:bounds[u + 1]]) for u in range(len(counts))]
             ids.append(np.repeat(np.arange(len(sizes)), sizes))
         object.__setattr__(self, "_unit_ids", tuple(ids))
+
+    @property
+    def failed_hosts(self) -> tuple[str, ...]:
+        """The allocation's nodes this topology leaves out (cluster.failed_nodes), in the allocation's order."""
+        if self.allocation is None:
+            return ()
+        working = set(self.hosts or ())
+        return tuple(h for h in self.allocation.hosts if h not in working)
 
     @property
     def regular(self) -> bool:

@@ -55,7 +55,8 @@ def _nnodes(value: str | int) -> int:
     if ":" in text:
         low, high = text.split(":", 1)
         if low != high:
-            raise NestError(f"--nnodes {text}: an elastic range cannot be planned; give a fixed node count")
+            raise NestError(f"--nnodes {text}: nest-torchrun plans one node count; for an elastic range, which plans "
+                            f"every count and replans at each rendezvous, use nest-megatron launch --nnodes {text}")
         text = low
     nodes = _int("--nnodes", text)
     if nodes < 1:

@@ -91,8 +91,10 @@ def _with_flags(err: NestError, flags_given: bool) -> NestError:
 
 def _check_topology(loaded: Loaded, devices: Devices) -> None:
     topo = loaded.problem.topology
-    if loaded.problem.num_devices != devices.num_devices:
-        raise NestError(f"cluster {topo.name} has {loaded.problem.num_devices} devices, but the launch starts "
+    working = loaded.problem.num_devices
+    if devices.num_devices not in (working, working + len(topo.failed_hosts) * topo.devices_per_node):
+        failed = f" on its working nodes ({len(topo.failed_hosts)} failed)" if topo.failed_hosts else ""
+        raise NestError(f"cluster {topo.name} has {working} devices{failed}, but the launch starts "
                         f"{devices.num_nodes} x {devices.per_node} = {devices.num_devices}")
     if topo.devices_per_node != devices.per_node:
         raise NestError(f"cluster {topo.name} has {topo.devices_per_node} devices per node, but the launch starts "
@@ -107,8 +109,8 @@ def prepare(*, overrides: list[str], script: str, script_args: list[str], device
     names = list(dict.fromkeys([*parse_pins(pins), *kept]))
     flags_given = has_model(scan(script_args))
     problem = problem_overrides(script, script_args, user)
-    if not any(item.startswith("cluster.num_devices=") for item in user):
-        problem.append(f"cluster.num_devices={devices.num_devices}")
+    if not any(item.startswith(("cluster.num_devices=", "cluster.failed_nodes=")) for item in user):
+        problem.append(f"cluster.num_devices={devices.num_devices}")  # with failed nodes, the working ones count
     try:
         loaded = load(problem)
         _check_topology(loaded, devices)
@@ -177,9 +179,11 @@ def megatron_env(plan: Plan) -> dict[str, str | None]:
 
 def _hosts(plan: Plan, devices: Devices) -> list[str]:
     """The launch's hosts in the plan's device order: the planned allocation's when the plan names its hosts
-    (a switch tree may order them otherwise than SLURM lists them), else SLURM's order, else placeholders."""
+    (a switch tree may order them otherwise than SLURM lists them), else SLURM's order, else placeholders.
+    The plan's failed hosts may be in the launch's list (SLURM keeps a failed node in the job's); they run nothing."""
     if plan.hosts:
-        if sorted(plan.hosts) != sorted(devices.hosts):
+        failed = set(plan.failed_hosts)
+        if sorted(plan.hosts) != sorted(h for h in devices.hosts if h not in failed):
             raise NestError(f"the plan is for hosts {','.join(plan.hosts)}, but the launch runs on "
                             f"{','.join(devices.hosts) or f'{devices.num_nodes} unnamed nodes'}")
         return hosts_in_device_order(plan)
@@ -220,9 +224,9 @@ def _commands(plan: Plan, devices: Devices, script: str, final: list[str],
     this = None
     if devices.node_rank is not None:  # this process runs on node index devices.node_rank (SLURM_NODEID, ...)
         # By name where the nodes have names: the plan's device order need not be SLURM's.
-        mine = (next(a for a in assignments if a.host == devices.hosts[devices.node_rank]) if devices.hosts
-                else assignments[devices.node_rank])
-        this = next((c for c in commands if c.node_rank == mine.node_rank), None) if not mine.idle else None
+        mine = (next((a for a in assignments if a.host == devices.hosts[devices.node_rank]), None) if devices.hosts
+                else assignments[devices.node_rank])  # None: a failed host of the plan
+        this = next((c for c in commands if c.node_rank == mine.node_rank), None) if mine and not mine.idle else None
     return commands, this
 
 

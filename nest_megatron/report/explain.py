@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import html
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,7 @@ from nest_megatron.parallel.ranks import decoder_sizes, expert_sizes, rank_group
 from nest_megatron.parallel.rules import violation
 from nest_megatron.plan import Plan
 from nest_megatron.report.plots import memory, placement, schedule
-from nest_megatron.report.plots.placement import GroupMark
+from nest_megatron.report.plots.placement import FAILED, IDLE, GroupMark
 from nest_megatron.report.table import configurations
 
 SCHEDULE_TOLERANCE = 0.01  # the drawn iteration is within 1% of the predicted step time (cost/schedule.py)
@@ -151,9 +151,9 @@ def _seconds(value: float) -> str:
 
 
 def placement_marks(plan: Plan, cfg: ParallelConfig, exposed: dict[str, float]) -> tuple[list[int], list[GroupMark]]:
-    """Each device's pipeline stage (-1: idle) and the group of each kind that holds rank 0."""
+    """Each device's pipeline stage (IDLE when it runs nothing) and the group of each kind that holds rank 0."""
     mapping = np.asarray(plan.rank_to_device, dtype=np.int64)
-    stage_of_device = np.full(plan.num_devices, -1, dtype=int)
+    stage_of_device = np.full(plan.num_devices, IDLE, dtype=int)
     for stage, ranks in enumerate(rank_groups(cfg.order, decoder_sizes(cfg), "pp").T):
         stage_of_device[mapping[ranks]] = stage
     marks = []
@@ -173,10 +173,26 @@ def placement_marks(plan: Plan, cfg: ParallelConfig, exposed: dict[str, float]) 
     return stage_of_device.tolist(), marks
 
 
+def on_allocation(topology: Topology, stage_of_device: list[int],
+                  groups: list[GroupMark]) -> tuple[Topology, list[int], list[GroupMark]]:
+    """The placement moved onto the whole allocation when nodes failed (cluster.failed_nodes): each device to
+    its host's place in the allocation's tree, the failed nodes' devices marked FAILED."""
+    whole = topology.allocation
+    if whole is None:
+        return topology, stage_of_device, groups
+    per = topology.devices_per_node
+    place_of = {host: i for i, host in enumerate(whole.hosts)}
+    moved = [place_of[topology.hosts[d // per]] * per + d % per for d in range(len(stage_of_device))]
+    stages = [FAILED] * whole.num_devices
+    for device, stage in zip(moved, stage_of_device):
+        stages[device] = stage
+    return whole, stages, [replace(g, devices=tuple(moved[d] for d in g.devices)) for g in groups]
+
+
 @dataclass(frozen=True)
 class ReportData:
     plan: Plan
-    topology: Topology
+    topology: Topology  # what the placement is drawn on: the whole allocation, failed nodes included
     estimate: Estimate  # the plan re-priced from its problem
     timeline: Timeline
     stage_of_device: list[int]
@@ -188,8 +204,9 @@ class ReportData:
 def report_data(problem: Problem, plan: Plan, *, baselines: dict[str, Estimate | None]) -> ReportData:
     ctx = plan_context(problem, plan)
     split = tuple(plan.layers_per_stage)
-    stage_of_device, groups = placement_marks(plan, ctx.cfg, exposed_time_per_group(ctx, split))
-    return ReportData(plan=plan, topology=problem.topology, estimate=estimate_in(ctx, split),
+    drawn_on, stage_of_device, groups = on_allocation(
+        problem.topology, *placement_marks(plan, ctx.cfg, exposed_time_per_group(ctx, split)))
+    return ReportData(plan=plan, topology=drawn_on, estimate=estimate_in(ctx, split),
                       timeline=timeline(ctx, split), stage_of_device=stage_of_device, groups=groups,
                       runners_up=runner_up_rows(plan), comparison=comparison_rows(plan, ctx.cfg, baselines))
 
@@ -217,7 +234,9 @@ def draw_figures(data: ReportData, out: Path, *, step: Callable[[str], None] = l
     drawn["placement.png"] = placement.draw(data.topology, stage_of_device=data.stage_of_device, groups=data.groups,
                                             path=out / "placement.png",
                                             title=f"Placement on {plan.cluster}: {plan.num_devices} devices, "
-                                                  f"coloured by pipeline stage")
+                                                  f"coloured by pipeline stage"
+                                                  + (f"; {len(plan.failed_hosts)} failed node(s) planned around"
+                                                     if plan.failed_hosts else ""))
     return drawn
 
 
@@ -256,6 +275,11 @@ def render_html(data: ReportData, out: Path) -> str:
         ["search", f"{plan.search['solver']}: {configurations(plan.search['configs_evaluated'])} in "
                    f"{plan.search['time_s']:.2f} s"],
     ]
+    if plan.idle_devices or plan.failed_hosts:
+        summary.insert(1, ["allocation", f"{plan.num_devices - plan.idle_devices} of {plan.num_devices} devices run "
+                                         f"ranks, {plan.idle_devices} idle"
+                                         + (f"; failed nodes, planned around: {', '.join(plan.failed_hosts)}"
+                                            if plan.failed_hosts else "")])
     tl = data.timeline
     drift = tl.length / pred["step_time_s"] - 1
     runners = [[r["config"], r["order"], f"{r['step_time_s']:.4g}", f"{r['peak_memory_gib']:.1f}", r["why"]]

@@ -49,6 +49,8 @@ def render(plan: Plan, console: Console) -> None:
                               f"{pred['tflops_per_gpu']:.0f} TFLOP/s/GPU   MFU {pred['mfu']:.1%}")
     if plan.idle_devices:
         head.add_row("idle devices", str(plan.idle_devices))
+    if plan.failed_hosts:
+        head.add_row("failed nodes", f"{len(plan.failed_hosts)}, planned around: {', '.join(plan.failed_hosts)}")
     head.add_row("search", f"{plan.search['solver']}: {configurations(plan.search['configs_evaluated'])} in "
                            f"{plan.search['time_s']:.2f} s")
     if "compute" in plan.search:

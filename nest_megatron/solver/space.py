@@ -110,21 +110,34 @@ def launchable_world(problem: Problem, solver: SolverConfig, pins: PlanChoice, *
 
 def searched_worlds(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None,
                     any_split: bool = False) -> list[int]:
-    """The device counts the search runs configurations on: `launchable_world`, and below it the largest
-    power of two of hosts. Batches are powers of two, so 37 nodes fill only with 37 pipeline stages (2
-    layers each, a third of the FLOPs lost to the bubble and transfers), where 32 nodes with 5 idle can be
-    faster; the cost model picks. A power-of-two host count (the usual cluster) searches one world."""
+    """The device counts the search runs configurations on: `launchable_world`, and, when its host count is
+    awkward, the largest host counts below it of the form 2^k x m for each m of ODD_PARTS. Batches and TP are
+    powers of two, so the odd part of a world is the pipeline's: 37 nodes fill only with 37 stages (2 layers
+    each, a third of the FLOPs lost to the bubble and transfers), and 15 nodes with 15, where 32 or 36 nodes
+    (PP 9), or 8 or 12 (PP 3), can be faster; the cost model picks. A host count whose odd part is in
+    ODD_PARTS (the usual cluster: a power of two) searches one world."""
     first = launchable_world(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=any_split)
     if first is None:
         return []
     host = problem.topology.devices_per_node
-    if first <= host:
+    hosts = first // host
+    if first <= host or _odd_part(hosts) in ODD_PARTS:
         return [first]
-    second = host * 2 ** ((first // host).bit_length() - 1)
-    if second == first or next(candidates(problem, solver, pins, micro_batch_size=micro_batch_size,
-                                          any_split=any_split, world=second), None) is None:
-        return [first]
-    return [first, second]
+    worlds = [first]
+    for odd in (m for m in ODD_PARTS if m <= hosts):
+        world = host * odd * 2 ** ((hosts // odd).bit_length() - 1)  # the most hosts of the form 2^k x odd
+        if next(candidates(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=any_split,
+                           world=world), None) is not None:
+            worlds.append(world)
+    return worlds
+
+
+# The odd factors of a host count worth searching below an awkward one: pipelines of 1, 3, 5 or 7 x 2^k stages.
+ODD_PARTS = (1, 3, 5, 7)
+
+
+def _odd_part(n: int) -> int:
+    return n // (n & -n)
 
 
 def empty_space_reason(

@@ -15,6 +15,8 @@ from matplotlib.patches import Patch, Rectangle
 from nest_megatron.hardware.topology import Topology
 from nest_megatron.report.plots import new_figure, save
 
+IDLE, FAILED = -1, -2  # stage_of_device for a device that runs nothing, and for one on a failed node
+FAILED_COLOUR = "#E8A0A0"
 PITCH = 1.15  # distance between device centres; a device is a unit square
 MAX_DEVICES = 2048  # above this, the first top-level units up to this many devices are drawn
 TARGET_ASPECT = 2.0  # width : height of a unit's grid of children
@@ -119,7 +121,7 @@ def _runs(devices: list[int], fan0: int, cols0: int) -> list[tuple[int, int]]:
 
 
 def draw(topology: Topology, *, stage_of_device: list[int], groups: list[GroupMark], title: str, path: Path) -> dict:
-    """Every device (or the first MAX_DEVICES) as a square coloured by its pipeline stage (-1: idle),
+    """Every device (or the first MAX_DEVICES) as a square coloured by its pipeline stage (IDLE, FAILED),
     inside nested boxes per network level; `groups` outlined; write `path`."""
     total = len(stage_of_device)
     shown = total if total <= MAX_DEVICES else MAX_DEVICES
@@ -139,13 +141,15 @@ def draw(topology: Topology, *, stage_of_device: list[int], groups: list[GroupMa
     first = np.concatenate(([0], np.cumsum(topology.unit_sizes(0))))  # first device of each level-0 unit
     for level, index, x, y, w, h in boxes:
         if level == 0:
-            idle = all(stage_of_device[d] < 0 for d in range(first[index], min(first[index + 1], total)))
-            ax.add_patch(Rectangle((x, y), w, h, facecolor="#E4E4E4" if idle else "#FAFAFA", edgecolor="#9A9A9A",
-                                   linewidth=0.6, hatch="///" if idle else None))
+            stages = {stage_of_device[d] for d in range(first[index], min(first[index + 1], total))}
+            state = "failed" if stages == {FAILED} else "idle" if max(stages) < 0 else ""
+            ax.add_patch(Rectangle((x, y), w, h, facecolor={"failed": "#F6DADA", "idle": "#E4E4E4"}.get(state, "#FAFAFA"),
+                                   edgecolor="#C04040" if state == "failed" else "#9A9A9A", linewidth=0.6,
+                                   hatch={"failed": "xx", "idle": "///"}.get(state)))
             if len(boxes) <= 64:
                 name = topology.hosts[index] if topology.hosts and topology.host_level == 0 else f"{level_names[0]} {index}"
-                ax.text(x + w - 0.25, y + h / 2, name + (" idle" if idle else ""), fontsize=unit_font - 1,
-                        va="center", ha="center", color="#606060", rotation=90)
+                ax.text(x + w - 0.25, y + h / 2, f"{name} {state}".strip(), fontsize=unit_font - 1,
+                        va="center", ha="center", color="#A03030" if state == "failed" else "#606060", rotation=90)
         else:
             ax.add_patch(Rectangle((x, y), w, h, facecolor="none", edgecolor="#505050", linewidth=0.6 + 0.5 * level))
             ax.text(x + 0.3, y + 0.25, f"{level_names[level]} {index}", fontsize=unit_font + level, va="top",
@@ -154,7 +158,7 @@ def draw(topology: Topology, *, stage_of_device: list[int], groups: list[GroupMa
     colours = stage_colours(num_stages)
     for d, (x, y) in enumerate(positions):
         stage = stage_of_device[d]
-        face = colours[stage] if stage >= 0 else "white"
+        face = colours[stage] if stage >= 0 else FAILED_COLOUR if stage == FAILED else "white"
         ax.add_patch(Rectangle((x, y), 1, 1, facecolor=face, edgecolor="#707070", linewidth=0.3))
 
     fan0, cols0 = topology.levels[0].fan_out, min(topology.levels[0].fan_out, 16)
@@ -180,8 +184,10 @@ def draw(topology: Topology, *, stage_of_device: list[int], groups: list[GroupMa
     handles = [Patch(facecolor=colours[s], edgecolor="#707070", label=f"stage {s}") for s in range(min(num_stages, 20))]
     if num_stages > 20:
         handles.append(Patch(facecolor="none", edgecolor="none", label=f"... stages 20-{num_stages - 1} (viridis)"))
-    if min(stage_of_device) < 0:
+    if IDLE in stage_of_device:
         handles.append(Patch(facecolor="white", edgecolor="#707070", label="idle"))
+    if FAILED in stage_of_device:
+        handles.append(Patch(facecolor=FAILED_COLOUR, edgecolor="#C04040", label="failed node"))
     if shown < total:
         title += f"\n(showing the first {shown} of {total} devices)"
     ax.set_title(title, fontsize=12, loc="left")
