@@ -17,9 +17,9 @@ from test_cost_terms import GemmOnly, accelerator, close, memory_of, model
 from nest_megatron.cost.activations import layer_activation_terms, logits_bytes
 from nest_megatron.cost.collectives import Network, all_gather_time, reduce_scatter_time
 from nest_megatron.cost.compute import RooflineCompute, head_dim_factor
-from nest_megatron.cost.evaluate import CROSS_ENTROPY_BYTES_PER_LOGIT, context, estimate, pipeline_sends
+from nest_megatron.cost.evaluate import CROSS_ENTROPY_BYTES_PER_LOGIT, adam_step_bytes, context, estimate, pipeline_sends
 from nest_megatron.cost.layer import elementwise_bytes, layer_time, quantisation_bytes
-from nest_megatron.cost.memory import model_state_bytes
+from nest_megatron.cost.memory import OPTIMIZER_STATE_BYTES, model_state_bytes
 from nest_megatron.cost.placement import compute_spans
 from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.tables import stage_sums
@@ -145,6 +145,31 @@ def test_bf16_gradients_halve_memory_and_traffic():
     params = 2 * 49_984 + 65_536 + 128 + 65_536
     assert fp32.breakdown["dp_grad_sync"] == close(4 * params / 1e9)
     assert half.breakdown["dp_grad_sync"] == close(2 * params / 1e9)
+
+
+def test_optimizer_state_bytes_of_each_implementation():
+    # Megatron's distributed optimizer: fp32 master + two fp32 moments = 12 B; NeMo 1.x's Apex
+    # DistributedFusedAdam keeps the master's 16 low bits only (2 + 4 + 4 = 10), and with optim.dtype
+    # bf16 two bf16 moments and no master (2 + 2 = 4)
+    assert OPTIMIZER_STATE_BYTES == {"megatron": 12, "apex_remainders": 10, "apex_bf16": 4}
+    # 1,000 parameters, distributed optimizer over 4: bf16 weights 2,000, fp32 grads 4,000, state 10 x 250
+    assert model_state_bytes(1000, zero=1, shards=4, optimizer_bytes=10) == (2000, 4000, 2500)
+    assert model_state_bytes(1000, zero=0, shards=4, optimizer_bytes=4) == (2000, 4000, 4000)
+    # the Adam step reads the fp32 gradient (4), reads and writes the state, writes the bf16 weight (2)
+    assert adam_step_bytes(12) == 4 + 24 + 2 == 30
+    assert adam_step_bytes(4) == 4 + 8 + 2
+    m = model(num_layers=2, untie_embeddings_and_output_weights=True, position_embedding_type="rope")
+    problem = Problem(model=m, accelerator=accelerator(), topology=Topology("t", (Level("node", 2, 100e9, 1e-6),)),
+                      global_batch_size=2)
+    megatron = estimate(problem, ParallelConfig(dp=2, zero=1))
+    apex = estimate(dataclasses.replace(problem, optimizer_state_bytes=4), ParallelConfig(dp=2, zero=1))
+    # P = 231,168 parameters (two layers of 49,984, embedding and output layer of 65,536 + 128 and 65,536),
+    # half of each shard on a device: 12 P / 2 against 4 P / 2 bytes
+    params = 2 * 49_984 + 65_536 + 128 + 65_536
+    assert megatron.memory[0].optimizer - apex.memory[0].optimizer == close(8 * params / 2)
+    # the step at 3e12 x 0.8 B/s: 30 and 14 bytes for each of the P / 2 local parameters
+    assert megatron.breakdown["optimizer"] == close(30 * params / 2 / 2.4e12)
+    assert apex.breakdown["optimizer"] == close(14 * params / 2 / 2.4e12)
 
 
 def test_cross_entropy_bytes_and_logits_kept():

@@ -101,3 +101,12 @@ def test_rows_take_their_recipe_layout_where_the_table_does_not_give_the_run_s()
         assert key in row.overrides
     # the measured time is the table's: 128 x 4,096 tokens at 8,317 tokens/s on each of 16 GPUs = 3.940 s
     assert row.measured_step_s == pytest.approx(128 * 4096 / (8317 * 16))
+
+
+def test_nemo_rows_keep_apex_optimizer_state_and_the_340b_its_bf16_state():
+    # distributed_fused_adam in every launcher conf; nemotron_340b.yaml at 24.07 also optim.dtype: bf16
+    assert row_of(ENTRIES["launcher-24.01-LLAMA2-7B-fp8"]).optimizer == "apex_remainders"
+    assert row_of(ENTRIES["nemo-24.07-Nemotron-340B-128gpu-fp8"]).optimizer == "apex_bf16"
+    assert row_of(ENTRIES["automodel-Llama3_70B-64gpu-bf16"]).optimizer == "megatron"  # torch.optim.Adam, fp32
+    # the long-sequence rows ran NeMo 24.03.01, whose LLAMA2 recipes reduce gradients in bf16
+    assert "train.grad_reduce_in_bf16=true" in row_of(ENTRIES["nemo-longseq-24.03-LLAMA2-7B-4k-fp8"]).overrides

@@ -31,7 +31,14 @@ from nest_megatron.model.spec import Gemm
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.rules import num_microbatches
 
-ADAM_STEP_BYTES = 30  # per parameter: read grad 4, r/w master 8, r/w m 8, r/w v 8, write bf16 2
+
+def adam_step_bytes(state_bytes: float) -> float:
+    """HBM bytes of the Adam step per parameter: read the fp32 gradient (4), read and write the
+    optimizer state (master weight and moments, `state_bytes`), write the bf16 weight (2): 30 for
+    Megatron's 12 B of state."""
+    return 4 + 2 * state_bytes + BF16
+
+
 DDP_BUCKET_PARAMS = 40_000_000  # Megatron DDP bucket size: max(4e7, 1e6 * dp) parameters
 # HBM bytes per logit of Megatron's vocab-parallel cross entropy (tensor_parallel/cross_entropy.py) on
 # bf16 logits cast to fp32. Forward: the cast (read 2, write 4), the max (read 4), subtracting it and
@@ -176,7 +183,8 @@ def fits_in(ctx: Context, split: tuple[int, ...]) -> bool:
     for stage in range(cfg.pp):
         memory = memory_of_rank(problem.model, cfg, stage_sums(ctx.costs, cfg, tuple(split), stage), stage=stage,
                                 num_microbatches=ctx.num_microbatches,
-                                reserved_bytes=problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt)
+                                reserved_bytes=problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt,
+                                optimizer_bytes=problem.optimizer_state_bytes)
         if memory.total > problem.accelerator.memory_bytes:
             return False
     return True
@@ -184,7 +192,8 @@ def fits_in(ctx: Context, split: tuple[int, ...]) -> bool:
 
 def _memory_in(ctx: Context, sums: list[StageSums]) -> tuple:
     return memory_per_stage(ctx.problem.model, ctx.cfg, sums, num_microbatches=ctx.num_microbatches,
-                            reserved_bytes=ctx.problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt)
+                            reserved_bytes=ctx.problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt,
+                            optimizer_bytes=ctx.problem.optimizer_state_bytes)
 
 
 def stage_parts(ctx: Context, sums: StageSums, *, stage: int) -> dict:
@@ -332,5 +341,5 @@ def after_pipeline(ctx: Context, sums: StageSums, *, first: bool, last: bool) ->
         tied = p2p_time(max(spans.pp_boundary_level), words, net)
     shards = cfg.dp * cfg.cp if cfg.zero >= 1 else 1
     expert_shards = cfg.expert_dp if cfg.zero >= 1 else 1
-    optimizer = ctx.compute.memory_time(ADAM_STEP_BYTES * (dense / shards + expert / expert_shards))
+    optimizer = ctx.compute.memory_time(adam_step_bytes(problem.optimizer_state_bytes) * (dense / shards + expert / expert_shards))
     return {"dp_grad_sync": grad + tied, "dp_param_gather": param, "optimizer": optimizer}

@@ -19,6 +19,9 @@ class Problem:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     tp_comm_overlap: bool = False  # --tp-comm-overlap: TP collectives overlapped with the GEMMs (userbuffers)
+    # Optimizer state per parameter (master weight + moments), memory.OPTIMIZER_STATE_BYTES: 12 for
+    # Megatron's distributed optimizer. No config key sets it yet; the fidelity bench sets NeMo 1.x's.
+    optimizer_state_bytes: float = 12
     compute: ComputeModel | None = None  # None: the accelerator's roofline; a profile's fitted model otherwise
 
     @property

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from nest_megatron.config.load import load
 from nest_megatron.cost.evaluate import Estimate, estimate
+from nest_megatron.cost.memory import OPTIMIZER_STATE_BYTES
 from nest_megatron.cost.problem import Problem
 from nest_megatron.fidelity.published import Row
 from nest_megatron.hardware.accelerator import GIB
@@ -52,7 +53,7 @@ def evaluate_row(row: Row, *, accelerator: dict | None = None) -> RowResult:
     for recompute in recompute_chain(row):
         overrides = [o for o in row.overrides if not o.startswith("plan.recompute=")] + [f"plan.recompute={recompute}"]
         loaded = load(overrides)
-        problem = loaded.problem
+        problem = dataclasses.replace(loaded.problem, optimizer_state_bytes=OPTIMIZER_STATE_BYTES[row.optimizer])
         if accelerator:
             problem = dataclasses.replace(problem, accelerator=dataclasses.replace(problem.accelerator, **accelerator))
         cfg = evaluate_config(problem, loaded.config.plan, default_mbs=loaded.config.train.micro_batch_size)

@@ -33,7 +33,9 @@ RECIPE_VP = {  # (release, model) -> (the recipe's pp, its virtual_pipeline_mode
 # (2024-04-10) on, and in conf/training/nemotron/nemotron_340b.yaml (24.07): gradients reduced in bf16
 # (--grad-reduce-in-bf16). The 24.03 table was published after it (81b75a7c, 2024-04-22) and its rows
 # name the 24.05 recipes as their settings (and use their layouts: GPT3-20B at TP 2, MBS 2).
-GRAD_BF16_RELEASES = ("launcher-24.03", "launcher-24.05", "nemo-24.07")
+# The long-sequence table (nemo-longseq rows) ran the NeMo 24.03.01 container, whose launcher tag
+# 24.03.01 carries the same LLAMA2 recipes (examples/training/llama/h100/llama2_7b_fp8.sh:22).
+GRAD_BF16_RELEASES = ("launcher-24.03", "launcher-24.05", "nemo-24.07", "nemo-longseq")
 GRAD_BF16_MODELS = ("GPT3", "LLAMA", "Nemotron-340B")
 ROW_SETTINGS = {
     # The rows' notes: "EP not given (launcher default 8)". The confs at the draft's commit 3499f38e say
@@ -60,6 +62,13 @@ ROW_SETTINGS = {
     "launcher-24.03-LLAMA2-13B-fp8": {"layout": {"tp": 1, "pp": 4, "vp": 10, "dp": 4,
                                                  "sequence_parallel": False, "tp_comm_overlap": False}},
 }
+# Optimizer state per parameter (cost/memory.py OPTIMIZER_STATE_BYTES). Every launcher conf of these
+# rows sets optim.name distributed_fused_adam (Apex DistributedFusedAdam; the long-sequence rows: NeMo's
+# default), which NeMo 1.x builds with 16-bit master-weight remainders; nemotron_340b.yaml (24.07) also
+# sets optim.dtype bf16 (bf16 moments, no master copy). The AutoModel rows use torch.optim.Adam
+# (fp32 parameters and moments under FSDP2: 4 + 4 + 4).
+NEMO_OPTIMIZER = "apex_remainders"
+OPTIMIZER_BY_MODEL = {"Nemotron-340B": "apex_bf16"}
 GPT_OSS_WINDOW = 128  # GPT-OSS: every other layer attends to the last 128 tokens (row arch note)
 
 
@@ -75,6 +84,7 @@ class Row:
     not_expressible: str | None = None  # why the cost model cannot express this row's model
     assumed: tuple[str, ...] = ()  # settings the row does not state, filled with its source's default
     recompute_stated: bool = True  # False: a recipe default; the bench falls back to selective, then full
+    optimizer: str = "megatron"  # the optimizer's state per parameter (cost/memory.py OPTIMIZER_STATE_BYTES)
 
 
 def load_entries(path: Path = CALIBRATION_PATH) -> list[dict]:
@@ -238,8 +248,9 @@ def row_of(entry: dict) -> Row:
              f"train.cross_entropy_fusion={str(fused_loss).lower()}"]
     overrides = ["model=llama2_7b", "cluster=dgx_h100_superpod", f"cluster.num_devices={entry['num_gpus']}",
                  *_model_overrides(entry), *train, *plan]
+    optimizer = OPTIMIZER_BY_MODEL.get(entry["model"], NEMO_OPTIMIZER) if is_nemo_era(entry) else "megatron"
     return Row(**common, measured_step_s=measured_step_time(entry), overrides=overrides, assumed=tuple(assumed),
-               recompute_stated=stated)
+               recompute_stated=stated, optimizer=optimizer)
 
 
 def implied_gflops_per_token(entry: dict) -> float | None:
