@@ -18,7 +18,7 @@ from nest_megatron.cost.activations import layer_activation_terms, logits_bytes
 from nest_megatron.cost.collectives import Network, all_gather_time, reduce_scatter_time
 from nest_megatron.cost.compute import RooflineCompute, head_dim_factor
 from nest_megatron.cost.evaluate import CROSS_ENTROPY_BYTES_PER_LOGIT, adam_step_bytes, context, estimate, pipeline_sends
-from nest_megatron.cost.layer import elementwise_bytes, layer_time, quantisation_bytes
+from nest_megatron.cost.layer import dispatch_copies, elementwise_bytes, layer_time, quantisation_bytes
 from nest_megatron.cost.memory import OPTIMIZER_STATE_BYTES, model_state_bytes
 from nest_megatron.cost.placement import compute_spans
 from nest_megatron.cost.problem import Problem
@@ -247,6 +247,42 @@ def test_moe_permutation_moves_every_routed_copy_twice():
     # permute and unpermute read and write every routed copy: + 2 x 2 x 64 x 64 elements; bf16
     dense = elementwise_bytes(dense_like, tokens=32, cfg=cfg, moe=False)
     assert moe - dense == close(2 * (32 * 256 * 2 + 2 * 2 * 64 * 64))
+
+
+def test_dispatch_copies_per_dispatcher_and_router():
+    m = model(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128)
+    # Megatron's alltoall dispatcher sends a copy per routed expert
+    assert dispatch_copies(m, 2) == 2.0
+    # DeepEP sends once per destination rank. 8 experts, 4 a rank, 2 distinct chosen uniformly: a rank is
+    # missed with C(4, 2) / C(8, 2) = 6 / 28, so 2 x (1 - 6/28) = 11/7 ranks
+    assert dispatch_copies(m, 2, dispatcher="deepep") == close(11 / 7)
+    # one expert a rank (ep 8): no two experts share a rank, 8 x (1 - C(7, 2) / C(8, 2)) = 8 x 7/28 = 2
+    assert dispatch_copies(m, 8, dispatcher="deepep") == close(2.0)
+    # AutoModel's FakeBalancedGate: token i to experts 2i, 2i + 1 (mod 8), always on one rank of 4 experts
+    assert dispatch_copies(m, 2, dispatcher="deepep", router="fake_balanced") == 1.0
+    # 12 experts, top-3, 3 ranks of 4: starts 0, 3, 6, 9 -> experts {0,1,2}: rank 0; {3,4,5}: ranks 0, 1;
+    # {6,7,8}: ranks 1, 2; {9,10,11}: rank 2 -> (1 + 2 + 2 + 1) / 4 = 1.5
+    m12 = model(num_experts=12, moe_router_topk=3, moe_ffn_hidden_size=128)
+    assert dispatch_copies(m12, 3, dispatcher="deepep", router="fake_balanced") == 1.5
+    # Qwen3-30B-A3B at EP 8 (128 experts, top-8, 16 a rank): one rank; GPT-OSS-120B at EP 64 (2 a rank, top-4): two
+    qwen = model(num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=128)
+    assert dispatch_copies(qwen, 8, dispatcher="deepep", router="fake_balanced") == 1.0
+    oss = model(num_experts=128, moe_router_topk=4, moe_ffn_hidden_size=128)
+    assert dispatch_copies(oss, 64, dispatcher="deepep", router="fake_balanced") == 2.0
+
+
+def test_ep_all_to_all_carries_the_dispatched_copies():
+    m = model(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128, hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = ParallelConfig(ep=2, dp=2)
+    topo = Topology("pair", (Level("node", 2, 1e9, 0.0),))
+    spans = compute_spans(cfg, topo, identity_placement(2))
+    net = Network.for_topology(topo)
+    topk = layer_time(m, cfg=cfg, moe=True, spans=spans, net=net, compute=GemmOnly())
+    once = layer_time(m, cfg=cfg, moe=True, spans=spans, net=net, compute=GemmOnly(), ep_copies=1.0)
+    # 32 tokens x 2 copies x 64 x 2 B = 8,192 B a device; half of it to the other rank at 1 GB/s: 4.096 us a
+    # dispatch, as long a combine, in each of the forward and the backward: 4 x 4.096 us
+    assert topk.ep_comm == close(4 * 4096 / 1e9)
+    assert once.ep_comm == close(topk.ep_comm / 2)
 
 
 # --- pipeline --------------------------------------------------------------------------------------

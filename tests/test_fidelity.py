@@ -91,10 +91,11 @@ def test_no_published_layout_is_refused_as_out_of_memory(tmp_path):
 
 def test_rows_take_their_recipe_layout_where_the_table_does_not_give_the_run_s():
     # Nemotron-22B BF16: the table of cb3482d0 gives 16 GPUs and GBS 32 only; its recipe
-    # nemotron_22b_bf16.sh runs 2 nodes at MBS 1 with the conf's TP 2 PP 4 VP 10: DP = 16 / 8 = 2.
-    row = row_of(ENTRIES["launcher-24.01-Nemotron-22B-bf16"])
-    for key in ("plan.tp=2", "plan.pp=4", "plan.vpp=10", "plan.dp=2", "plan.mbs=1", "plan.sp=true"):
-        assert key in row.overrides
+    # nemotron_22b_bf16.sh runs 2 nodes at MBS 1 with the conf's TP 2 PP 4 VP 10: DP = 16 / 8 = 2. Its FP8
+    # sibling's TFLOP/s came from the same table and the same recipe (nemotron_22b_fp8.sh).
+    for row in (row_of(ENTRIES["launcher-24.01-Nemotron-22B-bf16"]), row_of(ENTRIES["launcher-24.01-Nemotron-22B-fp8"])):
+        for key in ("plan.tp=2", "plan.pp=4", "plan.vpp=10", "plan.dp=2", "plan.mbs=1", "plan.sp=true"):
+            assert key in row.overrides
     # LLAMA2-13B FP8 of 81b75a7c: the conf of that commit (TP 1 PP 4 VP 10, no userbuffers), DP = 16 / 4 = 4
     row = row_of(ENTRIES["launcher-24.03-LLAMA2-13B-fp8"])
     for key in ("plan.tp=1", "plan.pp=4", "plan.vpp=10", "plan.dp=4", "plan.sp=false", "train.tp_comm_overlap=false"):
@@ -110,3 +111,15 @@ def test_nemo_rows_keep_apex_optimizer_state_and_the_340b_its_bf16_state():
     assert row_of(ENTRIES["automodel-Llama3_70B-64gpu-bf16"]).optimizer == "megatron"  # torch.optim.Adam, fp32
     # the long-sequence rows ran NeMo 24.03.01, whose LLAMA2 recipes reduce gradients in bf16
     assert "train.grad_reduce_in_bf16=true" in row_of(ENTRIES["nemo-longseq-24.03-LLAMA2-7B-4k-fp8"]).overrides
+
+
+def test_automodel_moe_rows_dispatch_with_deepep_behind_the_fake_balanced_gate():
+    # configs at 89e3a9fdd (the commit that published these rows): enable_deepep, fake_balanced_gate, and
+    # activation_checkpointing true for Qwen3-30B and GPT-OSS-20B (false for GPT-OSS-120B)
+    for name in ("automodel-Qwen3_MoE_30B-8gpu-bf16", "automodel-GPT-OSS_20B-8gpu-bf16", "automodel-GPT-OSS_120B-64gpu-bf16"):
+        row = row_of(ENTRIES[name])
+        assert (row.moe_dispatcher, row.moe_router) == ("deepep", "fake_balanced")
+    assert "plan.recompute=full" in row_of(ENTRIES["automodel-GPT-OSS_20B-8gpu-bf16"]).overrides
+    assert "plan.recompute=none" in row_of(ENTRIES["automodel-GPT-OSS_120B-64gpu-bf16"]).overrides
+    mixtral = row_of(ENTRIES["launcher-24.05-MIXTRAL-8x7B-bf16-draft"])  # Megatron's alltoall, a learned router
+    assert (mixtral.moe_dispatcher, mixtral.moe_router) == ("alltoall", "learned")

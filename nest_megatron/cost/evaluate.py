@@ -23,6 +23,7 @@ from nest_megatron.cost.collectives import (
 )
 from nest_megatron.cost.compute import BF16, ComputeModel
 from nest_megatron.cost.flops import megatron_model_flops
+from nest_megatron.cost.layer import dispatch_copies
 from nest_megatron.cost.memory import StageMemory, memory_of_rank, memory_per_stage
 from nest_megatron.cost.placement import Spans, spans_for
 from nest_megatron.cost.problem import Problem
@@ -111,7 +112,10 @@ def context(problem: Problem, cfg: ParallelConfig, *, rank_to_device: np.ndarray
             compute: ComputeModel | None = None) -> Context:
     compute = compute or problem.compute_model
     spans, net = groups_and_network(problem, cfg, rank_to_device)
-    costs = layer_costs(problem.model, cfg, spans=spans, net=net, compute=compute, tp_comm_overlap=problem.tp_comm_overlap)
+    copies = (dispatch_copies(problem.model, cfg.ep, dispatcher=problem.moe_dispatcher, router=problem.moe_router)
+              if problem.model.is_moe else None)
+    costs = layer_costs(problem.model, cfg, spans=spans, net=net, compute=compute, tp_comm_overlap=problem.tp_comm_overlap,
+                        ep_copies=copies)
     return Context(problem, cfg, spans, net, compute, costs, num_microbatches(cfg, problem.global_batch_size),
                    rank_to_device)
 

@@ -16,11 +16,14 @@ Communication inside the layer, and what Megatron overlaps it with (`tp_exposed`
 - TP with --tp-comm-overlap (userbuffers): every collective is split into tp chunks pipelined
   with its GEMM; the part the GEMM cannot cover, and at least the first chunk, is exposed.
 - CP: the K/V ring hides behind the attention of the chunks already received.
-- EP: the dispatch and combine all-to-alls wait for the slowest rank of the group (exposed).
+- EP: the dispatch and combine all-to-alls wait for the slowest rank of the group (exposed). They carry
+  `dispatch_copies` copies of each token: one per routed expert with Megatron's alltoall dispatcher, one
+  per destination rank with DeepEP's.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -104,14 +107,43 @@ def quantisation_bytes(model: ModelSpec, gemms: list[Gemm]) -> tuple[float, floa
     return per_element * fwd, per_element * bwd
 
 
+def dispatch_copies(model: ModelSpec, ep: int, *, dispatcher: str = "alltoall", router: str = "learned") -> float:
+    """Copies of each token the EP dispatch all-to-all carries (and the combine brings back).
+
+    alltoall: Megatron's MoEAlltoAllTokenDispatcher permutes a copy per routed expert before the
+    exchange (megatron/core/transformer/moe/token_dispatcher.py): topk copies.
+    deepep: DeepEP's dispatch (Megatron's flex dispatcher, NeMo AutoModel's) sends a token once to
+    each rank holding one of its experts (deep_ep Buffer.get_dispatch_layout, is_token_in_rank), and
+    the receiving rank expands it to its local experts. How many ranks that is depends on the router:
+      learned: taken as uniform, k distinct of E experts, E/ep a rank: ep (1 - C(E - E/ep, k) / C(E, k));
+      fake_balanced: AutoModel's FakeBalancedGate sends token i to experts ik, ..., ik + k - 1 (mod E)
+        (nemo_automodel/components/moe/layers.py, FakeBalancedGate.forward): the ranks of those
+        consecutive experts, averaged over the starts ik mod E.
+    """
+    k, experts = model.cfg.moe_router_topk, model.cfg.num_experts
+    if dispatcher == "alltoall" or ep <= 1:
+        return float(k)
+    if dispatcher != "deepep":
+        raise ValueError(f"unknown MoE dispatcher {dispatcher!r}: alltoall | deepep")
+    local = experts // ep
+    if router == "learned":
+        return ep * (1 - math.comb(experts - local, k) / math.comb(experts, k))
+    if router == "fake_balanced":
+        starts = range(0, experts, math.gcd(k, experts))
+        return sum(len({((s + j) % experts) // local for j in range(k)}) for s in starts) / len(starts)
+    raise ValueError(f"unknown MoE router {router!r}: learned | fake_balanced")
+
+
 def layer_time(
     model: ModelSpec, *, cfg: ParallelConfig, moe: bool, spans: Spans, net: Network, compute: ComputeModel,
-    tp_comm_overlap: bool = False,
+    tp_comm_overlap: bool = False, ep_copies: float | None = None,
 ) -> LayerTime:
     """One layer's times; configurations that differ only in what a layer does not see (ZeRO,
-    recompute, pipeline depth, ...) share one computation."""
+    recompute, pipeline depth, ...) share one computation. `ep_copies`: the copies of a token the EP
+    all-to-alls carry (`dispatch_copies`; None: topk, Megatron's alltoall dispatcher)."""
+    copies = float(model.cfg.moe_router_topk) if ep_copies is None else ep_copies
     return _layer_time(model, cfg.tp, cfg.sp, cfg.cp, cfg.ep, cfg.etp, cfg.mbs, moe, spans.tp, spans.cp, spans.ep, net,
-                       compute, tp_comm_overlap, ordered_streams(cfg))
+                       compute, tp_comm_overlap, ordered_streams(cfg), copies)
 
 
 def ordered_streams(cfg: ParallelConfig) -> bool:
@@ -129,7 +161,7 @@ def _exposed(comm: float, gemm: float, chunks: int) -> float:
 
 @lru_cache(maxsize=65536)
 def _layer_time(model, tp, sp, cp, ep, etp, mbs, moe, tp_shapes, cp_shapes, ep_shapes, net, compute,
-                tp_comm_overlap, ordered) -> LayerTime:
+                tp_comm_overlap, ordered, ep_copies) -> LayerTime:
     cfg = ParallelConfig(tp=tp, sp=sp, cp=cp, ep=ep, etp=etp, mbs=mbs)
     tokens = cfg.mbs * model.cfg.seq_length // cfg.cp
     gemms = model.layer_gemms(tokens=tokens, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe)
@@ -155,11 +187,11 @@ def _layer_time(model, tp, sp, cp, ep, etp, mbs, moe, tp_shapes, cp_shapes, ep_s
         cp_fwd = max(0.0, (cfg.cp - 1) * step - attention)
         cp_bwd = max(0.0, 2 * (cfg.cp - 1) * step - attention_bwd)
 
-    # EP: dispatch and combine all-to-alls of the routed copies of this rank's tokens.
+    # EP: dispatch and combine all-to-alls of the copies of this rank's tokens (`dispatch_copies`).
     ep_pass = 0.0
     if moe and cfg.ep > 1:
         tokens_sp = tokens / cfg.tp if cfg.sp else tokens
-        routed = BF16 * tokens_sp * model.cfg.moe_router_topk * model.cfg.moe_load_imbalance * model.h
+        routed = BF16 * tokens_sp * ep_copies * model.cfg.moe_load_imbalance * model.h
         ep_pass = 2 * worst(all_to_all_time, ep_shapes, routed, net)
 
     return LayerTime(

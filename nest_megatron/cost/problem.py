@@ -22,6 +22,11 @@ class Problem:
     # Optimizer state per parameter (master weight + moments), memory.OPTIMIZER_STATE_BYTES: 12 for
     # Megatron's distributed optimizer. No config key sets it yet; the fidelity bench sets NeMo 1.x's.
     optimizer_state_bytes: float = 12
+    # The MoE token dispatcher (alltoall: Megatron's; deepep: DeepEP) and the router whose choices set
+    # how many ranks a token goes to under DeepEP (learned | fake_balanced): layer.dispatch_copies.
+    # No config key sets them yet; the fidelity bench sets the AutoModel rows'.
+    moe_dispatcher: str = "alltoall"
+    moe_router: str = "learned"
     compute: ComputeModel | None = None  # None: the accelerator's roofline; a profile's fitted model otherwise
 
     @property

@@ -43,10 +43,15 @@ ROW_SETTINGS = {
     # (8x3B: 19 B parameters on one device; 8x7B: 11.7 B a stage, 106 GiB), which the rows do not use.
     "launcher-24.05-MIXTRAL-8x3B-bf16-draft": {"ep": 8},
     "launcher-24.05-MIXTRAL-8x7B-bf16-draft": {"ep": 8},
-    # NVIDIA-NeMo/Automodel examples/llm_benchmark/*.yaml at 36044ad: ep_size, activation_checkpointing,
-    # and MaskedCrossEntropy with fp32_upcast: false (no fp32 logits kept: priced as the fused loss)
+    # NVIDIA-NeMo/Automodel examples/llm_benchmark/*.yaml at 36044ad: ep_size, and MaskedCrossEntropy with
+    # fp32_upcast: false (no fp32 logits kept: priced as the fused loss). Recompute from the configs of the
+    # commit that published these rows, 89e3a9fdd (2025-10-06; the times are unchanged since):
+    # examples/benchmark/configs/qwen3_moe_30b_te_deepep.yaml:59 and gptoss_20b_te_deepep.yaml:59 set
+    # parallelizer.activation_checkpointing: true, which wraps every decoder block whole
+    # (nemo_automodel/components/moe/parallelizer.py:84-111 apply_ac, :208): full recompute. The 20B's
+    # config lost it later (HEAD has none), the 120B's was false (gptoss_120b_te_deepep.yaml:59).
     "automodel-Qwen3_MoE_30B-8gpu-bf16": {"recompute": "full", "cross_entropy_fusion": True},
-    "automodel-GPT-OSS_20B-8gpu-bf16": {"ep": 8, "cross_entropy_fusion": True},
+    "automodel-GPT-OSS_20B-8gpu-bf16": {"ep": 8, "recompute": "full", "cross_entropy_fusion": True},
     "automodel-GPT-OSS_120B-64gpu-bf16": {"ep": 64, "cross_entropy_fusion": True},
     # The BF16 table of commit cb3482d0 gives only 16 GPUs and GBS 32; the row's TP1 PP4 MBS2 is the
     # FP8 row's of the later table (0d09460d). The run's recipe, examples/training/nemotron/h100/
@@ -55,6 +60,13 @@ ROW_SETTINGS = {
     # (launcher_scripts/conf/training/nemotron/nemotron_22b.yaml:58-64,128,156 at 24.01), no recompute.
     "launcher-24.01-Nemotron-22B-bf16": {"layout": {"tp": 2, "pp": 4, "vp": 10, "dp": 2, "mbs": 1,
                                                     "sequence_parallel": True}},
+    # Its FP8 sibling's 499 TFLOP/s were first published in that same table (cb3482d0) beside the same
+    # recipe (nemotron_22b_fp8.sh: 2 nodes, MBS 1, the conf's TP 2 PP 4 VP 10); 0d09460d only added
+    # layout columns, printing TP 1 PP 4 MBS 2, a layout whose 5.5-7 B parameters a device (60 GiB of
+    # weights, fp8 copies, gradients and Adam state) and 40 in-flight chunks at MBS 2 cannot run in
+    # 80 GB without a recomputation the recipe does not set.
+    "launcher-24.01-Nemotron-22B-fp8": {"layout": {"tp": 2, "pp": 4, "vp": 10, "dp": 2, "mbs": 1,
+                                                   "sequence_parallel": True}},
     # The 2024-04-22 table (81b75a7c) prints TP 4 PP 1, but three days earlier 5c7e280a "Fixed llama2 13b
     # perf (#293)" moved launcher_scripts/conf/training/llama/llama2_13b.yaml to tensor 1, pipeline 4,
     # virtual 10, ub_tp_comm_overlap false (lines 60-62, 136 at 81b75a7c), and the row's 8,317 tokens/s/GPU
@@ -69,6 +81,11 @@ ROW_SETTINGS = {
 # (fp32 parameters and moments under FSDP2: 4 + 4 + 4).
 NEMO_OPTIMIZER = "apex_remainders"
 OPTIMIZER_BY_MODEL = {"Nemotron-340B": "apex_bf16"}
+# The AutoModel MoE rows dispatch with DeepEP ("TE + DeepEP" in the table; enable_deepep: true in the
+# configs at 89e3a9fdd, :73) and route with FakeBalancedGate (fake_balanced_gate: true, :74; the row's
+# moe_fake_balanced_gate): cost/layer.py dispatch_copies. The launcher's Mixtral confs (24.05) use
+# Megatron's alltoall dispatcher and a learned router.
+AUTOMODEL_MOE_DISPATCH = ("deepep", "fake_balanced")
 GPT_OSS_WINDOW = 128  # GPT-OSS: every other layer attends to the last 128 tokens (row arch note)
 
 
@@ -85,6 +102,8 @@ class Row:
     assumed: tuple[str, ...] = ()  # settings the row does not state, filled with its source's default
     recompute_stated: bool = True  # False: a recipe default; the bench falls back to selective, then full
     optimizer: str = "megatron"  # the optimizer's state per parameter (cost/memory.py OPTIMIZER_STATE_BYTES)
+    moe_dispatcher: str = "alltoall"  # cost/problem.py Problem.moe_dispatcher
+    moe_router: str = "learned"  # cost/problem.py Problem.moe_router
 
 
 def load_entries(path: Path = CALIBRATION_PATH) -> list[dict]:
@@ -249,8 +268,9 @@ def row_of(entry: dict) -> Row:
     overrides = ["model=llama2_7b", "cluster=dgx_h100_superpod", f"cluster.num_devices={entry['num_gpus']}",
                  *_model_overrides(entry), *train, *plan]
     optimizer = OPTIMIZER_BY_MODEL.get(entry["model"], NEMO_OPTIMIZER) if is_nemo_era(entry) else "megatron"
+    dispatcher, router = AUTOMODEL_MOE_DISPATCH if moe and source_of(entry) == "automodel" else ("alltoall", "learned")
     return Row(**common, measured_step_s=measured_step_time(entry), overrides=overrides, assumed=tuple(assumed),
-               recompute_stated=stated, optimizer=optimizer)
+               recompute_stated=stated, optimizer=optimizer, moe_dispatcher=dispatcher, moe_router=router)
 
 
 def implied_gflops_per_token(entry: dict) -> float | None:
