@@ -1,7 +1,8 @@
 """Elastic replanning: `nest-megatron launch --nnodes 2:3` plans both node counts before torchrun's elastic agent
 starts; after each rendezvous the workers pick the plan of the nodes present and resume from the torch_dist
-checkpoint. End to end on CPU: three agents on loopback (c10d rendezvous, one process each) train the real
-megatron-core script, one agent is killed, the other two continue under the 2-node plan from the checkpoint."""
+checkpoint. End to end on CPU, agents on loopback (c10d rendezvous, one process each) training the real
+megatron-core script: three start and one is killed, the other two continue under the 2-node plan; and two
+start, a third joins, and all three continue under the 3-node plan."""
 
 from __future__ import annotations
 
@@ -30,16 +31,18 @@ CLUSTER = ["cluster=dgx_h100_superpod", "cluster.levels.0.fan_out=1"]
 VOCAB = 128
 GLOBAL_BATCH = 12  # a multiple of DP 2 and DP 3: every plan keeps it
 TRAIN_ITERS = 60
+# A joining node plans and starts its agent while the others train on (40-50 iterations on this VM): room for it.
+JOIN_TRAIN_ITERS = 200
 SAVE_INTERVAL = 5
 
 
-def megatron_args(ckpt: Path) -> list[str]:
+def megatron_args(ckpt: Path, train_iters: int = TRAIN_ITERS) -> list[str]:
     # --make-vocab-size-divisible-by 64: the vocabulary pads to 128 rows at TP 1 and TP 2 alike, so that any plan
     # loads any other's checkpoint.
     return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", str(GLOBAL_BATCH),
             "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "64", "--bf16", "--lr", "3e-3",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", str(TRAIN_ITERS),
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", str(train_iters),
             "--save", str(ckpt), "--load", str(ckpt), "--save-interval", str(SAVE_INTERVAL)]
 
 
@@ -161,35 +164,46 @@ def _logs(paths: list[Path]) -> str:
     return "\n".join(p.read_text(errors="replace") for p in paths if p.exists())
 
 
+def _start_agent(i: int, tmp_path: Path, port: int, log: Path, train_iters: int = TRAIN_ITERS) -> subprocess.Popen:
+    """Node i's `launch --nnodes 2:3` on loopback; agent 0 hosts the rendezvous store (is_host)."""
+    conf = f"is_host={'true' if i == 0 else 'false'},last_call_timeout=2"
+    cmd = [*LAUNCH, *CLUSTER, "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--rdzv-conf", conf, "--run-dir", str(tmp_path / f"run{i}"), "--",
+           "scripts/pretrain_gpt.py", *megatron_args(tmp_path / "ckpt", train_iters)]
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_for_save(agents: list[subprocess.Popen], logs: list[Path], iteration: int, after: str = "") -> None:
+    """Until a checkpoint at `iteration` or later is logged beyond the text `after` (what was logged before)."""
+    deadline = time.monotonic() + 300
+    while not any(int(n) >= iteration for n in SAVED.findall(_logs(logs)[len(after):])):
+        assert time.monotonic() < deadline and all(a.poll() is None for a in agents), _logs(logs)[-4000:]
+        time.sleep(0.05)
+
+
+def _stop(agents: list[subprocess.Popen]) -> None:
+    for agent in agents:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
 def test_a_lost_node_replans_to_two_nodes_and_resumes_from_the_checkpoint(tmp_path):
-    ckpt, port = tmp_path / "ckpt", _free_port()
-    agents, logs = [], [tmp_path / f"agent{i}.log" for i in range(3)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    port, logs = _free_port(), [tmp_path / f"agent{i}.log" for i in range(3)]
+    agents = []
     try:
-        for i in range(3):
-            # Agent 0 hosts the rendezvous store (is_host); agent 2, which does not, is the node that is lost.
-            conf = f"is_host={'true' if i == 0 else 'false'},last_call_timeout=2"
-            cmd = [*LAUNCH, *CLUSTER, "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                   "--rdzv-conf", conf, "--run-dir", str(tmp_path / f"run{i}"), "--",
-                   "scripts/pretrain_gpt.py", *megatron_args(ckpt)]
-            with open(logs[i], "w") as out:
-                agents.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                               start_new_session=True))
-        deadline = time.monotonic() + 300
-        while not any(int(n) >= 2 * SAVE_INTERVAL for n in SAVED.findall(_logs(logs))):
-            assert time.monotonic() < deadline and all(a.poll() is None for a in agents), _logs(logs)[-4000:]
-            time.sleep(0.05)
+        agents = [_start_agent(i, tmp_path, port, logs[i]) for i in range(3)]  # agent 2 is the node that is lost
+        _wait_for_save(agents, logs, 2 * SAVE_INTERVAL)
         _lose_node(agents[2])
         before = _logs(logs)
         for agent in agents[:2]:
             assert agent.wait(timeout=300) == 0, _logs(logs)[-4000:]
     finally:
-        for agent in agents:
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait()
+        _stop(agents)
     log = _logs(logs)
 
     # Every node computed the same cache; its plans are the ones the workers ran.
@@ -227,6 +241,49 @@ def test_a_lost_node_replans_to_two_nodes_and_resumes_from_the_checkpoint(tmp_pa
     assert at_checkpoint < initial - 1.5, (at_checkpoint, initial)
     assert abs(after - at_checkpoint) < 0.5, (after, at_checkpoint)
     assert second_run[-1][1] < after  # and it keeps falling on 2 nodes
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
+def test_a_joining_node_replans_to_three_nodes_and_resumes_from_the_checkpoint(tmp_path):
+    port, logs = _free_port(), [tmp_path / f"agent{i}.log" for i in range(3)]
+    agents = []
+    try:
+        # MIN: the run starts on 2 nodes.
+        agents = [_start_agent(i, tmp_path, port, logs[i], JOIN_TRAIN_ITERS) for i in range(2)]
+        _wait_for_save(agents, logs, 2 * SAVE_INTERVAL)
+        before = _logs(logs)
+        agents.append(_start_agent(2, tmp_path, port, logs[2], JOIN_TRAIN_ITERS))  # a third node joins the running job
+        for agent in agents:
+            assert agent.wait(timeout=300) == 0, _logs(logs)[-4000:]
+    finally:
+        _stop(agents)
+    log = _logs(logs)
+
+    cache = json.loads((tmp_path / "run0" / "elastic.json").read_text())
+    two, three = cache["sizes"]["2"], cache["sizes"]["3"]
+    # The 2-node plan at the start (restart 0); after the join, torchrun's agents restart their workers (a
+    # membership change) and every one picks the 3-node plan: DP 3 (only DP divides 3 ranks here).
+    selected = [(int(n), int(r), digest) for n, _, r, digest, _ in SELECTED.findall(log)]
+    assert selected[0] == (2, 0, two["digest"]) and {s[0] for s in selected} == {2, 3}, selected
+    assert {s[2] for s in selected if s[0] == 3} == {three["digest"]} and selected[-1][0] == 3, selected
+    assert three["parallel"]["dp"] == 3
+    built = {tuple(map(int, b)) for b in BUILT.findall(log)}
+    assert (3, 1, 1, 3) in built and (2, two["parallel"]["tp"], two["parallel"]["pp"], two["parallel"]["dp"]) in built
+
+    # The three nodes load the last checkpoint the two saved (the two trained on while the third started) and
+    # train to the end from the iteration after it.
+    resumed = [int(n) for n in LOADED.findall(log)][-1]
+    assert resumed >= 2 * SAVE_INTERVAL and resumed % SAVE_INTERVAL == 0 and resumed in map(int, SAVED.findall(log))
+    assert len(LOADED.findall(before)) == 0  # nothing was loaded before the join
+    runs = [run for path in logs for run in _runs(path)]
+    (first_run,) = [run for run in runs if run[0][0] == 1]
+    last_run = [run for run in runs if run[0][0] == resumed + 1][-1]
+    assert first_run[-1][0] >= resumed and [i for i, _ in last_run] == list(range(resumed + 1, JOIN_TRAIN_ITERS + 1))
+    # As for a lost node: the loss goes on from the checkpoint's (within one step's fall), not from ln(128).
+    at_checkpoint, after = dict(first_run)[resumed], last_run[0][1]
+    assert at_checkpoint < math.log(VOCAB) - 1.5 and abs(after - at_checkpoint) < 0.5, (after, at_checkpoint)
+    assert last_run[-1][1] < after
 
 
 @pytest.mark.parametrize("extra, message", [
