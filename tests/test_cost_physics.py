@@ -18,7 +18,13 @@ from nest_megatron.cost.activations import layer_activation_terms, logits_bytes
 from nest_megatron.cost.collectives import Network, all_gather_time, reduce_scatter_time
 from nest_megatron.cost.compute import RooflineCompute, head_dim_factor
 from nest_megatron.cost.evaluate import CROSS_ENTROPY_BYTES_PER_LOGIT, adam_step_bytes, context, estimate, pipeline_sends
-from nest_megatron.cost.layer import dispatch_copies, elementwise_bytes, layer_time, quantisation_bytes
+from nest_megatron.cost.layer import (
+    dispatch_copies,
+    elementwise_bytes,
+    layer_time,
+    permutation_elements,
+    quantisation_bytes,
+)
 from nest_megatron.cost.memory import OPTIMIZER_STATE_BYTES, model_state_bytes
 from nest_megatron.cost.placement import compute_spans
 from nest_megatron.cost.problem import Problem
@@ -239,14 +245,25 @@ def test_experts_are_a_grouped_gemm_of_the_local_experts():
     assert {g.name: g for g in skewed.layer_gemms(tokens=32, tp=1, ep=2, moe=True)}["expert_fc1"].m == 24
 
 
-def test_moe_permutation_moves_every_routed_copy_twice():
+def test_moe_permutation_bytes_by_dispatcher_and_fusion():
     dense_like = model(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=256, hidden_dropout=0.0)
     cfg = ParallelConfig()
     moe = elementwise_bytes(dense_like, tokens=32, cfg=cfg, moe=True)
-    # the MoE layer's FC1 / FC2 traffic is on 64 routed rows instead of 32 tokens: + 32 x 256 x 2 elements;
-    # permute and unpermute read and write every routed copy: + 2 x 2 x 64 x 64 elements; bf16
     dense = elementwise_bytes(dense_like, tokens=32, cfg=cfg, moe=False)
-    assert moe - dense == close(2 * (32 * 256 * 2 + 2 * 2 * 64 * 64))
+    # the MoE layer's FC1 / FC2 traffic is on 64 routed rows instead of 32 tokens: + 32 x 256 x 2 elements.
+    # Megatron's alltoall, unfused, R = 64 copies of T = 32 tokens, 8 local experts, h = 64: permute 2R,
+    # unpermute 3R + 3T, the chunks sorted by expert and back 4R: 128 + 288 + 256 = 672 rows of 64; bf16
+    assert moe - dense == close(2 * (32 * 256 * 2 + 672 * 64))
+    args = dict(tokens_sp=32, rows=64, local_experts=8)
+    assert permutation_elements(dense_like, **args) == 672 * 64
+    # fused (Transformer Engine's moe_permute / moe_unpermute): 2R + R + T + the sort 4R = 128 + 96 + 256
+    assert permutation_elements(dense_like, **args, fused=True) == 480 * 64
+    # one local expert: no sort; 2R + 3R + 3T = 128 + 192 + 96
+    assert permutation_elements(dense_like, tokens_sp=32, rows=64, local_experts=1) == 416 * 64
+    # DeepEP delivers T = R x copies / topk tokens and sorts nothing: fused, one copy a token (T = 32):
+    # 128 + 64 + 32; unfused, two copies (T = 64): 128 + 192 + 192
+    assert permutation_elements(dense_like, **args, dispatcher="deepep", copies=1.0, fused=True) == 224 * 64
+    assert permutation_elements(dense_like, **args, dispatcher="deepep", copies=2.0) == 512 * 64
 
 
 def test_dispatch_copies_per_dispatcher_and_router():

@@ -118,8 +118,8 @@ def test_automodel_moe_rows_dispatch_with_deepep_behind_the_fake_balanced_gate()
     # activation_checkpointing true for Qwen3-30B and GPT-OSS-20B (false for GPT-OSS-120B)
     for name in ("automodel-Qwen3_MoE_30B-8gpu-bf16", "automodel-GPT-OSS_20B-8gpu-bf16", "automodel-GPT-OSS_120B-64gpu-bf16"):
         row = row_of(ENTRIES[name])
-        assert (row.moe_dispatcher, row.moe_router) == ("deepep", "fake_balanced")
+        assert (row.moe_dispatcher, row.moe_router, row.moe_permute_fusion) == ("deepep", "fake_balanced", True)
     assert "plan.recompute=full" in row_of(ENTRIES["automodel-GPT-OSS_20B-8gpu-bf16"]).overrides
     assert "plan.recompute=none" in row_of(ENTRIES["automodel-GPT-OSS_120B-64gpu-bf16"]).overrides
     mixtral = row_of(ENTRIES["launcher-24.05-MIXTRAL-8x7B-bf16-draft"])  # Megatron's alltoall, a learned router
-    assert (mixtral.moe_dispatcher, mixtral.moe_router) == ("alltoall", "learned")
+    assert (mixtral.moe_dispatcher, mixtral.moe_router, mixtral.moe_permute_fusion) == ("alltoall", "learned", False)

@@ -115,7 +115,7 @@ def context(problem: Problem, cfg: ParallelConfig, *, rank_to_device: np.ndarray
     copies = (dispatch_copies(problem.model, cfg.ep, dispatcher=problem.moe_dispatcher, router=problem.moe_router)
               if problem.model.is_moe else None)
     costs = layer_costs(problem.model, cfg, spans=spans, net=net, compute=compute, tp_comm_overlap=problem.tp_comm_overlap,
-                        ep_copies=copies)
+                        ep_copies=copies, dispatcher=problem.moe_dispatcher, permute_fusion=problem.moe_permute_fusion)
     return Context(problem, cfg, spans, net, compute, costs, num_microbatches(cfg, problem.global_batch_size),
                    rank_to_device)
 

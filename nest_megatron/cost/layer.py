@@ -69,12 +69,35 @@ class LayerTime:
         return self.bwd_compute + self.bwd_comm
 
 
-def elementwise_bytes(model: ModelSpec, *, tokens: int, cfg: ParallelConfig, moe: bool) -> float:
+def permutation_elements(model: ModelSpec, *, tokens_sp: float, rows: float, local_experts: int,
+                         dispatcher: str = "alltoall", copies: float | None = None, fused: bool = False) -> float:
+    """Elements a MoE layer's forward reads and writes to permute its tokens to the experts and back.
+
+    `rows` R routed copies of the h-wide tokens; T the tokens permuted: this rank's `tokens_sp` before
+    Megatron's alltoall exchange, or the tokens DeepEP delivered to it (R x copies / topk).
+    - permute: read a token per copy, write the copy: 2 R h (Megatron's index_select; Transformer
+      Engine's moe_permute the same).
+    - unpermute, unfused (megatron/core/transformer/moe/moe_utils.py unpermute: the copies times their
+      probabilities, a zero output, scatter_add into it): 3 R h + 3 T h; fused (--moe-permute-fusion,
+      Transformer Engine's moe_unpermute: read each copy once, write each weighted sum once): R h + T h.
+    - alltoall with several local experts: the received chunks sorted by expert after the exchange and
+      back before it (sort_chunks_by_idxs): 2 R h each.
+    """
+    h, k = model.h, model.cfg.moe_router_topk
+    permuted = tokens_sp if dispatcher == "alltoall" else rows * (k if copies is None else copies) / k
+    unpermute = rows + permuted if fused else 3 * rows + 3 * permuted
+    sort = 4 * rows if dispatcher == "alltoall" and local_experts > 1 else 0.0
+    return h * (2 * rows + unpermute + sort)
+
+
+def elementwise_bytes(model: ModelSpec, *, tokens: int, cfg: ParallelConfig, moe: bool, dispatcher: str = "alltoall",
+                      copies: float | None = None, permute_fusion: bool = False) -> float:
     """HBM bytes read + written by the memory-bound ops of one layer's forward pass.
 
     Two norms, two residual adds, RoPE on q and k, the activation function, dropouts where p > 0,
     the softmax when attention is not fused, and in a MoE layer the token permutation before the
-    experts and the unpermutation (weighted by the router's probabilities) after them.
+    experts and the unpermutation (weighted by the router's probabilities) after them
+    (`permutation_elements`, for the dispatcher, its `copies` and whether the permutation is fused).
     """
     m = model.cfg
     h, t = model.h, cfg.tp
@@ -88,7 +111,9 @@ def elementwise_bytes(model: ModelSpec, *, tokens: int, cfg: ParallelConfig, moe
     rows, f, width = (model.routed_rows(tokens=tokens, tp=t, etp=cfg.etp), model.moe_ffn, cfg.etp) if moe else (tokens, m.ffn_hidden_size, t)
     nbytes += rows * f / width * (model.fc1_factor + 1)  # read FC1's output, write FC2's input
     if moe:
-        nbytes += 2 * (2 * h * rows)  # permute and unpermute: read and write every routed copy
+        nbytes += permutation_elements(model, tokens_sp=tokens_sp, rows=rows,
+                                       local_experts=max(1, model.cfg.num_experts // cfg.ep), dispatcher=dispatcher,
+                                       copies=copies, fused=permute_fusion)
     if m.hidden_dropout > 0:
         nbytes += 2 * (2 * h * tokens_sp)
     if m.attention_backend != "flash":
@@ -136,14 +161,16 @@ def dispatch_copies(model: ModelSpec, ep: int, *, dispatcher: str = "alltoall", 
 
 def layer_time(
     model: ModelSpec, *, cfg: ParallelConfig, moe: bool, spans: Spans, net: Network, compute: ComputeModel,
-    tp_comm_overlap: bool = False, ep_copies: float | None = None,
+    tp_comm_overlap: bool = False, ep_copies: float | None = None, dispatcher: str = "alltoall",
+    permute_fusion: bool = False,
 ) -> LayerTime:
     """One layer's times; configurations that differ only in what a layer does not see (ZeRO,
     recompute, pipeline depth, ...) share one computation. `ep_copies`: the copies of a token the EP
-    all-to-alls carry (`dispatch_copies`; None: topk, Megatron's alltoall dispatcher)."""
+    all-to-alls carry (`dispatch_copies`; None: topk, Megatron's alltoall dispatcher); `dispatcher` and
+    `permute_fusion` set the permutation's bytes (`permutation_elements`)."""
     copies = float(model.cfg.moe_router_topk) if ep_copies is None else ep_copies
     return _layer_time(model, cfg.tp, cfg.sp, cfg.cp, cfg.ep, cfg.etp, cfg.mbs, moe, spans.tp, spans.cp, spans.ep, net,
-                       compute, tp_comm_overlap, ordered_streams(cfg), copies)
+                       compute, tp_comm_overlap, ordered_streams(cfg), copies, dispatcher, permute_fusion)
 
 
 def ordered_streams(cfg: ParallelConfig) -> bool:
@@ -161,13 +188,14 @@ def _exposed(comm: float, gemm: float, chunks: int) -> float:
 
 @lru_cache(maxsize=65536)
 def _layer_time(model, tp, sp, cp, ep, etp, mbs, moe, tp_shapes, cp_shapes, ep_shapes, net, compute,
-                tp_comm_overlap, ordered, ep_copies) -> LayerTime:
+                tp_comm_overlap, ordered, ep_copies, dispatcher, permute_fusion) -> LayerTime:
     cfg = ParallelConfig(tp=tp, sp=sp, cp=cp, ep=ep, etp=etp, mbs=mbs)
     tokens = cfg.mbs * model.cfg.seq_length // cfg.cp
     gemms = model.layer_gemms(tokens=tokens, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe)
     timed = gemm_times(compute, gemms)
     passes = pass_times(compute, timed, attention_flops=model.attention_flops(micro_batch=cfg.mbs, tp=cfg.tp, cp=cfg.cp),
-                        head_dim=model.head_dim, cp=cfg.cp, memory_bytes=elementwise_bytes(model, tokens=tokens, cfg=cfg, moe=moe),
+                        head_dim=model.head_dim, cp=cfg.cp, memory_bytes=elementwise_bytes(model, tokens=tokens, cfg=cfg, moe=moe, dispatcher=dispatcher,
+                                                                   copies=ep_copies, permute_fusion=permute_fusion),
                         quantise_bytes=quantisation_bytes(model, gemms))
     fwd_compute, bwd_compute, attention, attention_bwd = passes
 

@@ -27,6 +27,7 @@ class Problem:
     # No config key sets them yet; the fidelity bench sets the AutoModel rows'.
     moe_dispatcher: str = "alltoall"
     moe_router: str = "learned"
+    moe_permute_fusion: bool = False  # --moe-permute-fusion: Transformer Engine's fused (un)permutation
     compute: ComputeModel | None = None  # None: the accelerator's roofline; a profile's fitted model otherwise
 
     @property

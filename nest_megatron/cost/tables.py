@@ -56,15 +56,16 @@ class LayerCosts:
 
 def layer_costs(
     model: ModelSpec, cfg: ParallelConfig, *, spans: Spans | None, net: Network | None, compute: ComputeModel | None,
-    tp_comm_overlap: bool = False, ep_copies: float | None = None,
+    tp_comm_overlap: bool = False, ep_copies: float | None = None, dispatcher: str = "alltoall",
+    permute_fusion: bool = False,
 ) -> LayerCosts:
-    """Per-layer costs; with spans=None only the memory columns (times are left at zero). `ep_copies`:
-    layer.layer_time's."""
+    """Per-layer costs; with spans=None only the memory columns (times are left at zero). `ep_copies`,
+    `dispatcher`, `permute_fusion`: layer.layer_time's."""
     kinds = model.layer_is_moe
     per_kind = {}
     for moe in set(kinds):
         lt = (layer_time(model, cfg=cfg, moe=moe, spans=spans, net=net, compute=compute, tp_comm_overlap=tp_comm_overlap,
-                         ep_copies=ep_copies)
+                         ep_copies=ep_copies, dispatcher=dispatcher, permute_fusion=permute_fusion)
               if spans else NO_TIME)
         act = layer_activation_bytes(model, mbs=cfg.mbs, tp=cfg.tp, sp=cfg.sp, cp=cfg.cp, moe=moe, etp=cfg.etp)
         params = model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe)

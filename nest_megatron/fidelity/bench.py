@@ -54,7 +54,8 @@ def evaluate_row(row: Row, *, accelerator: dict | None = None) -> RowResult:
         overrides = [o for o in row.overrides if not o.startswith("plan.recompute=")] + [f"plan.recompute={recompute}"]
         loaded = load(overrides)
         problem = dataclasses.replace(loaded.problem, optimizer_state_bytes=OPTIMIZER_STATE_BYTES[row.optimizer],
-                                      moe_dispatcher=row.moe_dispatcher, moe_router=row.moe_router)
+                                      moe_dispatcher=row.moe_dispatcher, moe_router=row.moe_router,
+                                      moe_permute_fusion=row.moe_permute_fusion)
         if accelerator:
             problem = dataclasses.replace(problem, accelerator=dataclasses.replace(problem.accelerator, **accelerator))
         cfg = evaluate_config(problem, loaded.config.plan, default_mbs=loaded.config.train.micro_batch_size)

@@ -84,7 +84,9 @@ OPTIMIZER_BY_MODEL = {"Nemotron-340B": "apex_bf16"}
 # The AutoModel MoE rows dispatch with DeepEP ("TE + DeepEP" in the table; enable_deepep: true in the
 # configs at 89e3a9fdd, :73) and route with FakeBalancedGate (fake_balanced_gate: true, :74; the row's
 # moe_fake_balanced_gate): cost/layer.py dispatch_copies. The launcher's Mixtral confs (24.05) use
-# Megatron's alltoall dispatcher and a learned router.
+# Megatron's alltoall dispatcher and a learned router. AutoModel's DeepEP experts permute with
+# Transformer Engine's fused kernels (nemo_automodel/components/moe/layers.py:420 moe_permute_fusion=True
+# at 89e3a9fdd); NeMo 24.05's megatron-core 0.7 had no fused permutation (core_r0.7.0 moe_utils.py:130-203).
 AUTOMODEL_MOE_DISPATCH = ("deepep", "fake_balanced")
 GPT_OSS_WINDOW = 128  # GPT-OSS: every other layer attends to the last 128 tokens (row arch note)
 
@@ -104,6 +106,7 @@ class Row:
     optimizer: str = "megatron"  # the optimizer's state per parameter (cost/memory.py OPTIMIZER_STATE_BYTES)
     moe_dispatcher: str = "alltoall"  # cost/problem.py Problem.moe_dispatcher
     moe_router: str = "learned"  # cost/problem.py Problem.moe_router
+    moe_permute_fusion: bool = False  # cost/problem.py Problem.moe_permute_fusion
 
 
 def load_entries(path: Path = CALIBRATION_PATH) -> list[dict]:
@@ -270,7 +273,8 @@ def row_of(entry: dict) -> Row:
     optimizer = OPTIMIZER_BY_MODEL.get(entry["model"], NEMO_OPTIMIZER) if is_nemo_era(entry) else "megatron"
     dispatcher, router = AUTOMODEL_MOE_DISPATCH if moe and source_of(entry) == "automodel" else ("alltoall", "learned")
     return Row(**common, measured_step_s=measured_step_time(entry), overrides=overrides, assumed=tuple(assumed),
-               recompute_stated=stated, optimizer=optimizer, moe_dispatcher=dispatcher, moe_router=router)
+               recompute_stated=stated, optimizer=optimizer, moe_dispatcher=dispatcher, moe_router=router,
+               moe_permute_fusion=dispatcher == "deepep")
 
 
 def implied_gflops_per_token(entry: dict) -> float | None:
