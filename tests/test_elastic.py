@@ -79,7 +79,10 @@ def test_dry_run_plans_every_node_count_and_prints_the_elastic_agent():
     (["--nnodes", "2:3"], ["--load", "/tmp/other"], "--nnodes 2:3: an elastic job resumes from its last checkpoint"),
     # 5 ranks: TP divides the 4 heads and 5, PP the 2 layers and 5 (both 1), DP 5 does not divide the global batch
     # 12: no layout uses all 5 devices (4 of them do, DP 4), and torchrun would start a worker on the fifth.
-    (["--nnodes", "3:5"], [], "--nnodes 3:5: 5 node(s) cannot be planned: the plan for 5 node(s) leaves 1 device(s) idle"),
+    (["--nnodes", "3:5"], [], "--nnodes 3:5: 5 node(s) cannot be planned on all their devices: no plan keeps what "
+                              "the launch line fixes (--load with --ckpt-format torch_dist (DDP)): no launchable "
+                              "configuration: --global-batch-size (train.global_batch_size)=12: must be a multiple of "
+                              "micro_batch_size*dp = 1*5"),
 ])
 def test_bad_elastic_input_is_one_line_and_starts_nothing(flags, script_extra, message):
     args = megatron_args(Path("/tmp/ckpt"))

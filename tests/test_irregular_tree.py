@@ -125,8 +125,8 @@ def test_awkward_node_counts_plan_on_every_shipped_hierarchical_cluster(cluster,
 def test_an_awkward_host_count_also_searches_the_nearest_host_counts_with_a_small_odd_part():
     from nest_megatron.solver.space import searched_worlds
 
-    def worlds(nodes: int) -> list[int]:
-        loaded = load(["model=llama3_8b", "cluster=dgx_h100_superpod", f"cluster.num_devices={8 * nodes}"])
+    def worlds(nodes: int, *extra: str) -> list[int]:
+        loaded = load(["model=llama3_8b", "cluster=dgx_h100_superpod", f"cluster.num_devices={8 * nodes}", *extra])
         return searched_worlds(loaded.problem, loaded.config.solver, PlanChoice(), micro_batch_size=None, any_split=True)
 
     # 15 nodes: 120 GPUs launch (TP 8 x PP 15 or TP 4 x PP 15 x DP 2: 32 layers, >= 2 a stage). 15's odd part is
@@ -134,3 +134,8 @@ def test_an_awkward_host_count_also_searches_the_nearest_host_counts_with_a_smal
     assert worlds(15) == [120, 64, 96, 80, 112]
     # 16 and 12 nodes (odd parts 1 and 3) search only their own world.
     assert worlds(16) == [128] and worlds(12) == [96]
+    # solver.allow_idle=false (an elastic launch): every device or nothing. 15 nodes fill (above). 37 nodes,
+    # 296 = 8 x 37 GPUs, do not: TP, CP and DP (of a batch of 4,096) are powers of two, so PP would be 37,
+    # more than 32 layers at 2 a stage allow.
+    assert worlds(15, "solver.allow_idle=false") == [120]
+    assert worlds(37, "solver.allow_idle=false") == []

@@ -24,6 +24,7 @@ from nest_megatron.errors import NestError
 from nest_megatron.launch.devices import resolve
 from nest_megatron.launch.elastic import (
     AGENT_ENV,
+    ELASTIC_OVERRIDES,
     check_resumable,
     check_resume_argv,
     node_range,
@@ -182,7 +183,9 @@ def _elastic(args: argparse.Namespace, script: str, script_args: list[str], span
         if args.master_addr is None and args.rdzv_endpoint is None:
             raise NestError(f"--nnodes {args.nnodes}: give the rendezvous, the same on every node: --rdzv-endpoint HOST:PORT")
         pins = args.pin.split(",") if args.pin else []
-        sized_plans = plan_sizes(lambda n: prepare(overrides=args.overrides, script=script, script_args=script_args,
+        # torchrun starts a worker on every device of every node present: plans that use them all.
+        overrides = [*ELASTIC_OVERRIDES, *args.overrides]
+        sized_plans = plan_sizes(lambda n: prepare(overrides=overrides, script=script, script_args=script_args,
                                                    devices=sized(devices, n), pins=pins), *span, args.nnodes)
         entries = [e for _, e in sized_plans]
         check_resumable(entries, script_args)

@@ -166,6 +166,9 @@ class SolverConfig:
     max_virtual_stages: int = 4  # largest --num-layers-per-virtual-pipeline-stage split tried (per rank)
     max_context_parallel: int = 8  # largest context-parallel size tried
     top_k: int = 10  # how many runners-up the Plan keeps
+    # Plans may leave devices idle, when nothing uses them all or fewer are faster (false: every device runs
+    # a rank; an elastic launch sets it, as torchrun starts a worker on every device of every node).
+    allow_idle: bool = True
     jobs: Optional[int] = None  # worker processes of the dp search (null: one per core)
 
 

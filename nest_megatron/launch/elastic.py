@@ -36,6 +36,9 @@ from nest_megatron.model.spec import ModelSpec
 # stores, one of them stale, and gloo connects to a dead process. Opting out, the workers use the rendezvous
 # store under a prefix per round.
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# Every node count is planned on all its devices (torchrun starts a worker on each); the user's overrides,
+# which follow, may say otherwise, and `entry` then refuses a plan that leaves devices idle.
+ELASTIC_OVERRIDES = ("solver.allow_idle=false",)
 
 
 def node_range(text: str | None) -> tuple[int, int] | None:
@@ -143,7 +146,7 @@ def plan_sizes(plan_one, low: int, high: int, nnodes: str) -> list[tuple[Prepare
             prepared = plan_one(nodes)
             out.append((prepared, entry(prepared, nodes)))
         except NestError as err:
-            raise type(err)(f"--nnodes {nnodes}: {nodes} node(s) cannot be planned: {err}") from None
+            raise type(err)(f"--nnodes {nnodes}: {nodes} node(s) cannot be planned on all their devices: {err}") from None
     return out
 
 

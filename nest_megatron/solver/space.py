@@ -115,7 +115,11 @@ def searched_worlds(problem: Problem, solver: SolverConfig, pins: PlanChoice, *,
     powers of two, so the odd part of a world is the pipeline's: 37 nodes fill only with 37 stages (2 layers
     each, a third of the FLOPs lost to the bubble and transfers), and 15 nodes with 15, where 32 or 36 nodes
     (PP 9), or 8 or 12 (PP 3), can be faster; the cost model picks. A host count whose odd part is in
-    ODD_PARTS (the usual cluster: a power of two) searches one world."""
+    ODD_PARTS (the usual cluster: a power of two) searches one world. With solver.allow_idle false, only
+    every device."""
+    if not solver.allow_idle:
+        every = next(candidates(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=any_split), None)
+        return [problem.num_devices] if every is not None else []
     first = launchable_world(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=any_split)
     if first is None:
         return []
