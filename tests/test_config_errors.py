@@ -123,7 +123,7 @@ SOLVER_KEYS = {
     "name": ("enumerate", "enumerate"), "micro_batch_sizes": ("[1,2]", [1, 2]), "zero_stages": ("[1]", [1]),
     "recompute": ("[none]", ["none"]), "rank_orders": ("[tp-cp-ep-dp-pp]", ["tp-cp-ep-dp-pp"]),
     "max_virtual_stages": ("2", 2), "max_context_parallel": ("2", 2), "top_k": ("3", 3),
-    "recompute_num_layers": ("[null,1]", [None, 1]), "jobs": ("2", 2),
+    "recompute_num_layers": ("[null,1]", [None, 1]), "jobs": ("2", 2), "allow_idle": ("false", False),
 }
 PROFILE_KEYS = {
     "warmup": ("1", 1), "repeats": ("2", 2), "local_devices": ("2", 2), "layers": ("false", False), "use": ("false", False),
@@ -141,8 +141,10 @@ PLAN_KEYS = {
     "schema, keys",
     [
         (ModelConfig, MODEL_KEYS), (AcceleratorConfig, ACCELERATOR_KEYS),
-        # nodes and topology_conf: overridden in tests/test_allocation.py (a node list and a file that go together)
-        (ClusterConfig, {**CLUSTER_KEYS, "levels": None, "torus": None, "nodes": None, "topology_conf": None}),
+        # nodes, failed_nodes and topology_conf: overridden in tests/test_allocation.py (node lists and a file that
+        # go together)
+        (ClusterConfig, {**CLUSTER_KEYS, "levels": None, "torus": None, "nodes": None, "failed_nodes": None,
+                         "topology_conf": None}),
         (LevelConfig, LEVEL_KEYS),
         (TorusConfig, TORUS_KEYS), (TrainConfig, TRAIN_KEYS), (SolverConfig, SOLVER_KEYS), (PlanChoice, PLAN_KEYS),
         (ProfileConfig, PROFILE_KEYS),
