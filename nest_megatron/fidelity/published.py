@@ -271,7 +271,11 @@ def row_of(entry: dict) -> Row:
     overrides = ["model=llama2_7b", "cluster=dgx_h100_superpod", f"cluster.num_devices={entry['num_gpus']}",
                  *_model_overrides(entry), *train, *plan]
     optimizer = OPTIMIZER_BY_MODEL.get(entry["model"], NEMO_OPTIMIZER) if is_nemo_era(entry) else "megatron"
+    if optimizer == "apex_bf16":
+        assumed.append("optimizer state in bf16 (the recipe's optim.dtype)")
     dispatcher, router = AUTOMODEL_MOE_DISPATCH if moe and source_of(entry) == "automodel" else ("alltoall", "learned")
+    if dispatcher == "deepep":
+        assumed.append("DeepEP dispatch, fake balanced gate, fused permutation (the recipe's)")
     return Row(**common, measured_step_s=measured_step_time(entry), overrides=overrides, assumed=tuple(assumed),
                recompute_stated=stated, optimizer=optimizer, moe_dispatcher=dispatcher, moe_router=router,
                moe_permute_fusion=dispatcher == "deepep")
