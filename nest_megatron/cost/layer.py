@@ -193,10 +193,10 @@ def _layer_time(model, tp, sp, cp, ep, etp, mbs, moe, tp_shapes, cp_shapes, ep_s
     tokens = cfg.mbs * model.cfg.seq_length // cfg.cp
     gemms = model.layer_gemms(tokens=tokens, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe)
     timed = gemm_times(compute, gemms)
+    memory = elementwise_bytes(model, tokens=tokens, cfg=cfg, moe=moe, dispatcher=dispatcher, copies=ep_copies,
+                               permute_fusion=permute_fusion)
     passes = pass_times(compute, timed, attention_flops=model.attention_flops(micro_batch=cfg.mbs, tp=cfg.tp, cp=cfg.cp),
-                        head_dim=model.head_dim, cp=cfg.cp, memory_bytes=elementwise_bytes(model, tokens=tokens, cfg=cfg, moe=moe, dispatcher=dispatcher,
-                                                                   copies=ep_copies, permute_fusion=permute_fusion),
-                        quantise_bytes=quantisation_bytes(model, gemms))
+                        head_dim=model.head_dim, cp=cfg.cp, memory_bytes=memory, quantise_bytes=quantisation_bytes(model, gemms))
     fwd_compute, bwd_compute, attention, attention_bwd = passes
 
     fwd_gemm = {name: forward for name, forward, _, _ in timed}
