@@ -38,7 +38,7 @@ from nest_megatron.hardware import slurm_tree
 from nest_megatron.hardware.accelerator import accelerator_from_config
 from nest_megatron.hardware.hostlist import expand
 from nest_megatron.hardware.topology import BUILDERS, Topology
-from nest_megatron.model.spec import ModelSpec, Numerics
+from nest_megatron.model.spec import DTYPE_BYTES, ModelSpec, Numerics, OptimizerDtypes
 from nest_megatron.parallel.config import RANK_ORDERS, RECOMPUTE_KINDS, ZERO_STAGES
 from nest_megatron.solver.registry import SOLVERS
 from nest_megatron.trace.source import resolve as resolve_model_source
@@ -534,13 +534,24 @@ def _check_train_and_solver(t: TrainConfig, s: SolverConfig) -> None:
 # --fp8-recipe's choices (Megatron-LM megatron/core/transformer/transformer_config.py:594, less 'custom', whose
 # quantizer is the user's own code)
 PRECISIONS = ("bf16", "fp8")
+MAIN_PARAMS_DTYPES = ("fp32", "fp16")  # --main-params-dtype's choices (training/arguments.py:3673)
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
 
 def _check_precision(t: TrainConfig, a: AcceleratorConfig) -> None:
-    """The precision and FP8 recipe exist, and the accelerator has the tensor cores they need."""
+    """The precision and FP8 recipe exist, and the accelerator has the tensor cores they need; the optimizer
+    state's dtypes are the precision-aware optimizer's."""
     _one_of("train.precision", t.precision, PRECISIONS)
     _one_of("train.fp8_recipe", t.fp8_recipe, FP8_RECIPES)
+    _one_of("train.main_params_dtype", t.main_params_dtype, MAIN_PARAMS_DTYPES)
+    for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        _one_of(f"train.{key}", getattr(t, key), tuple(DTYPE_BYTES))
+    lowered = [f"train.{k}={getattr(t, k)}" for k in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+               if getattr(t, k) != "fp32"]
+    if lowered and not t.precision_aware_optimizer:
+        raise NestError(f"{lowered[0]}: only the precision-aware optimizer keeps its state in another dtype than "
+                        "fp32 (Megatron reads it only with --use-precision-aware-optimizer); set "
+                        "train.precision_aware_optimizer=true")
     if t.precision != "fp8":
         return
     if a.peak_fp8_tflops is None:
@@ -601,10 +612,14 @@ def _check_split(p: PlanChoice, layers: int) -> None:
 def _problem(root: RootConfig, tracer=None) -> Problem:
     topology = _allocation(root.cluster, BUILDERS[root.cluster.topology](root.cluster))
     t = root.train
+    dtypes = (OptimizerDtypes(t.main_params_dtype, t.exp_avg_dtype, t.exp_avg_sq_dtype)
+              if t.precision_aware_optimizer else None)
     numerics = Numerics(fp8_recipe=t.fp8_recipe if t.precision == "fp8" else None,
-                        grad_reduce_in_bf16=t.grad_reduce_in_bf16, cross_entropy_fusion=t.cross_entropy_fusion)
+                        grad_reduce_in_bf16=t.grad_reduce_in_bf16, cross_entropy_fusion=t.cross_entropy_fusion,
+                        optimizer_dtypes=dtypes)
     return Problem(
         model=ModelSpec(root.model, tracer=tracer, numerics=numerics),
+        optimizer_state_bytes=numerics.optimizer_state_bytes,
         accelerator=accelerator_from_config(root.accelerator, memory_gib=root.cluster.device_memory_gib),
         topology=topology,
         global_batch_size=t.global_batch_size,

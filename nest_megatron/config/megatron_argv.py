@@ -83,6 +83,11 @@ HINT_FLAGS: dict[str, str] = {
     "--fp8-recipe": "str",
     "--grad-reduce-in-bf16": "true",  # train.grad_reduce_in_bf16 (arguments.py:3053)
     "--cross-entropy-loss-fusion": "true",  # train.cross_entropy_fusion
+    # train.precision_aware_optimizer and its dtypes (arguments.py:3667-3685)
+    "--use-precision-aware-optimizer": "true",
+    "--main-params-dtype": "str",
+    "--exp-avg-dtype": "str",
+    "--exp-avg-sq-dtype": "str",
 }
 
 # Flags the planner decides (launch/rewrite.py removes them and inserts the plan's), with their arity.
@@ -156,7 +161,10 @@ FLAG_OF_KEY: dict[str, str] = {f"model.{key}": flag for flag, (key, _, _) in MOD
 FLAG_OF_KEY["train.global_batch_size"] = "--global-batch-size"
 FLAG_OF_KEY |= {"train.precision": "--fp8-format", "train.fp8_recipe": "--fp8-recipe",
                 "train.tp_comm_overlap": "--tp-comm-overlap", "train.grad_reduce_in_bf16": "--grad-reduce-in-bf16",
-                "train.cross_entropy_fusion": "--cross-entropy-loss-fusion"}
+                "train.cross_entropy_fusion": "--cross-entropy-loss-fusion",
+                "train.precision_aware_optimizer": "--use-precision-aware-optimizer",
+                "train.main_params_dtype": "--main-params-dtype", "train.exp_avg_dtype": "--exp-avg-dtype",
+                "train.exp_avg_sq_dtype": "--exp-avg-sq-dtype"}
 FP8_FORMATS = ("e4m3", "hybrid")  # transformer_config.py:587
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")  # :594, less custom (a quantizer of the user's code)
 
@@ -415,6 +423,9 @@ def train_overrides(argv: list[str] | Scanned) -> list[str]:
     out.append(f"train.tp_comm_overlap={_hydra(s.has('--tp-comm-overlap'))}")
     out.append(f"train.grad_reduce_in_bf16={_hydra(s.has('--grad-reduce-in-bf16'))}")
     out.append(f"train.cross_entropy_fusion={_hydra(s.has('--cross-entropy-loss-fusion'))}")
+    out.append(f"train.precision_aware_optimizer={_hydra(s.has('--use-precision-aware-optimizer'))}")
+    for flag in ("--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype"):
+        out.append(f"train.{flag[2:].replace('-', '_')}={s.get(flag, 'fp32')}")
     return out
 
 

@@ -149,6 +149,13 @@ class TrainConfig:
     tp_comm_overlap: bool = False  # --tp-comm-overlap: TP collectives behind the GEMMs (needs sequence parallel)
     grad_reduce_in_bf16: bool = False  # --grad-reduce-in-bf16: main gradients and their DP reduction in bf16
     cross_entropy_fusion: bool = False  # --cross-entropy-loss-fusion: the loss keeps no fp32 logits
+    # --use-precision-aware-optimizer: Transformer Engine's FusedAdam keeps the master weights and Adam's moments in
+    # the dtypes below (the distributed optimizer only, plan.zero=1); fp32 master weights as the bf16 weight plus
+    # its 16 low bits.
+    precision_aware_optimizer: bool = False
+    main_params_dtype: str = "fp32"  # --main-params-dtype with the precision-aware optimizer: fp32 | fp16
+    exp_avg_dtype: str = "fp32"  # --exp-avg-dtype with the precision-aware optimizer: fp32 | fp16 | bf16 | fp8
+    exp_avg_sq_dtype: str = "fp32"  # --exp-avg-sq-dtype with the precision-aware optimizer: fp32 | fp16 | bf16 | fp8
 
 
 @dataclass

@@ -9,6 +9,11 @@ from nest_megatron.parallel.config import ParallelConfig
 # How each ZeRO stage is realised in Megatron-LM. ZeRO-3 builds the model on the meta device and lets
 # Megatron-FSDP materialise only each rank's shard (training.py get_model); else every rank first
 # allocates the whole unsharded stage, which is what ZeRO-3 was chosen to avoid.
+# The precision-aware optimizer's dtype flags (training/arguments.py:3671-3685) -> the OptimizerDtypes field.
+OPTIMIZER_DTYPE_FLAGS = {"--main-params-dtype": "main_params", "--exp-avg-dtype": "exp_avg",
+                         "--exp-avg-sq-dtype": "exp_avg_sq"}
+
+
 ZERO_FLAGS = {
     0: [],
     1: ["--use-distributed-optimizer"],
@@ -32,7 +37,7 @@ def recompute_settings(cfg: ParallelConfig, layers_per_chunk: int) -> dict:
 def model_args(model: ModelSpec) -> list[str]:
     """The model-shape flags, so that the argv is complete for pretrain_gpt.py, and the datatypes it is
     priced in (model.numerics): with fp8 Megatron's FP8 flags (hybrid: e4m3 forward, e5m2 gradients; bf16
-    stays the dtype of the rest), bf16 gradient reduction, the fused cross entropy."""
+    stays the dtype of the rest), bf16 gradient reduction, the fused cross entropy, the precision-aware optimizer."""
     m = model.cfg
     args = [
         "--num-layers", str(m.num_layers),
@@ -55,6 +60,12 @@ def model_args(model: ModelSpec) -> list[str]:
         args.append("--grad-reduce-in-bf16")
     if numerics.cross_entropy_fusion:
         args.append("--cross-entropy-loss-fusion")
+    if numerics.optimizer_dtypes is not None:
+        args.append("--use-precision-aware-optimizer")
+        for flag, field in OPTIMIZER_DTYPE_FLAGS.items():
+            dtype = getattr(numerics.optimizer_dtypes, field)
+            if dtype != "fp32":  # Megatron's default
+                args += [flag, dtype]
     if model.query_groups != model.heads:
         args += ["--group-query-attention", "--num-query-groups", str(model.query_groups)]
     if m.kv_channels:

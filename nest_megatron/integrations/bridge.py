@@ -34,7 +34,14 @@ from __future__ import annotations
 from typing import Any
 
 from nest_megatron.integrations.nemo import FSDP_SHARDING, meta_device_init
-from nest_megatron.integrations.overrides import Overrides, apply_overrides, flag_value, fp8_recipe, is_moe
+from nest_megatron.integrations.overrides import (
+    Overrides,
+    apply_overrides,
+    flag_value,
+    fp8_recipe,
+    is_moe,
+    precision_aware_optimizer,
+)
 from nest_megatron.plan import Plan
 
 
@@ -67,6 +74,8 @@ def bridge_overrides(plan: Plan) -> Overrides:
     }
     if plan.zero_stage >= 2:
         out["checkpoint.ckpt_format"] = "fsdp_dtensor"
+    if precision_aware_optimizer(plan):  # megatron-core OptimizerConfig, as on the argv
+        out["optimizer.use_precision_aware_optimizer"] = True
     out["model.tp_comm_overlap"] = "--tp-comm-overlap" in plan.megatron_args
     # the datatypes the plan is priced in: DistributedDataParallelConfig.grad_reduce_in_fp32 and
     # TransformerConfig.cross_entropy_loss_fusion (megatron-core)

@@ -35,7 +35,14 @@ from typing import Any
 
 from nest_megatron.emit.megatron import ZERO_FLAGS
 from nest_megatron.errors import NestError
-from nest_megatron.integrations.overrides import Overrides, apply_overrides, flag_value, fp8_recipe, is_moe
+from nest_megatron.integrations.overrides import (
+    Overrides,
+    apply_overrides,
+    flag_value,
+    fp8_recipe,
+    is_moe,
+    precision_aware_optimizer,
+)
 from nest_megatron.plan import Plan
 
 # Megatron-FSDP's sharding strategy for ZeRO-2 / ZeRO-3 (the --data-parallel-sharding-strategy of the argv)
@@ -87,6 +94,8 @@ def nemo_overrides(plan: Plan, devices_per_node: int | None = None) -> Overrides
         "model.config.recompute_num_layers": rc["num_layers"],
         "optim.config.use_distributed_optimizer": plan.zero_stage >= 1,
     }
+    if precision_aware_optimizer(plan):  # megatron-core OptimizerConfig, as on the argv
+        out["optim.config.use_precision_aware_optimizer"] = True
     if plan.zero_stage >= 2:
         out |= {
             f"{s}.fsdp": "megatron",

@@ -31,6 +31,19 @@ def fp8_recipe(plan: Plan) -> str | None:
     return flag_value(plan, "--fp8-recipe") if "--fp8-format" in plan.megatron_args else None
 
 
+def precision_aware_optimizer(plan: Plan) -> bool:
+    """Whether the plan's argv runs the precision-aware optimizer; one line when it also lowers the state's dtypes,
+    which megatron-core's OptimizerConfig takes as torch dtypes that these overrides do not carry."""
+    if "--use-precision-aware-optimizer" not in plan.megatron_args:
+        return False
+    lowered = [f for f in ("--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype") if f in plan.megatron_args]
+    if lowered:
+        raise NestError(f"the plan keeps the optimizer state in {flag_value(plan, lowered[0])} ({lowered[0]}), which "
+                        "NeMo / Megatron-Bridge overrides do not carry: set the recipe's OptimizerConfig dtypes "
+                        "yourself, or plan with train.exp_avg_dtype / exp_avg_sq_dtype / main_params_dtype=fp32")
+    return True
+
+
 def apply_overrides(root: Any, overrides: Overrides, *, root_name: str = "recipe") -> Any:
     """Set every path on root; raise NestError naming the first path root does not have. Checks all paths
     before setting any, so a recipe is never left half-changed."""

@@ -326,6 +326,15 @@ def _fp8_param_gather_optimizer(launch: Launch):
         return "--fp8-param-gather needs --use-distributed-optimizer (or --use-megatron-fsdp / --use-torch-fsdp2)"
 
 
+def _precision_aware_optimizer(launch: Launch):
+    """--use-precision-aware-optimizer needs the distributed optimizer (Megatron-FSDP turns it on)."""
+    s = launch.s
+    if s.present("--use-precision-aware-optimizer") and not (s.has("--use-distributed-optimizer")
+                                                             or s.has("--use-megatron-fsdp")):
+        return ("--use-precision-aware-optimizer needs --use-distributed-optimizer (or --use-megatron-fsdp, "
+                "which turns it on)")
+
+
 def _first_last_bf16_delayed(launch: Launch):
     """FP8 with the first / last layers in bf16 not under the delayed recipe."""
     s = launch.s
@@ -360,6 +369,8 @@ ARGV_RULES = (
     Rule("fp8-fp4", f"{ARGS}:1100-1101", _fp8_fp4),
     Rule("fp8-param-gather", "megatron/core/transformer/transformer_config.py:1566-1567", _fp8_param_gather),
     Rule("fp8-param-gather-optimizer", f"{ARGS}:1095-1097", _fp8_param_gather_optimizer),
+    Rule("precision-aware-optimizer", f"megatron/core/optimizer/__init__.py:1057; {ARGS}:1127-1134 (Megatron-FSDP)",
+         _precision_aware_optimizer),
     Rule("first-last-bf16-delayed", "megatron/core/transformer/transformer_config.py:1527-1530",
          _first_last_bf16_delayed),
 )

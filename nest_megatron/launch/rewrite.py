@@ -150,17 +150,19 @@ def rewrite(argv: list[str], plan: Plan, *, model_args: list[str] = ()) -> list[
     """The user's argv without the planner's flags, then `model_args` (when the argv has no model), then
     the plan's parallel flags. --ckpt-format belongs to the planner only when the plan uses Megatron-FSDP
     (it sets fsdp_dtensor) or the user's value is fsdp_dtensor (only Megatron-FSDP reads it);
-    --moe-token-dispatcher-type only when the plan sets it (a MoE plan: alltoall)."""
+    --moe-token-dispatcher-type only when the plan sets it (a MoE plan: alltoall). A flag of the user's that
+    `model_args` sets again (--bf16, the precision flags it was read into) is dropped: it is said once."""
     s = scan(argv)
     plan_args = planner_part(plan.megatron_args)
     fsdp = "--use-megatron-fsdp" in plan_args
+    restated = {token for token in model_args if token.startswith("--")}
 
     def owned(flag: str) -> bool:
         if flag == "--ckpt-format":
             return fsdp or s.get("--ckpt-format") == "fsdp_dtensor"
         if flag == DISPATCHER:  # a dense plan sets none; Megatron ignores the user's then
             return DISPATCHER in plan_args
-        return flag in PLANNER_FLAGS
+        return flag in PLANNER_FLAGS or flag in restated
 
     dropped = {i for flag, start, stop in s.spans if owned(flag) for i in range(start, stop)}
     kept = [token for i, token in enumerate(argv) if i not in dropped]

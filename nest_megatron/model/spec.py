@@ -49,10 +49,44 @@ class Numerics:
     fp8_recipe: str | None = None  # GEMMs in fp8 with this recipe (train.precision=fp8); None: bf16
     grad_reduce_in_bf16: bool = False  # main gradients and their data-parallel reduction in bf16, not fp32
     cross_entropy_fusion: bool = False  # the fused cross entropy: neither fp32 logits nor a softmax kept
+    # The precision-aware optimizer (--use-precision-aware-optimizer) and its state's dtypes; None: Megatron's
+    # fp32 master weights and moments.
+    optimizer_dtypes: OptimizerDtypes | None = None
 
     @property
     def grad_bytes(self) -> int:
         return 2 if self.grad_reduce_in_bf16 else 4
+
+    @property
+    def optimizer_state_bytes(self) -> float:
+        """Bytes of optimizer state per parameter: the master weight and Adam's two moments.
+
+        Megatron's optimizers keep fp32 ones: 12. The precision-aware optimizer (Megatron-LM d98e8a6
+        megatron/core/optimizer/__init__.py:564-588) hands them to Transformer Engine's FusedAdam in the dtypes
+        given. An fp16 master is 2 bytes. An fp32 master is kept by FusedAdam, as the 16 bits the bf16 weight
+        lacks (store_param_remainders, on by default: optimizer_config.py:192), 2 bytes, unless an fp8 recipe
+        other than delayed scaling makes Megatron keep its own fp32 master (optimizer_config.py:407-413), 4 bytes.
+        """
+        d = self.optimizer_dtypes
+        if d is None:
+            return 12
+        if d.main_params == "fp16":
+            master = 2
+        else:
+            master = 2 if self.fp8_recipe in (None, "delayed") else 4
+        return master + DTYPE_BYTES[d.exp_avg] + DTYPE_BYTES[d.exp_avg_sq]
+
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class OptimizerDtypes:
+    """The precision-aware optimizer's state dtypes (--main-params-dtype, --exp-avg-dtype, --exp-avg-sq-dtype)."""
+
+    main_params: str = "fp32"
+    exp_avg: str = "fp32"
+    exp_avg_sq: str = "fp32"
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: per-layer costs are cached per model

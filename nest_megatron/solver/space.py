@@ -65,8 +65,9 @@ def evaluate_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | 
                              layers_per_stage=pinned_split(choice))
     if problem_line:
         raise NestError(f"invalid configuration: {problem_line}")
-    if overlap_without_sp(problem, cfg):
-        raise NestError(f"invalid configuration: {TP_COMM_OVERLAP_LINE.format(tp=cfg.tp)}")
+    line = train_rule_line(problem, cfg)
+    if line is not None:
+        raise NestError(f"invalid configuration: {line}")
     return cfg
 
 
@@ -74,11 +75,21 @@ def evaluate_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | 
 TP_COMM_OVERLAP_LINE = ("plan.sp=false with plan.tp={tp} and train.tp_comm_overlap=true: TP communication overlaps "
                         "only the sequence-parallel all-gather / reduce-scatter (Megatron asserts it); set plan.sp=true "
                         "or train.tp_comm_overlap=false")
+# --use-precision-aware-optimizer needs the distributed optimizer (megatron/core/optimizer/__init__.py:1057); under
+# Megatron-FSDP its main weights are FSDP's own buffer (--megatron-fsdp-main-params-dtype), which the cost model
+# does not price: the distributed optimizer only.
+PRECISION_AWARE_LINE = ("plan.zero={zero} and train.precision_aware_optimizer=true: the precision-aware optimizer runs "
+                        "with the distributed optimizer (plan.zero=1; Megatron refuses it without one, and Megatron-FSDP "
+                        "keeps its own main weights); set plan.zero=1 or train.precision_aware_optimizer=false")
 
 
-def overlap_without_sp(problem: Problem, cfg: ParallelConfig) -> bool:
-    """A TP > 1 configuration without sequence parallel, which --tp-comm-overlap does not launch with."""
-    return problem.tp_comm_overlap and cfg.tp > 1 and not cfg.sp
+def train_rule_line(problem: Problem, cfg: ParallelConfig) -> str | None:
+    """The train.* choice the configuration does not launch with, as one line; None when it launches."""
+    if problem.tp_comm_overlap and cfg.tp > 1 and not cfg.sp:
+        return TP_COMM_OVERLAP_LINE.format(tp=cfg.tp)
+    if problem.model.numerics.optimizer_dtypes is not None and cfg.zero != 1:
+        return PRECISION_AWARE_LINE.format(zero=cfg.zero)
+    return None
 
 
 def candidates(
@@ -155,8 +166,8 @@ def empty_space_reason(
         line = violation(cfg, model=problem.model, num_devices=problem.num_devices,
                          global_batch_size=problem.global_batch_size, any_split=any_split,
                          layers_per_stage=pinned_split(pins))
-        if line is None and overlap_without_sp(problem, cfg):
-            line = TP_COMM_OVERLAP_LINE.format(tp=cfg.tp)
+        if line is None:
+            line = train_rule_line(problem, cfg)
         if line is None and problem.num_devices % (cfg.tp * cfg.cp * cfg.pp):
             line = _unused_devices(cfg.tp, cfg.cp, cfg.pp, problem.num_devices)
         if line is not None:
@@ -233,11 +244,12 @@ def _configurations(
         # With one pipeline stage or one replica both Megatron orders build the same groups.
         orders = axis(pins.order, list(solver.rank_orders) if pp > 1 and dp > 1 else solver.rank_orders[:1])
         for ep, etp, sp, vpp, mbs, zero, recompute, order in itertools.product(eps, etps, sps, vpps, mbss, zeros, recomputes, orders):
-            if problem.tp_comm_overlap and tp > 1 and not sp:  # not launchable with --tp-comm-overlap
-                yield None, TP_COMM_OVERLAP_LINE.format(tp=tp)
-                continue
             for recomputed in recomputed_counts if recompute == "full" else [None]:
                 cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
                                      recompute=recompute, recompute_num_layers=recomputed, order=order)
+                train_line = train_rule_line(problem, cfg)  # not launchable with the train.* choices
+                if train_line is not None:
+                    yield None, train_line
+                    continue
                 yield cfg, violation(cfg, model=model, num_devices=problem.num_devices, global_batch_size=problem.global_batch_size,
                                      any_split=any_split, layers_per_stage=pinned_split(pins))
