@@ -106,6 +106,11 @@ def model():
     # --tp-comm-overlap is no constraint: train.tp_comm_overlap=true (train_overrides), and the plan's own flag
     (["--tp-comm-overlap"], [], []),
     (["--tp-comm-overlap"], ["plan.sp=true"], []),
+    # --fp8-param-gather needs a sharded optimizer (arguments.py:1095-1097): ZeRO 1-3, within the user's stages
+    (["--fp8-param-gather"], [], [["solver.zero_stages=[1,2,3]"]]),
+    (["--fp8-param-gather"], ["solver.zero_stages=[0,1]"], [["solver.zero_stages=[1]"]]),
+    (["--fp8-param-gather", "--load", "/c", "--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"], [],
+     [["plan.zero=1"], ["solver.zero_stages=[1,2,3]"]]),
 ])
 def test_what_the_argv_fixes(model, argv, user, expected):
     assert [c.overrides for c in argv_constraints(argv, user, model=model)] == expected
@@ -124,6 +129,11 @@ def test_what_the_argv_fixes(model, argv, user, expected):
      "--load with --ckpt-format torch_dist and --pipeline-model-parallel-layout: the checkpoint is laid out by"),
     (["--load", "/c", "--ckpt-format", "torch", "--tensor-model-parallel-size", "3"], [],
      "--load with --ckpt-format torch keeps the argv's sizes, but pinned --tensor-model-parallel-size 3: must divide"),
+    (["--fp8-param-gather"], ["plan.zero=0"], "--fp8-param-gather needs a sharded optimizer (ZeRO 1-3: the distributed "
+                                              "optimizer or Megatron-FSDP), but DDP (ZeRO 0) is fixed by your overrides"),
+    (["--fp8-param-gather", "--load", "/c"], [], "--fp8-param-gather needs a sharded optimizer (ZeRO 1-3: the "
+                                                 "distributed optimizer or Megatron-FSDP), but DDP (ZeRO 0) is fixed by "
+                                                 "--load with --ckpt-format torch_dist (DDP)"),
 ])
 def test_what_no_plan_can_keep_is_one_line(model, argv, user, message):
     with pytest.raises(NestError) as err:

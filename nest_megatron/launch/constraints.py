@@ -1,4 +1,4 @@
-"""What the user's Megatron argv fixes for the planner: a checkpoint to resume.
+"""What the user's Megatron argv fixes for the planner: a checkpoint to resume, a flag that needs a sharded optimizer.
 
 The planner owns the parallel flags (launch/rewrite.py), but some choices of the argv are constraints, since a
 plan that changed them would not run: the checkpoint format and the optimizer sharding it was written with.
@@ -100,6 +100,26 @@ def _resume(argv: list[str], s: Scanned, model: ModelConfig) -> Constraint | Non
                       f"{why} and --use-distributed-optimizer (its state is saved by bucket, for these sizes)")
 
 
+def _zero_stages(overrides: list[str]) -> set[int] | None:
+    """The ZeRO stages `overrides` allow (plan.zero=Z or solver.zero_stages=[...]); None when they do not say."""
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key == "plan.zero" and value.isdigit():
+            return {int(value)}
+        if key == "solver.zero_stages":
+            return {int(v) for v in value.strip("[]").split(",") if v.strip().isdigit()}
+    return None
+
+
+def _sharded_optimizer(s: Scanned) -> Constraint | None:
+    """--fp8-param-gather needs a sharded optimizer (training/arguments.py:1095-1097): the distributed optimizer or
+    Megatron-FSDP, ZeRO 1-3. (--use-precision-aware-optimizer is train.precision_aware_optimizer, which the search
+    holds to ZeRO 1.)"""
+    if s.present("--fp8-param-gather"):
+        return Constraint(["solver.zero_stages=[1,2,3]"], "--fp8-param-gather (a sharded optimizer)")
+    return None
+
+
 def _even_split(s: Scanned, why: str) -> list[str]:
     """A checkpoint laid out per stage (a legacy file's layers, a bucket's parameters) needs the stages to hold
     the layers they held: Megatron's even split, the only one the enumerating solver plans. A split of the argv's
@@ -118,7 +138,20 @@ def argv_constraints(argv: list[str], user: list[str], *, model: ModelConfig) ->
     """The constraints the argv puts on the plan, less what the user's overrides (`user`) decide themselves."""
     user_keys = _keys(user)
     out = []
-    for c in (_resume(argv, scan(argv), model),):
+    s = scan(argv)
+    resume, sharded = _resume(argv, s, model), _sharded_optimizer(s)
+    if sharded is not None:
+        users = _zero_stages(user)
+        stages = users or (_zero_stages(resume.overrides) if resume is not None else None)
+        if stages == {0}:
+            source = "your overrides" if users else resume.why
+            raise NestError(f"{sharded.why.partition(' (')[0]} needs a sharded optimizer (ZeRO 1-3: the distributed "
+                            f"optimizer or Megatron-FSDP), but DDP (ZeRO 0) is fixed by {source}; drop one of them")
+        if users is not None:  # the user's stages less DDP: their word, as far as the flag allows
+            sharded = Constraint([f"solver.zero_stages=[{','.join(map(str, sorted(users - {0})))}]"], sharded.why)
+            out.append(sharded)
+            sharded = None
+    for c in (resume, sharded):
         if c is None:
             continue
         kept = [item for item in c.overrides if not _theirs(item, user_keys)]
