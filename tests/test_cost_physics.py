@@ -266,6 +266,27 @@ def test_moe_permutation_bytes_by_dispatcher_and_fusion():
     assert permutation_elements(dense_like, **args, dispatcher="deepep", copies=2.0) == 512 * 64
 
 
+def test_allgather_dispatcher_gathers_the_group_s_tokens():
+    m = model(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128, hidden_dropout=0.0, attention_dropout=0.0)
+    # megatron-core 0.7's allgather dispatcher, R = 64 copies, T = 32 tokens a rank, h = 64: the local copies
+    # gathered (2R), weighted (2R), scattered into the zeroed gathered buffer (ep T + 3R), sorted by local expert
+    # and back (4R). EP 2 (4 local experts): 448 + 64 + 256 = 768 rows; EP 8 (one local expert): 448 + 256 = 704
+    assert permutation_elements(m, tokens_sp=32, rows=64, local_experts=4, dispatcher="allgather") == 768 * 64
+    assert permutation_elements(m, tokens_sp=32, rows=64, local_experts=1, dispatcher="allgather") == 704 * 64
+    cfg = ParallelConfig(ep=4, dp=4)
+    topo = Topology("four", (Level("node", 4, 1e9, 0.0),))
+    spans = compute_spans(cfg, topo, identity_placement(4))
+    net = Network.for_topology(topo)
+    alltoall = layer_time(m, cfg=cfg, moe=True, spans=spans, net=net, compute=GemmOnly())
+    allgather = layer_time(m, cfg=cfg, moe=True, spans=spans, net=net, compute=GemmOnly(), dispatcher="allgather")
+    # alltoall: 32 tokens x 2 copies x 64 x 2 B = 8,192 B, 3/4 of it to the three peers at 1 GB/s = 6.144 us,
+    # dispatch and combine, forward and backward: 4 x 6.144 us
+    assert alltoall.ep_comm == close(4 * 6.144e-6)
+    # allgather: the group's 4 x 32 tokens, 16,384 B, gathered (3/4 of it arrives: 12.288 us) and the outputs
+    # reduce-scattered in that size (12.288 us), forward and backward: 4 x 12.288 us
+    assert allgather.ep_comm == close(4 * 12.288e-6)
+
+
 def test_dispatch_copies_per_dispatcher_and_router():
     m = model(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128)
     # Megatron's alltoall dispatcher sends a copy per routed expert

@@ -123,3 +123,5 @@ def test_automodel_moe_rows_dispatch_with_deepep_behind_the_fake_balanced_gate()
     assert "plan.recompute=none" in row_of(ENTRIES["automodel-GPT-OSS_120B-64gpu-bf16"]).overrides
     mixtral = row_of(ENTRIES["launcher-24.05-MIXTRAL-8x7B-bf16-draft"])  # Megatron's alltoall, a learned router
     assert (mixtral.moe_dispatcher, mixtral.moe_router, mixtral.moe_permute_fusion) == ("alltoall", "learned", False)
+    # the 8x3B conf names no dispatcher: megatron-core 0.7's default, allgather
+    assert row_of(ENTRIES["launcher-24.05-MIXTRAL-8x3B-bf16-draft"]).moe_dispatcher == "allgather"

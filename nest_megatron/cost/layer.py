@@ -75,6 +75,11 @@ def permutation_elements(model: ModelSpec, *, tokens_sp: float, rows: float, loc
 
     `rows` R routed copies of the h-wide tokens; T the tokens permuted: this rank's `tokens_sp` before
     Megatron's alltoall exchange, or the tokens DeepEP delivered to it (R x copies / topk).
+    - allgather (megatron-core 0.7's default MoEAllGatherTokenDispatcher, token_dispatcher.py): the
+      expert-parallel group's tokens gathered, ep T_sp of them; the local copies gathered out of them
+      (2 R h), multiplied by their probabilities (2 R h) and scattered back into a zeroed buffer of the
+      gathered size for the reduce-scatter (ep T_sp h + 3 R h); with several local experts, sorted by
+      expert and back (4 R h).
     - permute: read a token per copy, write the copy: 2 R h (Megatron's index_select; Transformer
       Engine's moe_permute the same).
     - unpermute, unfused (megatron/core/transformer/moe/moe_utils.py unpermute: the copies times their
@@ -84,6 +89,9 @@ def permutation_elements(model: ModelSpec, *, tokens_sp: float, rows: float, loc
       back before it (sort_chunks_by_idxs): 2 R h each.
     """
     h, k = model.h, model.cfg.moe_router_topk
+    if dispatcher == "allgather":
+        gathered = tokens_sp * max(1, model.cfg.num_experts // local_experts)
+        return h * (7 * rows + gathered + (4 * rows if local_experts > 1 else 0.0))
     permuted = tokens_sp if dispatcher == "alltoall" else rows * (k if copies is None else copies) / k
     unpermute = rows + permuted if fused else 3 * rows + 3 * permuted
     sort = 4 * rows if dispatcher == "alltoall" and local_experts > 1 else 0.0
@@ -146,10 +154,10 @@ def dispatch_copies(model: ModelSpec, ep: int, *, dispatcher: str = "alltoall", 
         consecutive experts, averaged over the starts ik mod E.
     """
     k, experts = model.cfg.moe_router_topk, model.cfg.num_experts
-    if dispatcher == "alltoall" or ep <= 1:
+    if dispatcher in ("alltoall", "allgather") or ep <= 1:  # allgather: exchanges whole tokens (layer_time)
         return float(k)
     if dispatcher != "deepep":
-        raise ValueError(f"unknown MoE dispatcher {dispatcher!r}: alltoall | deepep")
+        raise ValueError(f"unknown MoE dispatcher {dispatcher!r}: alltoall | allgather | deepep")
     local = experts // ep
     if router == "learned":
         return ep * (1 - math.comb(experts - local, k) / math.comb(experts, k))
@@ -215,12 +223,19 @@ def _layer_time(model, tp, sp, cp, ep, etp, mbs, moe, tp_shapes, cp_shapes, ep_s
         cp_fwd = max(0.0, (cfg.cp - 1) * step - attention)
         cp_bwd = max(0.0, 2 * (cfg.cp - 1) * step - attention_bwd)
 
-    # EP: dispatch and combine all-to-alls of the copies of this rank's tokens (`dispatch_copies`).
+    # EP: dispatch and combine all-to-alls of the copies of this rank's tokens (`dispatch_copies`); the
+    # allgather dispatcher gathers the whole group's tokens and reduce-scatters the experts' outputs in
+    # that size (its backward the mirror), whatever the routing. Under TP it gathers over the TP x EP
+    # group; priced over the EP group's links with the same total.
     ep_pass = 0.0
     if moe and cfg.ep > 1:
         tokens_sp = tokens / cfg.tp if cfg.sp else tokens
-        routed = BF16 * tokens_sp * ep_copies * model.cfg.moe_load_imbalance * model.h
-        ep_pass = 2 * worst(all_to_all_time, ep_shapes, routed, net)
+        if dispatcher == "allgather":
+            gathered = BF16 * tokens_sp * cfg.ep * model.h
+            ep_pass = worst(all_gather_time, ep_shapes, gathered, net) + worst(reduce_scatter_time, ep_shapes, gathered, net)
+        else:
+            routed = BF16 * tokens_sp * ep_copies * model.cfg.moe_load_imbalance * model.h
+            ep_pass = 2 * worst(all_to_all_time, ep_shapes, routed, net)
 
     return LayerTime(
         fwd_compute=fwd_compute,

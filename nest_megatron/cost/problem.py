@@ -24,7 +24,8 @@ class Problem:
     # (Numerics.optimizer_state_bytes), the fidelity bench to NeMo 1.x's Apex optimizer's
     # (memory.OPTIMIZER_STATE_BYTES).
     optimizer_state_bytes: float = 12
-    # The MoE token dispatcher (alltoall: Megatron's; deepep: DeepEP) and the router whose choices set
+    # The MoE token dispatcher (alltoall: Megatron's; allgather: megatron-core 0.7's default; deepep:
+    # DeepEP) and the router whose choices set
     # how many ranks a token goes to under DeepEP (learned | fake_balanced): layer.dispatch_copies.
     # No config key sets them yet; the fidelity bench sets the AutoModel rows'.
     moe_dispatcher: str = "alltoall"

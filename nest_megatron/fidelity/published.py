@@ -41,7 +41,11 @@ ROW_SETTINGS = {
     # The rows' notes: "EP not given (launcher default 8)". The confs at the draft's commit 3499f38e say
     # expert_model_parallel_size: 1, but at EP 1 neither layout fits in 80 GB without full recomputation
     # (8x3B: 19 B parameters on one device; 8x7B: 11.7 B a stage, 106 GiB), which the rows do not use.
-    "launcher-24.05-MIXTRAL-8x3B-bf16-draft": {"ep": 8},
+    # The 8x3B conf sets no moe_token_dispatcher_type (the 8x7B's sets alltoall, mixtral_8x7b.yaml:50 at
+    # 3499f38e); NeMo passes a TransformerConfig field it lacks as megatron-core's default
+    # (nemo/collections/nlp/models/language_modeling/megatron_base_model.py build_transformer_config at
+    # v2.0.0rc0, the 24.05 release), "allgather" in core_r0.7.0 (transformer_config.py:253).
+    "launcher-24.05-MIXTRAL-8x3B-bf16-draft": {"ep": 8, "moe_dispatcher": "allgather"},
     "launcher-24.05-MIXTRAL-8x7B-bf16-draft": {"ep": 8},
     # NVIDIA-NeMo/Automodel examples/llm_benchmark/*.yaml at 36044ad: ep_size, and MaskedCrossEntropy with
     # fp32_upcast: false (no fp32 logits kept: priced as the fused loss). Recompute from the configs of the
@@ -274,6 +278,9 @@ def row_of(entry: dict) -> Row:
     if optimizer == "apex_bf16":
         assumed.append("optimizer state in bf16 (the recipe's optim.dtype)")
     dispatcher, router = AUTOMODEL_MOE_DISPATCH if moe and source_of(entry) == "automodel" else ("alltoall", "learned")
+    if "moe_dispatcher" in settings:
+        dispatcher = settings["moe_dispatcher"]
+        assumed.append(f"{dispatcher} token dispatcher (megatron-core's default; the conf sets none)")
     if dispatcher == "deepep":
         assumed.append("DeepEP dispatch, fake balanced gate, fused permutation (the recipe's)")
     return Row(**common, measured_step_s=measured_step_time(entry), overrides=overrides, assumed=tuple(assumed),
