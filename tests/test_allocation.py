@@ -223,3 +223,27 @@ def test_a_failed_node_of_the_job_runs_nothing_and_the_others_launch():
     heads = {host: run.argv[: run.argv.index("train.py")] for host, run in runs.items() if run is not None}
     assert sorted(head[6] for head in heads.values()) == ["0", "1"]  # --node-rank 0 and 1 of --nnodes 2
     assert all(head[:5] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "8"] for head in heads.values())
+
+
+def test_without_a_tree_a_failed_node_leaves_a_hole_and_the_others_keep_their_units():
+    # n[01-40] on 32-node scalable units: SU 0 holds n01-n32, SU 1 n33-n40. With n05 down SU 0 holds 31 and SU 1
+    # still 8: n33 stays in SU 1 (re-filling 39 nodes in order would move it to SU 0: 32 + 7).
+    topology = load(["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.nodes=n[01-40]",
+                     "cluster.failed_nodes=n05"]).problem.topology
+    assert topology.children[1] == (31, 8) and topology.allocation.children[1] == (32, 8)
+    n33 = topology.hosts.index("n33") * 8
+    assert topology.unit_of(1, n33) == 1 and topology.num_devices == 39 * 8
+
+
+def test_failed_nodes_inside_a_slurm_job(monkeypatch):
+    # SLURM_JOB_NODELIST names the allocation; the failed node is planned around, cluster.num_devices may say the
+    # working size (16 = 2 nodes of 8) or is left out, and the plan's overrides name the nodes for `explain`.
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-09]")
+    base = ["model=tiny_gpt", "cluster=dgx_h100_superpod", "train.global_batch_size=64", "cluster.failed_nodes=gpu08"]
+    for extra in ([], ["cluster.num_devices=16"]):
+        loaded = load([*base, *extra])
+        assert loaded.problem.topology.hosts == ("gpu07", "gpu09") and loaded.problem.num_devices == 16
+        assert "cluster.nodes=gpu[07-09]" in loaded.overrides
+    with pytest.raises(NestError, match=r"^cluster.num_devices=24, but SLURM_JOB_NODELIST=gpu\[07-09\] names 3 nodes, "
+                                        r"2 of them working,"):
+        load([*base, "cluster.num_devices=24"])

@@ -83,6 +83,8 @@ def test_dry_run_plans_every_node_count_and_prints_the_elastic_agent():
                               "the launch line fixes (--load with --ckpt-format torch_dist (DDP)): no launchable "
                               "configuration: --global-batch-size (train.global_batch_size)=12: must be a multiple of "
                               "micro_batch_size*dp = 1*5"),
+    (["--nnodes", "2:3", "cluster.failed_nodes=n2"], [], "--nnodes 2:3 with cluster.failed_nodes=n2: an elastic job is "
+                                                         "planned by node count"),
 ])
 def test_bad_elastic_input_is_one_line_and_starts_nothing(flags, script_extra, message):
     args = megatron_args(Path("/tmp/ckpt"))

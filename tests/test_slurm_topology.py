@@ -56,16 +56,19 @@ def test_scontrol_reads_the_tree(cluster):
 
 
 
-def test_a_failed_node_of_the_job_starts_nothing_and_the_working_ones_run_the_plan(cluster, tmp_path):
-    # Nodes .3 and .4 are given as failed: the plan (TP 2 x PP 2, one replica) runs on .1 and .2, one stage each,
-    # and the launches srun starts on .3 and .4 start no rank.
+@pytest.mark.parametrize("srun", [["-N2", "--exclude=127.0.0.[3-4]"], ["-N4"]], ids=["exclude", "all"])
+def test_failed_nodes_of_the_job_run_nothing_and_the_working_ones_run_the_plan(cluster, tmp_path, srun):
+    # Inside a 4-node job, nodes .3 and .4 are given as failed: the plan (TP 2 x PP 2, one replica) runs on .1 and
+    # .2, one stage each. A node that is really down runs no task: the step excludes it (SLURM_STEP_NODELIST names
+    # the two, SLURM_NODEID counts them). A step on all four starts no rank on .3 and .4.
     probe = tmp_path / "probe"
     env = cluster.env(NEST_PROBE_DIR=str(probe), OMP_NUM_THREADS="1", NEST_PROBE_ONLY="1")
-    step = cluster.run(["srun", "-N4", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--gpus-per-node=2",
-                        "nest-megatron", "launch", *OVERRIDES, "cluster.failed_nodes=127.0.0.[3-4]", "--", PROBE, "--bf16"],
-                       env=env, cwd=ROOT, timeout_s=300)
+    step = cluster.run(["salloc", "-N4", "--gpus-per-node=2", "srun", *srun, "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                        "--gpus-per-node=2", "nest-megatron", "launch", *OVERRIDES, "cluster.failed_nodes=127.0.0.[3-4]",
+                        "--", PROBE, "--bf16"], env=env, cwd=ROOT, timeout_s=300)
     assert step.returncode == 0, step.stderr[-4000:] + cluster.logs()
     records = [json.loads(p.read_text()) for p in sorted(probe.glob("rank*.json"))]
     assert sorted({r["SLURMD_NODENAME"] for r in records}) == ["127.0.0.1", "127.0.0.2"] and len(records) == 4
     assert sorted({int(r["GROUP_RANK"]) for r in records}) == [0, 1]
-    assert (step.stdout + step.stderr).count("runs no rank of this plan") == 2
+    assert (step.stdout + step.stderr).count("runs no rank of this plan (a failed node of the plan)") == \
+        (2 if srun == ["-N4"] else 0)

@@ -25,6 +25,7 @@ from nest_megatron.launch.devices import resolve
 from nest_megatron.launch.elastic import (
     AGENT_ENV,
     ELASTIC_OVERRIDES,
+    check_overrides,
     check_resumable,
     check_resume_argv,
     node_range,
@@ -131,7 +132,10 @@ def execute(prepared: Prepared, *, dry_run: bool, command: str) -> int:
         return fail(command, f"this node's rank is unknown among {prepared.devices.num_nodes} nodes: give --node-rank "
                              "or run under srun (SLURM_NODEID)")
     if prepared.this_node is None:
-        print(f"nest-megatron: node {prepared.devices.node_rank} runs no rank of this plan (its devices stay idle)",
+        d = prepared.devices
+        host = d.hosts[d.node_rank] if d.hosts else None
+        why = "a failed node of the plan" if host in prepared.plan.failed_hosts else "its devices stay idle"
+        print(f"nest-megatron: node {d.node_rank}{f' ({host})' if host else ''} runs no rank of this plan ({why})",
               file=sys.stderr)
         return 0
     try:
@@ -175,6 +179,7 @@ def _elastic(args: argparse.Namespace, script: str, script_args: list[str], span
         if args.node_rank is not None or args.expect_plan is not None:
             raise NestError(f"--nnodes {args.nnodes} with {'--node-rank' if args.node_rank is not None else '--expect-plan'}: "
                             "an elastic job's rendezvous numbers the nodes in join order and runs one plan per node count")
+        check_overrides(args.overrides, args.nnodes)
         check_resume_argv(script_args, args.nnodes)
         # The rendezvous decides the node count, not the allocation: SLURM's node variables are not read.
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}

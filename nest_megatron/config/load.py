@@ -37,7 +37,7 @@ from nest_megatron.errors import NestError
 from nest_megatron.hardware import slurm_tree
 from nest_megatron.hardware.accelerator import accelerator_from_config
 from nest_megatron.hardware.hostlist import expand
-from nest_megatron.hardware.topology import BUILDERS, Topology
+from nest_megatron.hardware.topology import BUILDERS, Topology, without_hosts
 from nest_megatron.model.spec import DTYPE_BYTES, ModelSpec, Numerics, OptimizerDtypes
 from nest_megatron.parallel.config import RANK_ORDERS, RECOMPUTE_KINDS, ZERO_STAGES
 from nest_megatron.solver.registry import SOLVERS
@@ -102,8 +102,11 @@ def load(overrides: list[str]) -> Loaded:
                       cache=cfg.get("cache"), report=cfg.get("report"))
     root.model, tracer = resolve_model_source(root.model)  # model.source: analytic, or a traced model
     _check(root)
-    return Loaded(problem=_problem(root, tracer), config=root,
-                  overrides=tuple(o for o in overrides if not o.startswith(("out=", "report="))))
+    kept = tuple(o for o in overrides if not o.startswith(("out=", "report=")))
+    if root.cluster.nodes is None and _allocated_nodes(root.cluster) is not None:
+        # SLURM's node list, so that the overrides rebuild the problem outside the job too (explain, sweep)
+        kept += (f"cluster.nodes={os.environ['SLURM_JOB_NODELIST']}",)
+    return Loaded(problem=_problem(root, tracer), config=root, overrides=kept)
 
 
 def _compose(overrides: list[str]):
@@ -400,6 +403,9 @@ def _check_cluster(c: ClusterConfig) -> int:
     if nodes is not None:
         return _devices_of_nodes(c, nodes)
     if c.failed_nodes is not None and c.topology_conf is None:
+        if os.environ.get("SLURM_JOB_NODELIST") and c.topology == "hierarchical":
+            # SLURM's nodes were set aside for a cluster.num_devices of another size: the error says which size
+            return _devices_of_nodes(c, expand(os.environ["SLURM_JOB_NODELIST"], key="SLURM_JOB_NODELIST"))
         raise NestError(f"cluster.failed_nodes={c.failed_nodes}: the allocation's nodes are unnamed; give "
                         "cluster.nodes (or cluster.topology_conf) to say which of them failed")
     if c.num_devices is not None:  # the levels are rescaled to it
@@ -419,9 +425,14 @@ def _allocated_nodes(c: ClusterConfig) -> list[str] | None:
     if nodelist is None or c.topology != "hierarchical":
         return None
     nodes = expand(nodelist, key="SLURM_JOB_NODELIST")
-    if c.num_devices is not None and c.num_devices != len(nodes) * _devices_per_node(c):
+    if c.num_devices is not None and c.num_devices != len(_working_nodes(c, nodes)) * _devices_per_node(c):
         return None
     return nodes
+
+
+def _nodes_key(c: ClusterConfig) -> str:
+    """Where the allocated nodes came from, as an error names it."""
+    return f"cluster.nodes={c.nodes}" if c.nodes is not None else f"SLURM_JOB_NODELIST={os.environ.get('SLURM_JOB_NODELIST')}"
 
 
 def _devices_per_node(c: ClusterConfig) -> int:
@@ -431,20 +442,21 @@ def _devices_per_node(c: ClusterConfig) -> int:
 
 
 def _devices_of_nodes(c: ClusterConfig, nodes: list[str]) -> int:
+    key = _nodes_key(c)
     if c.topology != "hierarchical":
-        raise NestError(f"cluster.nodes={c.nodes}: cluster {c.name} is a {c.topology}, whose chips are not named "
-                        "nodes; use cluster.num_devices")
+        raise NestError(f"{key}: cluster {c.name} is a {c.topology}, whose chips are not named nodes; use "
+                        "cluster.num_devices")
     if len(set(nodes)) != len(nodes):
         twice = next(n for i, n in enumerate(nodes) if n in nodes[:i])
-        raise NestError(f"cluster.nodes={c.nodes}: node {twice} is listed twice")
+        raise NestError(f"{key}: node {twice} is listed twice")
     working = _working_nodes(c, nodes)
     devices = len(working) * _devices_per_node(c)
+    names = f"names {len(nodes)} nodes" + (f", {len(working)} of them working," if len(working) < len(nodes) else "")
     if c.num_devices is not None and c.num_devices != devices:
-        names = f"names {len(nodes)} nodes" + (f", {len(working)} of them working," if len(working) < len(nodes) else "")
-        raise NestError(f"cluster.num_devices={c.num_devices}, but cluster.nodes={c.nodes} {names} "
+        raise NestError(f"cluster.num_devices={c.num_devices}, but {key} {names} "
                         f"of {_devices_per_node(c)} devices = {devices}; give one of them")
     if devices > MAX_DEVICES:
-        raise NestError(f"cluster.nodes={c.nodes}: {len(nodes)} nodes = {devices} devices; allowed 1..{MAX_DEVICES}")
+        raise NestError(f"{key} {names} of {_devices_per_node(c)} devices = {devices}; allowed 1..{MAX_DEVICES}")
     return devices
 
 
@@ -473,12 +485,12 @@ def _allocation(c: ClusterConfig, topology: Topology) -> Topology:
         return replace(allocated, allocation=slurm_tree.allocation_topology(topology, tree, nodes, source=source))
     if nodes is None:
         return topology.rescaled(c.num_devices) if c.num_devices is not None else topology
+    allocated = replace(topology.rescaled(len(nodes) * topology.devices_per_node), hosts=tuple(nodes))
     working = _working_nodes(c, nodes)
-    planned = replace(topology.rescaled(len(working) * topology.devices_per_node), hosts=tuple(working))
     if len(working) == len(nodes):
-        return planned
-    return replace(planned, allocation=replace(topology.rescaled(len(nodes) * topology.devices_per_node),
-                                               hosts=tuple(nodes)))
+        return allocated
+    # The failed nodes leave holes: the others keep their units (the tree the report draws).
+    return replace(without_hosts(allocated, set(nodes) - set(working)), allocation=allocated)
 
 
 def _working_nodes(c: ClusterConfig, nodes: list[str]) -> list[str]:

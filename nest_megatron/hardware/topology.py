@@ -142,6 +142,24 @@ def partial_tree(topology: Topology, num_nodes: int, *, top: int) -> Topology:
     return irregular(topology, tuple(children))
 
 
+def without_hosts(topology: Topology, gone: set[str]) -> Topology:
+    """`topology` (with named hosts) less the hosts in `gone`: every other host stays in its units, which shrink,
+    and a unit left empty is dropped (a failed node's scalable unit holds one node fewer; the others do not move)."""
+    per, h = topology.devices_per_node, topology.host_level
+    kept = [i for i, name in enumerate(topology.hosts) if name not in gone]
+    children = [(lv.fan_out,) * (len(kept) * per // topology.unit_size(lvl))
+                for lvl, lv in enumerate(topology.levels[: h + 1])]
+    below = np.arange(len(kept))  # the unit of each kept host at the level below: itself at first
+    for level in range(h + 1, len(topology.levels)):
+        units = topology.unit_of(level, np.asarray(kept) * per)
+        # per unit of this level, in order, the distinct units of the level below that are left in it
+        starts = np.flatnonzero(np.diff(units, prepend=-1))
+        new_below = np.flatnonzero(np.diff(below, prepend=-1))
+        children.append(tuple(np.diff(np.searchsorted(new_below, [*starts, len(kept)])).tolist()))
+        below = units
+    return irregular(topology, tuple(children), tuple(topology.hosts[i] for i in kept))
+
+
 def irregular(topology: Topology, children: tuple[tuple[int, ...], ...], hosts: tuple[str, ...] | None = None) -> Topology:
     """`topology`'s lowest len(children) levels over the tree `children`; each level's fan_out becomes its
     largest unit's, as the report draws it."""

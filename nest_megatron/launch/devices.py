@@ -126,9 +126,14 @@ def resolve(*, nnodes=None, nproc_per_node=None, node_rank=None, master_addr=Non
 
 
 def _slurm(env: dict[str, str]) -> Devices | None:
-    """The allocation SLURM describes, or None outside SLURM (no SLURM_JOB_NODELIST / SLURM_NNODES)."""
+    """The allocation SLURM describes, or None outside SLURM (no SLURM_JOB_NODELIST / SLURM_NNODES). Inside an
+    srun step, the step's nodes (SLURM_STEP_NODELIST, whose SLURM_NODEID it counts): `srun --exclude` of a failed
+    node runs on fewer nodes than the job has."""
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     nnodes = env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES")
+    step = env.get("SLURM_STEP_NODELIST")
+    if step and str(len(expand_nodelist(step))) == (env.get("SLURM_STEP_NUM_NODES") or nnodes):
+        nodelist = step
     if nodelist is None and nnodes is None:
         return None
     if nodelist is None:

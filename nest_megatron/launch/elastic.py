@@ -51,6 +51,18 @@ def node_range(text: str | None) -> tuple[int, int] | None:
     return None if low == high else (int(low), int(high))
 
 
+# Keys that name an allocation's nodes: an elastic job plans by node count, whichever nodes the rendezvous brings.
+NODE_KEYS = ("cluster.nodes", "cluster.failed_nodes", "cluster.topology_conf")
+
+
+def check_overrides(overrides: list[str], nnodes: str) -> None:
+    """One line for a key that names nodes: the rendezvous says how many nodes are present, not which."""
+    named = next((o for o in overrides if o.partition("=")[0] in NODE_KEYS), None)
+    if named is not None:
+        raise NestError(f"--nnodes {nnodes} with {named}: an elastic job is planned by node count, whichever nodes the "
+                        "rendezvous brings (a lost node is replanned without naming it); drop it")
+
+
 def check_resume_argv(script_args: list[str], nnodes: str) -> None:
     """An elastic job continues from its last checkpoint after each rendezvous: the argv saves one periodically
     and loads it back, in the format Megatron reshards across TP / PP / DP (torch_dist)."""
@@ -146,7 +158,8 @@ def plan_sizes(plan_one, low: int, high: int, nnodes: str) -> list[tuple[Prepare
             prepared = plan_one(nodes)
             out.append((prepared, entry(prepared, nodes)))
         except NestError as err:
-            raise type(err)(f"--nnodes {nnodes}: {nodes} node(s) cannot be planned on all their devices: {err}") from None
+            every = " on all their devices" if "no launchable configuration" in str(err) else ""
+            raise type(err)(f"--nnodes {nnodes}: {nodes} node(s) cannot be planned{every}: {err}") from None
     return out
 
 

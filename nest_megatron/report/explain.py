@@ -235,7 +235,7 @@ def draw_figures(data: ReportData, out: Path, *, step: Callable[[str], None] = l
                                             path=out / "placement.png",
                                             title=f"Placement on {plan.cluster}: {plan.num_devices} devices, "
                                                   f"coloured by pipeline stage"
-                                                  + (f"; {len(plan.failed_hosts)} failed node(s) planned around"
+                                                  + (f"\n{len(plan.failed_hosts)} failed node(s) planned around"
                                                      if plan.failed_hosts else ""))
     return drawn
 
@@ -276,8 +276,8 @@ def render_html(data: ReportData, out: Path) -> str:
                    f"{plan.search['time_s']:.2f} s"],
     ]
     if plan.idle_devices or plan.failed_hosts:
-        summary.insert(1, ["allocation", f"{plan.num_devices - plan.idle_devices} of {plan.num_devices} devices run "
-                                         f"ranks, {plan.idle_devices} idle"
+        summary.insert(1, ["allocation", f"{plan.num_devices - plan.idle_devices} of the {plan.num_devices} working "
+                                         f"devices run ranks, {plan.idle_devices} idle"
                                          + (f"; failed nodes, planned around: {', '.join(plan.failed_hosts)}"
                                             if plan.failed_hosts else "")])
     tl = data.timeline

@@ -123,10 +123,10 @@ def searched_worlds(problem: Problem, solver: SolverConfig, pins: PlanChoice, *,
                     any_split: bool = False) -> list[int]:
     """The device counts the search runs configurations on: `launchable_world`, and, when its host count is
     awkward, the largest host counts below it of the form 2^k x m for each m of ODD_PARTS. Batches and TP are
-    powers of two, so the odd part of a world is the pipeline's: 37 nodes fill only with 37 stages (2 layers
-    each, a third of the FLOPs lost to the bubble and transfers), and 15 nodes with 15, where 32 or 36 nodes
-    (PP 9), or 8 or 12 (PP 3), can be faster; the cost model picks. A host count whose odd part is in
-    ODD_PARTS (the usual cluster: a power of two) searches one world. With solver.allow_idle false, only
+    powers of two, so the odd part of a world is the pipeline's: 15 nodes fill only with 15 stages (2 layers
+    each for a 32-layer model, much of the step lost to the bubble and transfers), where 8 (no pipeline), 12
+    (PP 3), 10 (PP 5) or 14 nodes (PP 7) can be faster; the cost model picks. A host count whose odd part is
+    in ODD_PARTS (the usual cluster: a power of two) searches one world. With solver.allow_idle false, only
     every device."""
     if not solver.allow_idle:
         every = next(candidates(problem, solver, pins, micro_batch_size=micro_batch_size, any_split=any_split), None)

@@ -17,6 +17,8 @@ from nest_megatron.report.plots import new_figure, save
 
 IDLE, FAILED = -1, -2  # stage_of_device for a device that runs nothing, and for one on a failed node
 FAILED_COLOUR = "#E8A0A0"
+HOST_FILL = {"failed": "#F6DADA", "idle": "#E4E4E4"}  # the box of a host that runs nothing
+HOST_HATCH = {"failed": "xx", "idle": "///"}
 PITCH = 1.15  # distance between device centres; a device is a unit square
 MAX_DEVICES = 2048  # above this, the first top-level units up to this many devices are drawn
 TARGET_ASPECT = 2.0  # width : height of a unit's grid of children
@@ -138,22 +140,27 @@ def draw(topology: Topology, *, stage_of_device: list[int], groups: list[GroupMa
     ax.axis("off")
 
     unit_font = 7 if len(boxes) < 200 else 5
-    first = np.concatenate(([0], np.cumsum(topology.unit_sizes(0))))  # first device of each level-0 unit
+    host = topology.host_level
+    first = np.concatenate(([0], np.cumsum(topology.unit_sizes(host))))  # first device of each host
     for level, index, x, y, w, h in boxes:
+        # A host that runs nothing is filled: hatched grey when idle, cross-hatched red when it failed.
+        stages = {stage_of_device[d] for d in range(first[index], min(first[index + 1], total))} if level == host else {0}
+        state = "failed" if stages == {FAILED} else "idle" if max(stages) < 0 else ""
+        name = topology.hosts[index] if topology.hosts and level == host else f"{level_names[level]} {index}"
+        colour = "#A03030" if state == "failed" else "#606060"
         if level == 0:
-            stages = {stage_of_device[d] for d in range(first[index], min(first[index + 1], total))}
-            state = "failed" if stages == {FAILED} else "idle" if max(stages) < 0 else ""
-            ax.add_patch(Rectangle((x, y), w, h, facecolor={"failed": "#F6DADA", "idle": "#E4E4E4"}.get(state, "#FAFAFA"),
+            # inside a host of several level-0 units (host_level > 0), the host's fill shows through
+            ax.add_patch(Rectangle((x, y), w, h, facecolor=HOST_FILL.get(state, "#FAFAFA" if host == 0 else "none"),
                                    edgecolor="#C04040" if state == "failed" else "#9A9A9A", linewidth=0.6,
-                                   hatch={"failed": "xx", "idle": "///"}.get(state)))
+                                   hatch=HOST_HATCH.get(state)))
             if len(boxes) <= 64:
-                name = topology.hosts[index] if topology.hosts and topology.host_level == 0 else f"{level_names[0]} {index}"
-                ax.text(x + w - 0.25, y + h / 2, f"{name} {state}".strip(), fontsize=unit_font - 1,
-                        va="center", ha="center", color="#A03030" if state == "failed" else "#606060", rotation=90)
+                ax.text(x + w - 0.25, y + h / 2, name, fontsize=unit_font - 1, va="center", ha="center", color=colour,
+                        rotation=90)
         else:
-            ax.add_patch(Rectangle((x, y), w, h, facecolor="none", edgecolor="#505050", linewidth=0.6 + 0.5 * level))
-            ax.text(x + 0.3, y + 0.25, f"{level_names[level]} {index}", fontsize=unit_font + level, va="top",
-                    ha="left", color="#303030")
+            ax.add_patch(Rectangle((x, y), w, h, facecolor=HOST_FILL.get(state, "none"), edgecolor="#505050",
+                                   linewidth=0.6 + 0.5 * level, hatch=HOST_HATCH.get(state)))
+            ax.text(x + 0.3, y + 0.25, name, fontsize=unit_font + level, va="top", ha="left",
+                    color=colour if level == host else "#303030")
     num_stages = max(stage_of_device) + 1
     colours = stage_colours(num_stages)
     for d, (x, y) in enumerate(positions):
@@ -186,8 +193,9 @@ def draw(topology: Topology, *, stage_of_device: list[int], groups: list[GroupMa
         handles.append(Patch(facecolor="none", edgecolor="none", label=f"... stages 20-{num_stages - 1} (viridis)"))
     if IDLE in stage_of_device:
         handles.append(Patch(facecolor="white", edgecolor="#707070", label="idle"))
+        handles.append(Patch(facecolor=HOST_FILL["idle"], edgecolor="#9A9A9A", hatch=HOST_HATCH["idle"], label="idle node"))
     if FAILED in stage_of_device:
-        handles.append(Patch(facecolor=FAILED_COLOUR, edgecolor="#C04040", label="failed node"))
+        handles.append(Patch(facecolor=FAILED_COLOUR, edgecolor="#C04040", hatch=HOST_HATCH["failed"], label="failed node"))
     if shown < total:
         title += f"\n(showing the first {shown} of {total} devices)"
     ax.set_title(title, fontsize=12, loc="left")
