@@ -46,8 +46,9 @@ def megatron_args(ckpt: Path, train_iters: int = TRAIN_ITERS) -> list[str]:
             "--save", str(ckpt), "--load", str(ckpt), "--save-interval", str(SAVE_INTERVAL)]
 
 
-def run_launch(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([*LAUNCH, *CLUSTER, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def run_launch(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*LAUNCH, *CLUSTER, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
 
 
 PLAN_LINE = re.compile(r"^nest-megatron: elastic, (\d) node\(s\): tp=(\d+) pp=(\d+) dp=(\d+) .* mbs=(\d+) x (\d+) "
@@ -66,6 +67,11 @@ def test_dry_run_plans_every_node_count_and_prints_the_elastic_agent():
     for tp, pp, dp, mbs, micro, gbs in plans.values():
         assert gbs == GLOBAL_BATCH and micro == GLOBAL_BATCH // (mbs * dp)  # the batch is kept, the micro-batches follow
     command = result.stdout.strip().splitlines()[-1]
+    # Inside a SLURM job the same: the rendezvous, not SLURM's node list, decides the nodes of each plan.
+    inside = run_launch(["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-endpoint", "127.0.0.1:29400", "--dry-run",
+                         "--", "scripts/pretrain_gpt.py", *megatron_args(Path("/tmp/ckpt"))],
+                        env={"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_NNODES": "3", "SLURM_NODEID": "0"})
+    assert inside.returncode == 0 and inside.stdout == result.stdout, inside.stderr
     assert command.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 2:3 --nproc-per-node 1 --rdzv-backend c10d "
                               "--rdzv-endpoint 127.0.0.1:29400 --rdzv-id nest-")
     assert command.endswith("-m nest_megatron.launch.elastic_worker RUN_DIR")

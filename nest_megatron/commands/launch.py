@@ -17,6 +17,8 @@ import argparse
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from nest_megatron.commands.common import fail, stdout_console
@@ -173,6 +175,17 @@ def _launch(args: argparse.Namespace) -> int:
     return execute(prepared, dry_run=args.dry_run, command="launch")
 
 
+@contextmanager
+def without_env(name: str) -> Iterator[None]:
+    """The environment variable `name` unset for the block, then as it was."""
+    saved = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
 def _elastic(args: argparse.Namespace, script: str, script_args: list[str], span: tuple[int, int]) -> int:
     """--nnodes MIN:MAX: every node count planned and checked before torchrun's elastic agent starts."""
     try:
@@ -190,8 +203,10 @@ def _elastic(args: argparse.Namespace, script: str, script_args: list[str], span
         pins = args.pin.split(",") if args.pin else []
         # torchrun starts a worker on every device of every node present: plans that use them all.
         overrides = [*ELASTIC_OVERRIDES, *args.overrides]
-        sized_plans = plan_sizes(lambda n: prepare(overrides=overrides, script=script, script_args=script_args,
-                                                   devices=sized(devices, n), pins=pins), *span, args.nnodes)
+        # Nor does the planner take SLURM's node list for the allocation (load() would, inside a job).
+        with without_env("SLURM_JOB_NODELIST"):
+            sized_plans = plan_sizes(lambda n: prepare(overrides=overrides, script=script, script_args=script_args,
+                                                       devices=sized(devices, n), pins=pins), *span, args.nnodes)
         entries = [e for _, e in sized_plans]
         check_resumable(entries, script_args)
         run_dir = Path(args.run_dir or (tempfile.mkdtemp(prefix="nest-elastic-") if not args.dry_run else "RUN_DIR"))
