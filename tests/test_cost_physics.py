@@ -25,10 +25,11 @@ from nest_megatron.cost.layer import (
     permutation_elements,
     quantisation_bytes,
 )
-from nest_megatron.cost.memory import OPTIMIZER_STATE_BYTES, model_state_bytes
+from nest_megatron.cost.memory import model_state_bytes
 from nest_megatron.cost.placement import compute_spans
 from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.tables import stage_sums
+from nest_megatron.fidelity.published import OPTIMIZERS
 from nest_megatron.hardware.topology import Level, Topology
 from nest_megatron.model.spec import Gemm, Numerics
 from nest_megatron.parallel.config import ParallelConfig
@@ -157,7 +158,8 @@ def test_optimizer_state_bytes_of_each_implementation():
     # Megatron's distributed optimizer: fp32 master + two fp32 moments = 12 B; NeMo 1.x's Apex
     # DistributedFusedAdam keeps the master's 16 low bits only (2 + 4 + 4 = 10), and with optim.dtype
     # bf16 two bf16 moments and no master (2 + 2 = 4)
-    assert OPTIMIZER_STATE_BYTES == {"megatron": 12, "apex_remainders": 10, "apex_bf16": 4}
+    assert {name: Numerics(optimizer_dtypes=d).optimizer_state_bytes for name, d in OPTIMIZERS.items()} == \
+        {"megatron": 12, "apex_remainders": 10, "apex_bf16": 4}
     # 1,000 parameters, distributed optimizer over 4: bf16 weights 2,000, fp32 grads 4,000, state 10 x 250
     assert model_state_bytes(1000, zero=1, shards=4, optimizer_bytes=10) == (2000, 4000, 2500)
     assert model_state_bytes(1000, zero=0, shards=4, optimizer_bytes=4) == (2000, 4000, 4000)
@@ -168,7 +170,8 @@ def test_optimizer_state_bytes_of_each_implementation():
     problem = Problem(model=m, accelerator=accelerator(), topology=Topology("t", (Level("node", 2, 100e9, 1e-6),)),
                       global_batch_size=2)
     megatron = estimate(problem, ParallelConfig(dp=2, zero=1))
-    apex = estimate(dataclasses.replace(problem, optimizer_state_bytes=4), ParallelConfig(dp=2, zero=1))
+    apex_model = dataclasses.replace(m, numerics=Numerics(optimizer_dtypes=OPTIMIZERS["apex_bf16"]))
+    apex = estimate(dataclasses.replace(problem, model=apex_model), ParallelConfig(dp=2, zero=1))
     # P = 231,168 parameters (two layers of 49,984, embedding and output layer of 65,536 + 128 and 65,536),
     # half of each shard on a device: 12 P / 2 against 4 P / 2 bytes
     params = 2 * 49_984 + 65_536 + 128 + 65_536

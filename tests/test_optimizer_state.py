@@ -107,3 +107,18 @@ def test_nemo_and_bridge_overrides_carry_it_or_say_they_cannot():
     lowered = api.evaluate([*BASE, *AWARE, "plan.zero=1", "train.exp_avg_dtype=bf16"])
     with pytest.raises(NestError, match=r"^the plan keeps the optimizer state in bf16 \(--exp-avg-dtype\), which NeMo"):
         nemo_overrides(lowered)
+
+
+def test_the_search_checks_memory_with_the_same_state():
+    # The same pinned layout priced by evaluate with fp32 and with bf16 moments; on a device whose memory lies
+    # between the two peaks the search finds the lowered plan and nothing without it (its memory check reads
+    # the model's optimizer state as evaluate does).
+    pinned = [*BASE, "plan.tp=1", "plan.pp=1", "plan.cp=1", "plan.zero=1", "plan.mbs=1", "plan.recompute=none"]
+    lowered = [*AWARE, "train.exp_avg_dtype=bf16", "train.exp_avg_sq_dtype=bf16"]
+    fp32 = api.evaluate(pinned).predicted["peak_memory_gib"]
+    bf16 = api.evaluate([*pinned, *lowered]).predicted["peak_memory_gib"]
+    assert bf16 < fp32
+    between = [f"cluster.device_memory_gib={(fp32 + bf16) / 2}"]
+    assert api.plan([*pinned, *lowered, *between]).predicted["peak_memory_gib"] == pytest.approx(bf16)
+    with pytest.raises(NestError, match="fits"):
+        api.plan([*pinned, *AWARE, *between])

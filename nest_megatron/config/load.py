@@ -631,7 +631,6 @@ def _problem(root: RootConfig, tracer=None) -> Problem:
                         optimizer_dtypes=dtypes)
     return Problem(
         model=ModelSpec(root.model, tracer=tracer, numerics=numerics),
-        optimizer_state_bytes=numerics.optimizer_state_bytes,
         accelerator=accelerator_from_config(root.accelerator, memory_gib=root.cluster.device_memory_gib),
         topology=topology,
         global_batch_size=t.global_batch_size,

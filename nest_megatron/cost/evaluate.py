@@ -112,12 +112,18 @@ def context(problem: Problem, cfg: ParallelConfig, *, rank_to_device: np.ndarray
             compute: ComputeModel | None = None) -> Context:
     compute = compute or problem.compute_model
     spans, net = groups_and_network(problem, cfg, rank_to_device)
-    copies = (dispatch_copies(problem.model, cfg.ep, dispatcher=problem.moe_dispatcher, router=problem.moe_router)
-              if problem.model.is_moe else None)
-    costs = layer_costs(problem.model, cfg, spans=spans, net=net, compute=compute, tp_comm_overlap=problem.tp_comm_overlap,
-                        ep_copies=copies, dispatcher=problem.moe_dispatcher, permute_fusion=problem.moe_permute_fusion)
+    costs = layer_costs(problem.model, cfg, spans=spans, net=net, compute=compute, **layer_options(problem, cfg))
     return Context(problem, cfg, spans, net, compute, costs, num_microbatches(cfg, problem.global_batch_size),
                    rank_to_device)
+
+
+def layer_options(problem: Problem, cfg: ParallelConfig) -> dict:
+    """What the problem says of how a layer runs, as `layer.layer_time`'s keywords: the same for `evaluate` and
+    the search's bounds."""
+    copies = (dispatch_copies(problem.model, cfg.ep, dispatcher=problem.moe_dispatcher, router=problem.moe_router)
+              if problem.model.is_moe else None)
+    return {"tp_comm_overlap": problem.tp_comm_overlap, "ep_copies": copies, "dispatcher": problem.moe_dispatcher,
+            "permute_fusion": problem.moe_permute_fusion}
 
 
 def uniform_split(num_layers: int, pp: int) -> tuple[int, ...]:
@@ -187,8 +193,7 @@ def fits_in(ctx: Context, split: tuple[int, ...]) -> bool:
     for stage in range(cfg.pp):
         memory = memory_of_rank(problem.model, cfg, stage_sums(ctx.costs, cfg, tuple(split), stage), stage=stage,
                                 num_microbatches=ctx.num_microbatches,
-                                reserved_bytes=problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt,
-                                optimizer_bytes=problem.optimizer_state_bytes)
+                                reserved_bytes=problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt)
         if memory.total > problem.accelerator.memory_bytes:
             return False
     return True
@@ -196,8 +201,7 @@ def fits_in(ctx: Context, split: tuple[int, ...]) -> bool:
 
 def _memory_in(ctx: Context, sums: list[StageSums]) -> tuple:
     return memory_per_stage(ctx.problem.model, ctx.cfg, sums, num_microbatches=ctx.num_microbatches,
-                            reserved_bytes=ctx.problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt,
-                            optimizer_bytes=ctx.problem.optimizer_state_bytes)
+                            reserved_bytes=ctx.problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt)
 
 
 def stage_parts(ctx: Context, sums: StageSums, *, stage: int) -> dict:
@@ -345,5 +349,5 @@ def after_pipeline(ctx: Context, sums: StageSums, *, first: bool, last: bool) ->
         tied = p2p_time(max(spans.pp_boundary_level), words, net)
     shards = cfg.dp * cfg.cp if cfg.zero >= 1 else 1
     expert_shards = cfg.expert_dp if cfg.zero >= 1 else 1
-    optimizer = ctx.compute.memory_time(adam_step_bytes(problem.optimizer_state_bytes) * (dense / shards + expert / expert_shards))
+    optimizer = ctx.compute.memory_time(adam_step_bytes(problem.model.numerics.optimizer_state_bytes) * (dense / shards + expert / expert_shards))
     return {"dp_grad_sync": grad + tied, "dp_param_gather": param, "optimizer": optimizer}

@@ -10,10 +10,9 @@ and Adam with fp32 master weights:
   zero 3  Megatron-FSDP optim_grads_params     (2 + 4 + 12)/D, plus the gathered bf16 weights of
                                                the layer being computed and the one prefetched
 
-The optimizer's 12 B (fp32 master weight and moments, Megatron's distributed optimizer) is
-`optimizer_bytes`, which other optimizers change (`OPTIMIZER_STATE_BYTES`): NeMo 1.x's Apex
-DistributedFusedAdam keeps only the 16 low bits of each fp32 master weight next to the bf16 weight
-(2 + 8 = 10 B), and with its optim.dtype bf16 no master weight and bf16 moments (4 B).
+The optimizer's 12 B (fp32 master weight and moments, Megatron's distributed optimizer) is the
+model's `numerics.optimizer_state_bytes`, which the precision-aware optimizer lowers (model/spec.py:
+its fp32 master kept as the 16 low bits beside the bf16 weight, moments in the dtypes given).
 
 D is the width of the group the state is sharded over: dp x cp for dense parameters, the
 expert-data-parallel width for expert parameters. With fp8 GEMMs each local layer's linears also
@@ -37,16 +36,7 @@ from nest_megatron.cost.tables import StageSums
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 
-GRAD_FP32, ADAM_FP32 = 4, 12  # main gradient; master weight + two moments
-# Optimizer state per parameter (master weight + Adam's two moments), by implementation:
-# - megatron: Megatron's distributed optimizer, fp32 master and moments (4 + 4 + 4).
-# - apex_remainders: NeMo 1.x's distributed_fused_adam (Apex DistributedFusedAdam) under bf16 O2 training
-#   with the default optim.dtype fp32: store_params=False, store_param_remainders=True, the fp32 master
-#   weight rebuilt from the bf16 weight and its 16 low bits (2 + 4 + 4; NeMo v1.23.0
-#   nemo/collections/nlp/models/language_modeling/megatron_base_model.py:744-750, v2.0.0 :797-812).
-# - apex_bf16: the same with optim.dtype bf16 (optim_dtype == model_dtype: store_params=False): bf16
-#   moments and no master copy (0 + 2 + 2), as launcher conf nemotron/nemotron_340b.yaml:158-162 at 24.07.
-OPTIMIZER_STATE_BYTES = {"megatron": 12, "apex_remainders": 10, "apex_bf16": 4}
+GRAD_FP32, ADAM_FP32 = 4, 12  # main gradient; master weight + two moments (Megatron's optimizers)
 FP8_WEIGHT_COPY_BYTES = 2  # an fp8 weight and its transpose, per parameter of a linear
 
 
@@ -113,8 +103,7 @@ def stage_memory(
     last: bool,
     in_flight: int,
     reserved_bytes: float,
-    act_rebuilt: float,
-    optimizer_bytes: float = ADAM_FP32,
+    act_rebuilt: float
 ) -> StageMemory:
     """Memory of one device of a pipeline rank whose layers `sums` adds up (with the embedding if
     `first`, the output layer if `last`), holding `in_flight` chunks (`in_flight_chunks`); every
@@ -122,6 +111,7 @@ def stage_memory(
     dense = sums.dense_params + (model.embedding_params(cfg.tp) if first else 0)
     dense = dense + (model.output_params(tp=cfg.tp, pp=cfg.pp) if last else 0)
     grad_bytes = model.numerics.grad_bytes
+    optimizer_bytes = model.numerics.optimizer_state_bytes
     w, g, o = model_state_bytes(dense, zero=cfg.zero, shards=cfg.dp * cfg.cp, grad_bytes=grad_bytes,
                                 optimizer_bytes=optimizer_bytes)
     ew, eg, eo = model_state_bytes(sums.expert_params, zero=cfg.zero, shards=cfg.expert_dp, grad_bytes=grad_bytes,
@@ -149,19 +139,18 @@ def memory_per_stage(
     num_microbatches: int,
     reserved_bytes: float,
     act_rebuilt: float,
-    optimizer_bytes: float = ADAM_FP32,
 ) -> tuple[StageMemory, ...]:
     """Memory of every pipeline rank, whose layers `sums[i]` adds up, under 1F1B or interleaving."""
     return tuple(
         memory_of_rank(model, cfg, s, stage=i, num_microbatches=num_microbatches, reserved_bytes=reserved_bytes,
-                       act_rebuilt=act_rebuilt, optimizer_bytes=optimizer_bytes)
+                       act_rebuilt=act_rebuilt)
         for i, s in enumerate(sums)
     )
 
 
 def memory_of_rank(model: ModelSpec, cfg: ParallelConfig, sums: StageSums, *, stage: int, num_microbatches: int,
-                   reserved_bytes: float, act_rebuilt: float, optimizer_bytes: float = ADAM_FP32) -> StageMemory:
+                   reserved_bytes: float, act_rebuilt: float) -> StageMemory:
     """Memory of pipeline rank `stage`, whose layers `sums` adds up, under 1F1B or interleaving."""
     return stage_memory(model, cfg, sums, first=stage == 0, last=stage == cfg.pp - 1,
                         in_flight=in_flight_chunks(cfg, stage=stage, num_microbatches=num_microbatches),
-                        reserved_bytes=reserved_bytes, act_rebuilt=act_rebuilt, optimizer_bytes=optimizer_bytes)
+                        reserved_bytes=reserved_bytes, act_rebuilt=act_rebuilt)

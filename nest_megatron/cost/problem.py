@@ -19,11 +19,6 @@ class Problem:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     tp_comm_overlap: bool = False  # --tp-comm-overlap: TP collectives overlapped with the GEMMs (userbuffers)
-    # Optimizer state per parameter (master weight + moments): 12 for Megatron's distributed optimizer;
-    # config/load.py sets it from train.precision_aware_optimizer and its dtypes
-    # (Numerics.optimizer_state_bytes), the fidelity bench to NeMo 1.x's Apex optimizer's
-    # (memory.OPTIMIZER_STATE_BYTES).
-    optimizer_state_bytes: float = 12
     # The MoE token dispatcher (alltoall: Megatron's; allgather: megatron-core 0.7's default; deepep:
     # DeepEP) and the router whose choices set
     # how many ranks a token goes to under DeepEP (learned | fake_balanced): layer.dispatch_copies.

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 
 from nest_megatron.config.load import load
 from nest_megatron.cost.evaluate import Estimate, estimate
-from nest_megatron.cost.memory import OPTIMIZER_STATE_BYTES
 from nest_megatron.cost.problem import Problem
-from nest_megatron.fidelity.published import Row
+from nest_megatron.fidelity.published import OPTIMIZERS, Row
 from nest_megatron.hardware.accelerator import GIB
 from nest_megatron.solver.space import evaluate_config
 
@@ -53,7 +52,9 @@ def evaluate_row(row: Row, *, accelerator: dict | None = None) -> RowResult:
     for recompute in recompute_chain(row):
         overrides = [o for o in row.overrides if not o.startswith("plan.recompute=")] + [f"plan.recompute={recompute}"]
         loaded = load(overrides)
-        problem = dataclasses.replace(loaded.problem, optimizer_state_bytes=OPTIMIZER_STATE_BYTES[row.optimizer],
+        model = loaded.problem.model
+        numerics = dataclasses.replace(model.numerics, optimizer_dtypes=OPTIMIZERS[row.optimizer])
+        problem = dataclasses.replace(loaded.problem, model=dataclasses.replace(model, numerics=numerics),
                                       moe_dispatcher=row.moe_dispatcher, moe_router=row.moe_router,
                                       moe_permute_fusion=row.moe_permute_fusion)
         if accelerator:

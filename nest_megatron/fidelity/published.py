@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from nest_megatron.model.spec import OptimizerDtypes
+
 CALIBRATION_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "h100_published.yaml"
 
 # What a row's table leaves out, from the recipe the run used. NeMo-Framework-Launcher rows: the
@@ -78,11 +80,20 @@ ROW_SETTINGS = {
     "launcher-24.03-LLAMA2-13B-fp8": {"layout": {"tp": 1, "pp": 4, "vp": 10, "dp": 4,
                                                  "sequence_parallel": False, "tp_comm_overlap": False}},
 }
-# Optimizer state per parameter (cost/memory.py OPTIMIZER_STATE_BYTES). Every launcher conf of these
-# rows sets optim.name distributed_fused_adam (Apex DistributedFusedAdam; the long-sequence rows: NeMo's
-# default), which NeMo 1.x builds with 16-bit master-weight remainders; nemotron_340b.yaml (24.07) also
-# sets optim.dtype bf16 (bf16 moments, no master copy). The AutoModel rows use torch.optim.Adam
-# (fp32 parameters and moments under FSDP2: 4 + 4 + 4).
+# The optimizer's state, as the dtypes of its master weight and moments (model/spec.py OptimizerDtypes; None:
+# Megatron's fp32 ones, 12 B a parameter):
+# - megatron: Megatron's distributed optimizer. The AutoModel rows' torch.optim.Adam keeps the same (fp32
+#   parameters and moments under FSDP2: 4 + 4 + 4).
+# - apex_remainders: NeMo 1.x's distributed_fused_adam (Apex DistributedFusedAdam) under bf16 O2 training
+#   with the default optim.dtype fp32: store_params=False, store_param_remainders=True, the fp32 master
+#   weight rebuilt from the bf16 weight and its 16 low bits (2 + 4 + 4; NeMo v1.23.0
+#   nemo/collections/nlp/models/language_modeling/megatron_base_model.py:744-750, v2.0.0 :797-812).
+# - apex_bf16: the same with optim.dtype bf16 (optim_dtype == model_dtype: store_params=False): bf16
+#   moments and no master copy (0 + 2 + 2), as launcher conf nemotron/nemotron_340b.yaml:158-162 at 24.07.
+# Every launcher conf of these rows sets optim.name distributed_fused_adam (the long-sequence rows: NeMo's
+# default); nemotron_340b.yaml (24.07) also sets optim.dtype bf16.
+OPTIMIZERS = {"megatron": None, "apex_remainders": OptimizerDtypes(),
+              "apex_bf16": OptimizerDtypes(main_params="none", exp_avg="bf16", exp_avg_sq="bf16")}
 NEMO_OPTIMIZER = "apex_remainders"
 OPTIMIZER_BY_MODEL = {"Nemotron-340B": "apex_bf16"}
 # The AutoModel MoE rows dispatch with DeepEP ("TE + DeepEP" in the table; enable_deepep: true in the
@@ -107,7 +118,7 @@ class Row:
     not_expressible: str | None = None  # why the cost model cannot express this row's model
     assumed: tuple[str, ...] = ()  # settings the row does not state, filled with its source's default
     recompute_stated: bool = True  # False: a recipe default; the bench falls back to selective, then full
-    optimizer: str = "megatron"  # the optimizer's state per parameter (cost/memory.py OPTIMIZER_STATE_BYTES)
+    optimizer: str = "megatron"  # the optimizer's state dtypes (OPTIMIZERS)
     moe_dispatcher: str = "alltoall"  # cost/problem.py Problem.moe_dispatcher
     moe_router: str = "learned"  # cost/problem.py Problem.moe_router
     moe_permute_fusion: bool = False  # cost/problem.py Problem.moe_permute_fusion

@@ -70,21 +70,24 @@ class Numerics:
         d = self.optimizer_dtypes
         if d is None:
             return 12
-        if d.main_params == "fp16":
-            master = 2
-        else:
+        if d.main_params == "fp32":
             master = 2 if self.fp8_recipe in (None, "delayed") else 4
+        else:
+            master = MASTER_BYTES[d.main_params]
         return master + DTYPE_BYTES[d.exp_avg] + DTYPE_BYTES[d.exp_avg_sq]
 
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+# A master weight other than fp32: fp16 (--main-params-dtype fp16), or none, the bf16 weight itself (NeMo 1.x's Apex
+# DistributedFusedAdam with optim.dtype bf16, which no Megatron-LM flag selects: the fidelity bench's rows).
+MASTER_BYTES = {"fp16": 2, "none": 0}
 
 
 @dataclass(frozen=True)
 class OptimizerDtypes:
     """The precision-aware optimizer's state dtypes (--main-params-dtype, --exp-avg-dtype, --exp-avg-sq-dtype)."""
 
-    main_params: str = "fp32"
+    main_params: str = "fp32"  # fp32 | fp16 | none (MASTER_BYTES)
     exp_avg: str = "fp32"
     exp_avg_sq: str = "fp32"
 

@@ -37,6 +37,7 @@ from nest_megatron.cost.evaluate import (
     estimate_in,
     fits_in,
     groups_and_network,
+    layer_options,
     pipeline_p2p,
     stage_body,
     uniform_split,
@@ -316,7 +317,7 @@ def lower_bound(problem: Problem, cfg: ParallelConfig) -> float:
     per_microbatch = 0.0
     for moe in set(kinds):
         lt = layer_time(problem.model, cfg=cfg, moe=moe, spans=spans, net=net, compute=compute,
-                        tp_comm_overlap=problem.tp_comm_overlap)
+                        **layer_options(problem, cfg))
         work = lt.fwd_compute + lt.bwd_compute + lt.tp_comm + lt.cp_comm + lt.ep_comm
         if cfg.recompute == "selective":
             work += lt.core_attention_fwd
