@@ -27,7 +27,7 @@ from nest_megatron.launch.devices import resolve
 from nest_megatron.launch.elastic import (
     AGENT_ENV,
     ELASTIC_OVERRIDES,
-    check_overrides,
+    check_node_keys,
     check_resumable,
     check_resume_argv,
     node_range,
@@ -192,7 +192,7 @@ def _elastic(args: argparse.Namespace, script: str, script_args: list[str], span
         if args.node_rank is not None or args.expect_plan is not None:
             raise NestError(f"--nnodes {args.nnodes} with {'--node-rank' if args.node_rank is not None else '--expect-plan'}: "
                             "an elastic job's rendezvous numbers the nodes in join order and runs one plan per node count")
-        check_overrides(args.overrides, args.nnodes)
+        check_node_keys(args.overrides, args.nnodes)
         check_resume_argv(script_args, args.nnodes)
         # The rendezvous decides the node count, not the allocation: SLURM's node variables are not read.
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}

@@ -111,13 +111,20 @@ def _zero_stages(overrides: list[str]) -> set[int] | None:
     return None
 
 
-def _sharded_optimizer(s: Scanned) -> Constraint | None:
+def _sharded_optimizer(s: Scanned, user: list[str], resume: Constraint | None) -> Constraint | None:
     """--fp8-param-gather needs a sharded optimizer (training/arguments.py:1095-1097): the distributed optimizer or
-    Megatron-FSDP, ZeRO 1-3. (--use-precision-aware-optimizer is train.precision_aware_optimizer, which the search
-    holds to ZeRO 1.)"""
-    if s.present("--fp8-param-gather"):
-        return Constraint(["solver.zero_stages=[1,2,3]"], "--fp8-param-gather (a sharded optimizer)")
-    return None
+    Megatron-FSDP, ZeRO 1-3, within the stages the user's overrides allow; one line when they, or the checkpoint to
+    resume, fix DDP. (--use-precision-aware-optimizer is train.precision_aware_optimizer, which the search holds
+    to ZeRO 1.)"""
+    if not s.present("--fp8-param-gather"):
+        return None
+    users = _zero_stages(user)
+    if (users or (_zero_stages(resume.overrides) if resume is not None else None)) == {0}:
+        source = "your overrides" if users else resume.why
+        raise NestError("--fp8-param-gather needs a sharded optimizer (ZeRO 1-3: the distributed optimizer or "
+                        f"Megatron-FSDP), but DDP (ZeRO 0) is fixed by {source}; drop one of them")
+    stages = sorted((users or {1, 2, 3}) - {0})
+    return Constraint([f"solver.zero_stages=[{','.join(map(str, stages))}]"], "--fp8-param-gather (a sharded optimizer)")
 
 
 def _even_split(s: Scanned, why: str) -> list[str]:
@@ -139,22 +146,10 @@ def argv_constraints(argv: list[str], user: list[str], *, model: ModelConfig) ->
     user_keys = _keys(user)
     out = []
     s = scan(argv)
-    resume, sharded = _resume(argv, s, model), _sharded_optimizer(s)
-    if sharded is not None:
-        users = _zero_stages(user)
-        stages = users or (_zero_stages(resume.overrides) if resume is not None else None)
-        if stages == {0}:
-            source = "your overrides" if users else resume.why
-            raise NestError(f"{sharded.why.partition(' (')[0]} needs a sharded optimizer (ZeRO 1-3: the distributed "
-                            f"optimizer or Megatron-FSDP), but DDP (ZeRO 0) is fixed by {source}; drop one of them")
-        if users is not None:  # the user's stages less DDP: their word, as far as the flag allows
-            sharded = Constraint([f"solver.zero_stages=[{','.join(map(str, sorted(users - {0})))}]"], sharded.why)
-            out.append(sharded)
-            sharded = None
-    for c in (resume, sharded):
-        if c is None:
-            continue
-        kept = [item for item in c.overrides if not _theirs(item, user_keys)]
+    resume = _resume(argv, s, model)
+    if resume is not None:
+        kept = [item for item in resume.overrides if not _theirs(item, user_keys)]
         if kept:
-            out.append(Constraint(kept, c.why))
-    return out
+            out.append(Constraint(kept, resume.why))
+    sharded = _sharded_optimizer(s, user, resume)  # within the user's own stages already
+    return out + ([sharded] if sharded is not None else [])

@@ -55,7 +55,7 @@ def node_range(text: str | None) -> tuple[int, int] | None:
 NODE_KEYS = ("cluster.nodes", "cluster.failed_nodes", "cluster.topology_conf")
 
 
-def check_overrides(overrides: list[str], nnodes: str) -> None:
+def check_node_keys(overrides: list[str], nnodes: str) -> None:
     """One line for a key that names nodes: the rendezvous says how many nodes are present, not which."""
     named = next((o for o in overrides if o.partition("=")[0] in NODE_KEYS), None)
     if named is not None:
