@@ -129,6 +129,7 @@ def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name
             overlap_param_gather=problem.overlap_param_gather,
             layers_per_stage=est.layers_per_stage,
             tp_comm_overlap=problem.tp_comm_overlap,
+            moe_dispatcher=problem.moe_dispatcher,
         ),
         overrides=list(overrides),
         search=search or {"solver": "evaluate", "time_s": 0.0, "configs_evaluated": 1},

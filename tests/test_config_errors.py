@@ -119,7 +119,7 @@ TRAIN_KEYS = {
     "overlap_param_gather": ("false", False), "precision": ("bf16", "bf16"), "fp8_recipe": ("tensorwise", "tensorwise"),
     "tp_comm_overlap": ("true", True), "grad_reduce_in_bf16": ("true", True), "cross_entropy_fusion": ("true", True),
     "precision_aware_optimizer": ("true", True), "main_params_dtype": ("fp16", "fp16"), "exp_avg_dtype": ("bf16", "bf16"),
-    "exp_avg_sq_dtype": ("fp8", "fp8"),
+    "exp_avg_sq_dtype": ("fp8", "fp8"), "moe_dispatcher": ("deepep", "deepep"),
 }
 SOLVER_KEYS = {
     "name": ("enumerate", "enumerate"), "micro_batch_sizes": ("[1,2]", [1, 2]), "zero_stages": ("[1]", [1]),

@@ -547,6 +547,7 @@ def _check_train_and_solver(t: TrainConfig, s: SolverConfig) -> None:
 # quantizer is the user's own code)
 PRECISIONS = ("bf16", "fp8")
 MAIN_PARAMS_DTYPES = ("fp32", "fp16")  # --main-params-dtype's choices (training/arguments.py:3673)
+MOE_DISPATCHERS = ("alltoall", "allgather", "deepep")  # train.moe_dispatcher (emit/megatron.py DISPATCHER_FLAGS)
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
 
@@ -556,6 +557,7 @@ def _check_precision(t: TrainConfig, a: AcceleratorConfig) -> None:
     _one_of("train.precision", t.precision, PRECISIONS)
     _one_of("train.fp8_recipe", t.fp8_recipe, FP8_RECIPES)
     _one_of("train.main_params_dtype", t.main_params_dtype, MAIN_PARAMS_DTYPES)
+    _one_of("train.moe_dispatcher", t.moe_dispatcher, MOE_DISPATCHERS)
     for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
         _one_of(f"train.{key}", getattr(t, key), tuple(DTYPE_BYTES))
     lowered = [f"train.{k}={getattr(t, k)}" for k in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
@@ -637,4 +639,5 @@ def _problem(root: RootConfig, tracer=None) -> Problem:
         overlap_grad_reduce=t.overlap_grad_reduce,
         overlap_param_gather=t.overlap_param_gather,
         tp_comm_overlap=t.tp_comm_overlap,
+        moe_dispatcher=t.moe_dispatcher,
     )

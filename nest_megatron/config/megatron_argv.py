@@ -122,6 +122,8 @@ PLANNER_FLAGS: dict[str, str] = {
     "--init-model-with-meta-device": "true",  # with ZeRO-3 (emit/megatron.py ZERO_FLAGS)
     # MoE plans price the alltoall dispatcher's traffic (Megatron's default is allgather); see launch/rewrite.py
     "--moe-token-dispatcher-type": "str",
+    "--moe-flex-dispatcher-backend": "str",  # with flex (train.moe_dispatcher=deepep)
+    "--moe-enable-deepep": "true",  # megatron-core's deprecated spelling of the DeepEP backend
     # TP communication behind the GEMMs: the plan emits it with TP > 1 (and so sequence parallel) when
     # train.tp_comm_overlap, which the argv's own --tp-comm-overlap sets (train_overrides); Megatron-LM asserts
     # sequence parallel with it (arguments.py:1441-1442), and turns that off at TP 1 (:1433)
@@ -164,7 +166,7 @@ FLAG_OF_KEY |= {"train.precision": "--fp8-format", "train.fp8_recipe": "--fp8-re
                 "train.cross_entropy_fusion": "--cross-entropy-loss-fusion",
                 "train.precision_aware_optimizer": "--use-precision-aware-optimizer",
                 "train.main_params_dtype": "--main-params-dtype", "train.exp_avg_dtype": "--exp-avg-dtype",
-                "train.exp_avg_sq_dtype": "--exp-avg-sq-dtype"}
+                "train.exp_avg_sq_dtype": "--exp-avg-sq-dtype", "train.moe_dispatcher": "--moe-token-dispatcher-type"}
 FP8_FORMATS = ("e4m3", "hybrid")  # transformer_config.py:587
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")  # :594, less custom (a quantizer of the user's code)
 
@@ -423,10 +425,33 @@ def train_overrides(argv: list[str] | Scanned) -> list[str]:
     out.append(f"train.tp_comm_overlap={_hydra(s.has('--tp-comm-overlap'))}")
     out.append(f"train.grad_reduce_in_bf16={_hydra(s.has('--grad-reduce-in-bf16'))}")
     out.append(f"train.cross_entropy_fusion={_hydra(s.has('--cross-entropy-loss-fusion'))}")
+    out += _dispatcher_override(s)
     out.append(f"train.precision_aware_optimizer={_hydra(s.has('--use-precision-aware-optimizer'))}")
     for flag in ("--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype"):
         out.append(f"train.{flag[2:].replace('-', '_')}={s.get(flag, 'fp32')}")
     return out
+
+
+def _dispatcher_override(s: Scanned) -> list[str]:
+    """train.moe_dispatcher from the argv's dispatcher flags (none: the planner's choice, alltoall). megatron-core
+    raises for DeepEP without the flex dispatcher (transformer_config.py:1743-1745); the flex dispatcher's other
+    backends are not in the cost model."""
+    dispatcher = s.get("--moe-token-dispatcher-type")
+    deepep = s.has("--moe-enable-deepep")
+    if dispatcher is None and not deepep:
+        return []
+    if dispatcher != "flex":
+        if deepep:
+            raise NestError(f"--moe-enable-deepep with --moe-token-dispatcher-type {dispatcher or 'allgather (the default)'}: "
+                            "DeepEP runs only under the flex dispatcher (Megatron raises); give --moe-token-dispatcher-type flex")
+        if dispatcher not in ("alltoall", "allgather"):
+            raise NestError(f"--moe-token-dispatcher-type {dispatcher}: allowed are alltoall, allgather, flex")
+        return [f"train.moe_dispatcher={dispatcher}"]
+    backend = "deepep" if deepep else s.get("--moe-flex-dispatcher-backend", "deepep")
+    if backend != "deepep":
+        raise NestError(f"--moe-flex-dispatcher-backend {backend}: the cost model prices the flex dispatcher with "
+                        "DeepEP only; give deepep, or --moe-token-dispatcher-type alltoall / allgather")
+    return ["train.moe_dispatcher=deepep"]
 
 
 def overrides_from_argv(argv: list[str], *, name: str = "megatron_argv", family: str = "gpt",

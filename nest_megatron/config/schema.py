@@ -156,6 +156,9 @@ class TrainConfig:
     main_params_dtype: str = "fp32"  # --main-params-dtype with the precision-aware optimizer: fp32 | fp16
     exp_avg_dtype: str = "fp32"  # --exp-avg-dtype with the precision-aware optimizer: fp32 | fp16 | bf16 | fp8
     exp_avg_sq_dtype: str = "fp32"  # --exp-avg-sq-dtype with the precision-aware optimizer: fp32 | fp16 | bf16 | fp8
+    # The MoE token dispatcher (--moe-token-dispatcher-type): alltoall | allgather | deepep (flex with the DeepEP
+    # backend, --moe-flex-dispatcher-backend deepep: a token sent once to each rank that holds one of its experts).
+    moe_dispatcher: str = "alltoall"
 
 
 @dataclass

@@ -19,10 +19,10 @@ class Problem:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     tp_comm_overlap: bool = False  # --tp-comm-overlap: TP collectives overlapped with the GEMMs (userbuffers)
-    # The MoE token dispatcher (alltoall: Megatron's; allgather: megatron-core 0.7's default; deepep:
-    # DeepEP) and the router whose choices set
-    # how many ranks a token goes to under DeepEP (learned | fake_balanced): layer.dispatch_copies.
-    # No config key sets them yet; the fidelity bench sets the AutoModel rows'.
+    # The MoE token dispatcher (alltoall: Megatron's; allgather: megatron-core's default; deepep: DeepEP under
+    # the flex dispatcher), from train.moe_dispatcher; and the router whose choices set how many ranks a token
+    # goes to under DeepEP (learned | fake_balanced, AutoModel's benchmark gate, which only the fidelity bench
+    # sets): layer.dispatch_copies.
     moe_dispatcher: str = "alltoall"
     moe_router: str = "learned"
     moe_permute_fusion: bool = False  # --moe-permute-fusion: Transformer Engine's fused (un)permutation

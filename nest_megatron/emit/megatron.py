@@ -9,6 +9,13 @@ from nest_megatron.parallel.config import ParallelConfig
 # How each ZeRO stage is realised in Megatron-LM. ZeRO-3 builds the model on the meta device and lets
 # Megatron-FSDP materialise only each rank's shard (training.py get_model); else every rank first
 # allocates the whole unsharded stage, which is what ZeRO-3 was chosen to avoid.
+# train.moe_dispatcher -> its Megatron flags. DeepEP is the flex dispatcher's backend (megatron-core
+# transformer_config.py moe_flex_dispatcher_backend; its default, named so that the argv says it).
+DISPATCHER_FLAGS = {
+    "alltoall": ["--moe-token-dispatcher-type", "alltoall"],
+    "allgather": ["--moe-token-dispatcher-type", "allgather"],
+    "deepep": ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"],
+}
 # The precision-aware optimizer's dtype flags (training/arguments.py:3671-3685) -> the OptimizerDtypes field.
 OPTIMIZER_DTYPE_FLAGS = {"--main-params-dtype": "main_params", "--exp-avg-dtype": "exp_avg",
                          "--exp-avg-sq-dtype": "exp_avg_sq"}
@@ -122,6 +129,7 @@ def parallel_args(
     overlap_param_gather: bool,
     layers_per_stage: tuple[int, ...] | None = None,
     tp_comm_overlap: bool = False,
+    moe_dispatcher: str = "alltoall",
 ) -> list[str]:
     """The flags the planner owns: parallel sizes, batch, ZeRO, recompute, layout and the MoE token dispatcher."""
     args = [
@@ -133,8 +141,8 @@ def parallel_args(
     ]
     if model.is_moe:
         args += ["--expert-model-parallel-size", str(cfg.ep), "--expert-tensor-parallel-size", str(cfg.etp)]
-        # The cost model prices the alltoall dispatcher's traffic; Megatron's default is allgather.
-        args += ["--moe-token-dispatcher-type", "alltoall"]
+        # The dispatcher the cost model priced (train.moe_dispatcher); Megatron's default is allgather.
+        args += DISPATCHER_FLAGS[moe_dispatcher]
     if cfg.sp:
         args.append("--sequence-parallel")
         if tp_comm_overlap and cfg.tp > 1:  # only with sequence parallel (Megatron-LM arguments.py:1441-1442)

@@ -57,6 +57,8 @@ def bridge_overrides(plan: Plan) -> Overrides:
     if is_moe(plan):
         out["model.expert_tensor_parallel_size"] = p["etp"]
         out["model.moe_token_dispatcher_type"] = flag_value(plan, "--moe-token-dispatcher-type")  # the one priced
+        if flag_value(plan, "--moe-flex-dispatcher-backend") == "deepep":
+            out["model.moe_enable_deepep"] = True  # the spelling older megatron-core releases have too
     out |= {
         "model.sequence_parallel": bool(p["sp"]),
         "model.pipeline_model_parallel_layout": flag_value(plan, "--pipeline-model-parallel-layout"),

@@ -83,6 +83,9 @@ def nemo_overrides(plan: Plan, devices_per_node: int | None = None) -> Overrides
         out[f"{s}.expert_tensor_parallel_size"] = p["etp"]
         # the dispatcher the plan prices (megatron.core TransformerConfig, whose default is allgather)
         out["model.config.moe_token_dispatcher_type"] = flag_value(plan, "--moe-token-dispatcher-type")
+        if flag_value(plan, "--moe-flex-dispatcher-backend") == "deepep":
+            # moe_enable_deepep: the spelling older megatron-core releases have too (newer ones map it to the backend)
+            out["model.config.moe_enable_deepep"] = True
     out |= {
         f"{s}.sequence_parallel": bool(p["sp"]),
         f"{s}.pipeline_model_parallel_layout": flag_value(plan, "--pipeline-model-parallel-layout"),

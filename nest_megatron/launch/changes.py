@@ -17,7 +17,7 @@ from nest_megatron.cost.evaluate import estimate
 from nest_megatron.errors import NestError
 from nest_megatron.hardware.accelerator import GIB
 from nest_megatron.launch.megatron_rules import argv_split, name_flags, violations
-from nest_megatron.launch.rewrite import DISPATCHER, PIN_FLAGS, pinned_values
+from nest_megatron.launch.rewrite import DISPATCHER, DISPATCHER_FLAGS, PIN_FLAGS, pinned_values
 from nest_megatron.plan import Plan
 from nest_megatron.profile.for_plan import profiled_problem
 from nest_megatron.solver.space import evaluate_config
@@ -31,6 +31,7 @@ DEFAULTS = {
     "--expert-model-parallel-size": 1,
     "--ckpt-format": "torch_dist",
     DISPATCHER: "allgather",
+    "--moe-flex-dispatcher-backend": "deepep",  # megatron-core transformer_config.py moe_flex_dispatcher_backend
 }
 
 
@@ -71,11 +72,15 @@ def flag_reasons(plan_args: list[str], user: list[str]) -> dict[str, str]:
     """The flags whose change has a reason of its own (not the layout's)."""
     planned, given = scan(plan_args), scan(user)
     out = {}
-    if planned.get(DISPATCHER) is not None:
-        # The plan's wins, as the parallel sizes do, rather than a refusal: its step time, memory and choice of EP
-        # hold only for the dispatcher whose traffic the cost model prices (alltoall, also the one Megatron-LM
-        # recommends with expert parallelism); --pin cannot keep another (no plan is priced for it).
-        out[DISPATCHER] = f"the plan prices the {planned.get(DISPATCHER)} dispatcher's traffic"
+    dispatcher = planned.get(DISPATCHER)
+    if dispatcher is not None:
+        # The argv's dispatcher is train.moe_dispatcher's (config/megatron_argv.py), so this changes only a flag
+        # the argv did not give, or DeepEP's deprecated spelling (--moe-enable-deepep) into the backend flag.
+        name = "flex (DeepEP)" if dispatcher == "flex" else dispatcher
+        for flag in DISPATCHER_FLAGS:
+            out[flag] = f"the plan prices the {name} dispatcher's traffic"
+        if dispatcher == "flex":
+            out["--moe-enable-deepep"] = "megatron-core's deprecated spelling: the plan gives --moe-flex-dispatcher-backend"
     if planned.has("--use-megatron-fsdp"):
         out["--ckpt-format"] = "Megatron-FSDP reads and writes only fsdp_dtensor"
     elif given.get("--ckpt-format") == "fsdp_dtensor":

@@ -335,6 +335,24 @@ def _precision_aware_optimizer(launch: Launch):
                 "which turns it on)")
 
 
+def _deepep_needs_flex(launch: Launch):
+    """--moe-enable-deepep needs the flex dispatcher."""
+    s = launch.s
+    if s.present("--moe-enable-deepep") and s.get("--moe-token-dispatcher-type", "allgather") != "flex":
+        return "--moe-enable-deepep needs --moe-token-dispatcher-type flex"
+
+
+def _deepep_group(launch: Launch):
+    """DeepEP needs expert TP x EP > 1."""
+    s = launch.s
+    deepep = s.has("--moe-enable-deepep") or s.get("--moe-flex-dispatcher-backend", "deepep") == "deepep"
+    if s.has("--num-experts") and s.get("--moe-token-dispatcher-type") == "flex" and deepep:
+        etp = s.get("--expert-tensor-parallel-size", launch.tp)
+        if etp * s.get("--expert-model-parallel-size", 1) == 1:
+            return ("--moe-token-dispatcher-type flex (DeepEP) needs --expert-tensor-parallel-size x "
+                    "--expert-model-parallel-size > 1")
+
+
 def _first_last_bf16_delayed(launch: Launch):
     """FP8 with the first / last layers in bf16 not under the delayed recipe."""
     s = launch.s
@@ -371,6 +389,9 @@ ARGV_RULES = (
     Rule("fp8-param-gather-optimizer", f"{ARGS}:1095-1097", _fp8_param_gather_optimizer),
     Rule("precision-aware-optimizer", f"megatron/core/optimizer/__init__.py:1057; {ARGS}:1127-1134 (Megatron-FSDP)",
          _precision_aware_optimizer),
+    Rule("deepep-needs-flex", "megatron/core/transformer/transformer_config.py:1743-1745", _deepep_needs_flex),
+    Rule("deepep-group", "megatron/core/transformer/moe/token_dispatcher.py:1836 (its tp_size is expert TP, :89)",
+         _deepep_group),
     Rule("first-last-bf16-delayed", "megatron/core/transformer/transformer_config.py:1527-1530",
          _first_last_bf16_delayed),
 )

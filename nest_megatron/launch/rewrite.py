@@ -132,6 +132,8 @@ def _alone(name: str, value: int, model: ModelConfig) -> str | None:
 
 
 DISPATCHER = "--moe-token-dispatcher-type"
+# The dispatcher's flags: the plan's replace the user's (read into train.moe_dispatcher) in a MoE plan.
+DISPATCHER_FLAGS = (DISPATCHER, "--moe-flex-dispatcher-backend", "--moe-enable-deepep")
 
 
 def planner_part(args: list[str]) -> list[str]:
@@ -150,7 +152,7 @@ def rewrite(argv: list[str], plan: Plan, *, model_args: list[str] = ()) -> list[
     """The user's argv without the planner's flags, then `model_args` (when the argv has no model), then
     the plan's parallel flags. --ckpt-format belongs to the planner only when the plan uses Megatron-FSDP
     (it sets fsdp_dtensor) or the user's value is fsdp_dtensor (only Megatron-FSDP reads it);
-    --moe-token-dispatcher-type only when the plan sets it (a MoE plan: alltoall). A flag of the user's that
+    the dispatcher's flags only when the plan sets them (a MoE plan: train.moe_dispatcher's). A flag of the user's that
     `model_args` sets again (--bf16, the precision flags it was read into) is dropped: it is said once."""
     s = scan(argv)
     plan_args = planner_part(plan.megatron_args)
@@ -160,7 +162,7 @@ def rewrite(argv: list[str], plan: Plan, *, model_args: list[str] = ()) -> list[
     def owned(flag: str) -> bool:
         if flag == "--ckpt-format":
             return fsdp or s.get("--ckpt-format") == "fsdp_dtensor"
-        if flag == DISPATCHER:  # a dense plan sets none; Megatron ignores the user's then
+        if flag in DISPATCHER_FLAGS:  # a dense plan sets none; Megatron ignores the user's then
             return DISPATCHER in plan_args
         return flag in PLANNER_FLAGS or flag in restated
 

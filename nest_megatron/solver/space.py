@@ -83,12 +83,20 @@ PRECISION_AWARE_LINE = ("plan.zero={zero} and train.precision_aware_optimizer=tr
                         "keeps its own main weights); set plan.zero=1 or train.precision_aware_optimizer=false")
 
 
+# Megatron's flex dispatcher with DeepEP asserts expert TP x EP > 1 (megatron/core/transformer/moe/
+# token_dispatcher.py:1836, MoEFlexTokenDispatcher.__init__, at run time; its tp_size is the expert TP group's, :89).
+DEEPEP_LINE = ("plan.etp=1 and plan.ep=1 with train.moe_dispatcher=deepep: Megatron's DeepEP dispatcher needs expert "
+               "TP x EP > 1; give plan.ep > 1, or another dispatcher")
+
+
 def train_rule_line(problem: Problem, cfg: ParallelConfig) -> str | None:
     """The train.* choice the configuration does not launch with, as one line; None when it launches."""
     if problem.tp_comm_overlap and cfg.tp > 1 and not cfg.sp:
         return TP_COMM_OVERLAP_LINE.format(tp=cfg.tp)
     if problem.model.numerics.optimizer_dtypes is not None and cfg.zero != 1:
         return PRECISION_AWARE_LINE.format(zero=cfg.zero)
+    if problem.moe_dispatcher == "deepep" and problem.model.is_moe and cfg.etp * cfg.ep == 1:
+        return DEEPEP_LINE
     return None
 
 
