@@ -120,7 +120,8 @@ PLANNER_FLAGS: dict[str, str] = {
     "--recompute-activations": "true",
     "--ckpt-format": "str",  # planner-owned only with Megatron-FSDP (fsdp_dtensor); see launch/rewrite.py
     "--init-model-with-meta-device": "true",  # with ZeRO-3 (emit/megatron.py ZERO_FLAGS)
-    # MoE plans price the alltoall dispatcher's traffic (Megatron's default is allgather); see launch/rewrite.py
+    # MoE plans emit train.moe_dispatcher's flags, which the argv's set (Megatron's default is allgather); see
+    # launch/rewrite.py
     "--moe-token-dispatcher-type": "str",
     "--moe-flex-dispatcher-backend": "str",  # with flex (train.moe_dispatcher=deepep)
     "--moe-enable-deepep": "true",  # megatron-core's deprecated spelling of the DeepEP backend

@@ -17,7 +17,7 @@ from nest_megatron.cost.evaluate import estimate
 from nest_megatron.errors import NestError
 from nest_megatron.hardware.accelerator import GIB
 from nest_megatron.launch.megatron_rules import argv_split, name_flags, violations
-from nest_megatron.launch.rewrite import DISPATCHER, DISPATCHER_FLAGS, PIN_FLAGS, pinned_values
+from nest_megatron.launch.rewrite import DISPATCHER, DISPATCHER_FLAG_NAMES, PIN_FLAGS, pinned_values
 from nest_megatron.plan import Plan
 from nest_megatron.profile.for_plan import profiled_problem
 from nest_megatron.solver.space import evaluate_config
@@ -77,7 +77,7 @@ def flag_reasons(plan_args: list[str], user: list[str]) -> dict[str, str]:
         # The argv's dispatcher is train.moe_dispatcher's (config/megatron_argv.py), so this changes only a flag
         # the argv did not give, or DeepEP's deprecated spelling (--moe-enable-deepep) into the backend flag.
         name = "flex (DeepEP)" if dispatcher == "flex" else dispatcher
-        for flag in DISPATCHER_FLAGS:
+        for flag in DISPATCHER_FLAG_NAMES:
             out[flag] = f"the plan prices the {name} dispatcher's traffic"
         if dispatcher == "flex":
             out["--moe-enable-deepep"] = "megatron-core's deprecated spelling: the plan gives --moe-flex-dispatcher-backend"

@@ -133,7 +133,7 @@ def _alone(name: str, value: int, model: ModelConfig) -> str | None:
 
 DISPATCHER = "--moe-token-dispatcher-type"
 # The dispatcher's flags: the plan's replace the user's (read into train.moe_dispatcher) in a MoE plan.
-DISPATCHER_FLAGS = (DISPATCHER, "--moe-flex-dispatcher-backend", "--moe-enable-deepep")
+DISPATCHER_FLAG_NAMES = (DISPATCHER, "--moe-flex-dispatcher-backend", "--moe-enable-deepep")
 
 
 def planner_part(args: list[str]) -> list[str]:
@@ -162,7 +162,7 @@ def rewrite(argv: list[str], plan: Plan, *, model_args: list[str] = ()) -> list[
     def owned(flag: str) -> bool:
         if flag == "--ckpt-format":
             return fsdp or s.get("--ckpt-format") == "fsdp_dtensor"
-        if flag in DISPATCHER_FLAGS:  # a dense plan sets none; Megatron ignores the user's then
+        if flag in DISPATCHER_FLAG_NAMES:  # a dense plan sets none; Megatron ignores the user's then
             return DISPATCHER in plan_args
         return flag in PLANNER_FLAGS or flag in restated
 
