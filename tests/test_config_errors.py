@@ -126,6 +126,7 @@ SOLVER_KEYS = {
     "recompute": ("[none]", ["none"]), "rank_orders": ("[tp-cp-ep-dp-pp]", ["tp-cp-ep-dp-pp"]),
     "max_virtual_stages": ("2", 2), "max_context_parallel": ("2", 2), "top_k": ("3", 3),
     "recompute_num_layers": ("[null,1]", [None, 1]), "jobs": ("2", 2), "allow_idle": ("false", False),
+    "cp_comm_types": ("[p2p,a2a]", ["p2p", "a2a"]),
 }
 PROFILE_KEYS = {
     "warmup": ("1", 1), "repeats": ("2", 2), "local_devices": ("2", 2), "layers": ("false", False), "use": ("false", False),
@@ -135,7 +136,7 @@ PLAN_KEYS = {
     "tp": ("2", 2), "pp": ("2", 2), "dp": ("4", 4), "cp": ("1", 1), "ep": ("1", 1), "etp": ("1", 1), "vpp": ("1", 1),
     "sp": ("true", True), "mbs": ("1", 1), "zero": ("1", 1), "recompute": ("full", "full"),
     "recompute_num_layers": ("1", 1), "order": ("tp-cp-ep-pp-dp", "tp-cp-ep-pp-dp"),
-    "layers_per_stage": ("[1,3]", [1, 3]),
+    "layers_per_stage": ("[1,3]", [1, 3]), "cp_comm_type": ("a2a", "a2a"),
 }
 
 
@@ -229,8 +230,15 @@ BAD = {
                            ["accelerator.gemm_efficiency=1.0"]),
     "unknown topology": (["cluster.topology=mesh"], r"cluster\.topology=mesh: allowed are hierarchical, torus",
                          ["cluster.topology=hierarchical"]),
-    "bad attention backend": (["model.attention_backend=fast"], r"model\.attention_backend=fast: allowed are flash, unfused",
+    "bad attention backend": (["model.attention_backend=fast"],
+                              r"model\.attention_backend=fast: allowed are auto, flash, fused, unfused, local",
                               ["model.attention_backend=unfused"]),
+    # Megatron-LM's --cp-comm-type help spells it allgather; Transformer Engine knows all_gather only
+    "bad cp exchange": (["plan.cp_comm_type=allgather"], r"plan\.cp_comm_type=allgather: allowed are p2p, a2a, all_gather",
+                        ["plan.cp_comm_type=all_gather"]),
+    "bad searched cp exchange": (["solver.cp_comm_types=[p2p,ring]"],
+                                 r"solver\.cp_comm_types\[1\]=ring: allowed are p2p, a2a, all_gather",
+                                 ["solver.cp_comm_types=[p2p,a2a]"]),
     "not key=value": (["tiny_gpt"], r"'tiny_gpt': overrides are key=value", ["model=tiny_gpt"]),
     # h100_spine_leaf (the default cluster) has 3 levels: node, rack, spine
     "level index past the last": (["cluster.levels.5.fan_out=2"],

@@ -78,12 +78,13 @@ def test_megatron_defaults_fill_what_the_argv_leaves_out():
 
 def test_the_local_layer_spec_keeps_the_attention_scores():
     base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --vocab-size 128 --bf16".split()
-    assert model_values(base)["attention_backend"] == "flash"  # Megatron's auto picks a fused kernel
+    assert model_values(base)["attention_backend"] == "auto"  # Megatron's default: TE picks a fused kernel
+    assert model_values([*base, "--attention-backend", "fused"])["attention_backend"] == "fused"  # Megatron's name
     # --transformer-impl local builds megatron-core's DotProductAttention, the unfused one, whatever
     # --attention-backend says: its s^2 scores are kept for backward, so the plan must count them.
     assert model_values([*base, "--transformer-impl", "local"])["attention_backend"] == "unfused"
     assert model_values([*base, "--transformer-impl", "local", "--attention-backend", "flash"])["attention_backend"] == "unfused"
-    assert model_values([*base, "--transformer-impl", "transformer_engine"])["attention_backend"] == "flash"
+    assert model_values([*base, "--transformer-impl", "transformer_engine"])["attention_backend"] == "auto"
 
 
 def test_vocabulary_from_the_tokenizer_flags(tmp_path):

@@ -36,5 +36,5 @@ def test_field_comments_come_from_the_schema_source():
     comments = reference.field_comments(schema.LevelConfig)
     assert comments["fan_out"] == "units of the level below in one unit of this level"
     # A comment on the lines above a field belongs to it, and only to it.
-    assert reference.field_comments(schema.ModelConfig)["attention_backend"].startswith("flash: fused attention")
+    assert reference.field_comments(schema.ModelConfig)["attention_backend"].startswith("auto (Megatron's default")
     assert reference.field_comments(schema.ModelConfig)["hidden_size"] == ""

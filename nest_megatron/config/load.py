@@ -38,8 +38,8 @@ from nest_megatron.hardware import slurm_tree
 from nest_megatron.hardware.accelerator import accelerator_from_config
 from nest_megatron.hardware.hostlist import expand
 from nest_megatron.hardware.topology import BUILDERS, Topology, without_hosts
-from nest_megatron.model.spec import DTYPE_BYTES, ModelSpec, Numerics, OptimizerDtypes
-from nest_megatron.parallel.config import RANK_ORDERS, RECOMPUTE_KINDS, ZERO_STAGES
+from nest_megatron.model.spec import ATTENTION_BACKENDS, DTYPE_BYTES, ModelSpec, Numerics, OptimizerDtypes
+from nest_megatron.parallel.config import CP_COMM_TYPES, RANK_ORDERS, RECOMPUTE_KINDS, ZERO_STAGES
 from nest_megatron.solver.registry import SOLVERS
 from nest_megatron.trace.source import resolve as resolve_model_source
 
@@ -345,7 +345,7 @@ def _check_model(m: ModelConfig) -> None:
     groups = m.num_query_groups or m.num_attention_heads
     if m.num_attention_heads % groups:
         raise NestError(f"model.num_query_groups={groups}: must divide model.num_attention_heads={m.num_attention_heads}")
-    for key, allowed in (("attention_backend", ("flash", "unfused")), ("normalization", ("LayerNorm", "RMSNorm")),
+    for key, allowed in (("attention_backend", ATTENTION_BACKENDS), ("normalization", ("LayerNorm", "RMSNorm")),
                          ("position_embedding_type", ("learned_absolute", "rope"))):
         _one_of(f"model.{key}", getattr(m, key), allowed)
     for key in ("hidden_dropout", "attention_dropout"):
@@ -534,7 +534,8 @@ def _check_train_and_solver(t: TrainConfig, s: SolverConfig) -> None:
         _integer(f"solver.micro_batch_sizes[{i}]", size, 1, MAX_BATCH)
     for i, count in enumerate(s.recompute_num_layers):
         _integer(f"solver.recompute_num_layers[{i}]", count, 1, MAX_LAYERS)
-    for key, allowed in (("zero_stages", ZERO_STAGES), ("recompute", RECOMPUTE_KINDS), ("rank_orders", RANK_ORDERS)):
+    for key, allowed in (("zero_stages", ZERO_STAGES), ("recompute", RECOMPUTE_KINDS), ("rank_orders", RANK_ORDERS),
+                         ("cp_comm_types", CP_COMM_TYPES)):
         for i, value in enumerate(getattr(s, key)):
             _one_of(f"solver.{key}[{i}]", value, allowed)
     _integer("solver.max_virtual_stages", s.max_virtual_stages, 1, MAX_VIRTUAL_STAGES)
@@ -599,6 +600,7 @@ def _check_plan(p: PlanChoice, *, devices: int, layers: int, batch: int) -> None
     _one_of("plan.zero", p.zero, ZERO_STAGES)
     _one_of("plan.recompute", p.recompute, RECOMPUTE_KINDS)
     _one_of("plan.order", p.order, RANK_ORDERS)
+    _one_of("plan.cp_comm_type", p.cp_comm_type, CP_COMM_TYPES)
     _check_split(p, layers)
 
 

@@ -27,7 +27,8 @@ from pathlib import Path
 from nest_megatron.errors import NestError
 
 # Model-shape flags: flag -> (schema key under `model.`, value kind, Megatron's default).
-# Kinds: int, float, str take one value; "true" is a store_true flag, "false" a store_false one.
+# Kinds: int, float, str take one value; "list" one or more (argparse's nargs='+', read as a tuple of strings);
+# "true" is a store_true flag, "false" a store_false one.
 MODEL_FLAGS: dict[str, tuple[str, str, object]] = {
     "--num-layers": ("num_layers", "int", None),
     "--hidden-size": ("hidden_size", "int", None),
@@ -75,6 +76,7 @@ HINT_FLAGS: dict[str, str] = {
     "--bf16": "true",
     "--fp16": "true",
     "--no-overlap-p2p-communication": "true",  # read by launch/megatron_rules.py (interleaved schedule, pp 2)
+    "--hierarchical-context-parallel-sizes": "list",  # what --cp-comm-type a2a+p2p needs (launch/megatron_rules.py)
     "--transformer-impl": "str",  # local: megatron-core's local spec, whose attention is unfused
     # FP8 (train_overrides): TransformerConfig.fp8 is the flag --fp8-format {e4m3,hybrid}, default None (no FP8), and
     # fp8_recipe --fp8-recipe {tensorwise,delayed,mxfp8,blockwise,custom}, default delayed (Megatron-LM d98e8a6
@@ -129,6 +131,10 @@ PLANNER_FLAGS: dict[str, str] = {
     # train.tp_comm_overlap, which the argv's own --tp-comm-overlap sets (train_overrides); Megatron-LM asserts
     # sequence parallel with it (arguments.py:1441-1442), and turns that off at TP 1 (:1433)
     "--tp-comm-overlap": "true",
+    # Transformer Engine's context-parallel exchange (training/arguments.py:3221, nargs='+': one for every layer, or
+    # one per layer): the plan emits the one it priced with CP > 1; the argv's is a constraint
+    # (launch/constraints.py), so the plan's equals it
+    "--cp-comm-type": "list",
 }
 
 KNOWN_FLAGS: dict[str, str] = {
@@ -242,6 +248,13 @@ def scan(argv: list[str]) -> Scanned:
             if eq:
                 raise NestError(f"{token}: {name} takes no value")
             value, stop = True, i + 1
+        elif kind == "list":  # one value after '=', else every token up to the next flag
+            stop = i + 1
+            while not eq and stop < len(argv) and not argv[stop].startswith("--"):
+                stop += 1
+            value = (inline,) if eq else tuple(argv[i + 1:stop])
+            if not value or not all(value):
+                raise NestError(f"{name}: expects a value")
         elif eq:
             value, stop = _convert(name, kind, inline), i + 1
         else:
@@ -360,10 +373,10 @@ def model_values(argv: list[str] | Scanned, *, name: str = "megatron_argv", fami
     backend = values["attention_backend"]
     if backend not in ("auto", "flash", "fused", "unfused", "local"):
         raise NestError(f"--attention-backend {backend}: allowed are flash, fused, unfused, local, auto")
-    # flash / fused / auto run a fused kernel that keeps no s^2 tensor; unfused / local keep it, and so does
-    # the local layer spec whatever the backend says (its DotProductAttention is the unfused one).
-    local_spec = s.get("--transformer-impl") == "local"
-    values["attention_backend"] = "unfused" if backend in ("unfused", "local") or local_spec else "flash"
+    # Kept as Megatron names it (flash / fused / auto run a fused kernel that keeps no s^2 tensor; unfused / local
+    # keep it), but the local layer spec's DotProductAttention is the unfused one whatever the backend says.
+    if s.get("--transformer-impl") == "local" and backend not in ("unfused", "local"):
+        values["attention_backend"] = "unfused"
 
     values["moe_layer_freq"] = _moe_layer_freq(str(values["moe_layer_freq"]))
     values["window_size"], values["window_attn_skip_freq"] = _window(s)

@@ -37,9 +37,11 @@ class ModelConfig:
     add_bias_linear: bool = True
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
-    # flash: fused attention kernel (TE / flash-attn; no s^2 tensor kept); unfused: megatron-core's
-    # local DotProductAttention (the softmax and the attention-over-values input are kept).
-    attention_backend: str = "flash"
+    # auto (Megatron's default: Transformer Engine picks cuDNN's fused attention or flash-attn), fused (cuDNN),
+    # flash (flash-attn): fused kernels that keep no s^2 tensor; unfused (TE's UnfusedDotProductAttention), local
+    # (megatron-core's DotProductAttention, needs --spec local): the softmax and the attention-over-values input
+    # are kept.
+    attention_backend: str = "auto"
     attention_softmax_in_fp32: bool = False  # unfused softmax computed (and kept) in fp32
     bias_swiglu_fusion: bool = True  # fused SwiGLU keeps only its input (Megatron's default)
     num_experts: Optional[int] = None  # None: dense MLP in every layer
@@ -175,6 +177,10 @@ class SolverConfig:
     rank_orders: list[str] = field(default_factory=lambda: ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"])
     max_virtual_stages: int = 4  # largest --num-layers-per-virtual-pipeline-stage split tried (per rank)
     max_context_parallel: int = 8  # largest context-parallel size tried
+    # --cp-comm-type values tried with CP > 1: Megatron's p2p (the K/V ring behind attention) | a2a | all_gather. Where
+    # Transformer Engine runs none of them for a configuration (sliding-window attention refuses p2p:
+    # parallel/rules.py), the others it runs are tried instead; [p2p, a2a, all_gather] tries all (a slower search).
+    cp_comm_types: list[str] = field(default_factory=lambda: ["p2p"])
     top_k: int = 10  # how many runners-up the Plan keeps
     # Plans may leave devices idle, when nothing uses them all or fewer are faster (false: every device runs
     # a rank; an elastic launch sets it, as torchrun starts a worker on every device of every node).
@@ -202,6 +208,7 @@ class PlanChoice:
     recompute: Optional[str] = None  # none | selective | full
     recompute_num_layers: Optional[int] = None  # with full: the first n layers of each stage (null: all)
     order: Optional[str] = None  # tp-cp-ep-dp-pp | tp-cp-ep-pp-dp
+    cp_comm_type: Optional[str] = None  # --cp-comm-type with CP > 1: p2p (Megatron's default) | a2a | all_gather
     # The layer split (needs plan.pp): pp entries, the layers of each pipeline rank (with vpp > 1 each a
     # multiple of vpp, split evenly over the rank's chunks), or pp*vpp entries, the layers of each model chunk
     # in Megatron's order (chunk k*pp + rank is the rank's k-th; emitted as --pipeline-model-parallel-layout).

@@ -48,7 +48,7 @@ FP8 = 1
 
 def _qkv_bytes(model: ModelSpec, *, tokens: float, tp: int, selective: bool) -> float:
     q, kv = model.q_size / tp, model.kv_size / tp
-    if model.cfg.attention_backend == "flash":
+    if model.fused_attention:
         return BF16 * tokens * (q + 2 * kv)
     gqa = model.query_groups != model.heads
     if gqa and not selective:
@@ -75,7 +75,7 @@ def layer_activation_terms(
         "norm2_input": BF16 * h * tokens_sp,
         "fc1_input": BF16 * h * tokens_sp,
     }
-    if m.attention_backend == "flash":
+    if model.fused_attention:
         terms["softmax_lse"] = FP32 * heads * tokens
     else:
         terms["softmax"] = (FP32 if m.attention_softmax_in_fp32 else BF16) * heads * tokens * s
@@ -143,7 +143,7 @@ def attention_buffer_bytes(model: ModelSpec, *, mbs: int, tp: int) -> float:
     """megatron-core's unfused DotProductAttention writes the raw scores, [b a/t, s, s] in bf16, into
     parallel_state's global memory buffer: allocated once per rank and kept across layers and steps,
     so it is not among any layer's saved activations. The fused kernels have no such buffer."""
-    if model.cfg.attention_backend == "flash":
+    if model.fused_attention:
         return 0.0
     s = model.cfg.seq_length
     return BF16 * mbs * (model.cfg.num_attention_heads // tp) * s * s

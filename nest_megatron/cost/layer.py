@@ -15,7 +15,10 @@ Communication inside the layer, and what Megatron overlaps it with (`tp_exposed`
   orders the streams (not under Megatron-FSDP); the row-parallel linear's mirror collective is exposed.
 - TP with --tp-comm-overlap (userbuffers): every collective is split into tp chunks pipelined
   with its GEMM; the part the GEMM cannot cover, and at least the first chunk, is exposed.
-- CP: the K/V ring hides behind the attention of the chunks already received.
+- CP, by Transformer Engine's exchange (--cp-comm-type): p2p, the K/V ring, hides behind the attention of
+  the chunks already received; a2a (Ulysses) all-to-alls Q, K, V to head shards before attention and the
+  output back after it, and all_gather gathers K and V before it (the backward gathers them again and
+  reduce-scatters their gradients): both exposed.
 - EP: the dispatch and combine all-to-alls wait for the slowest rank of the group (exposed). They carry
   `dispatch_copies` copies of each token: one per routed expert with Megatron's alltoall dispatcher, one
   per destination rank with DeepEP's.
@@ -124,7 +127,7 @@ def elementwise_bytes(model: ModelSpec, *, tokens: int, cfg: ParallelConfig, moe
                                        copies=copies, fused=permute_fusion)
     if m.hidden_dropout > 0:
         nbytes += 2 * (2 * h * tokens_sp)
-    if m.attention_backend != "flash":
+    if not model.fused_attention:
         nbytes += 2 * (model.heads / t) * tokens * m.seq_length * (2 if m.attention_dropout > 0 else 1)
     return BF16 * nbytes
 
@@ -178,7 +181,7 @@ def layer_time(
     `permute_fusion` set the permutation's bytes (`permutation_elements`)."""
     copies = float(model.cfg.moe_router_topk) if ep_copies is None else ep_copies
     return _layer_time(model, cfg.tp, cfg.sp, cfg.cp, cfg.ep, cfg.etp, cfg.mbs, moe, spans.tp, spans.cp, spans.ep, net,
-                       compute, tp_comm_overlap, ordered_streams(cfg), copies, dispatcher, permute_fusion)
+                       compute, tp_comm_overlap, ordered_streams(cfg), copies, dispatcher, permute_fusion, cfg.cp_comm_type)
 
 
 def ordered_streams(cfg: ParallelConfig) -> bool:
@@ -196,7 +199,7 @@ def _exposed(comm: float, gemm: float, chunks: int) -> float:
 
 @lru_cache(maxsize=65536)
 def _layer_time(model, tp, sp, cp, ep, etp, mbs, moe, tp_shapes, cp_shapes, ep_shapes, net, compute,
-                tp_comm_overlap, ordered, ep_copies, dispatcher, permute_fusion) -> LayerTime:
+                tp_comm_overlap, ordered, ep_copies, dispatcher, permute_fusion, cp_comm_type) -> LayerTime:
     cfg = ParallelConfig(tp=tp, sp=sp, cp=cp, ep=ep, etp=etp, mbs=mbs)
     tokens = cfg.mbs * model.cfg.seq_length // cfg.cp
     gemms = model.layer_gemms(tokens=tokens, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe)
@@ -213,15 +216,30 @@ def _layer_time(model, tp, sp, cp, ep, etp, mbs, moe, tp_shapes, cp_shapes, ep_s
     tp_fwd, tp_bwd = tp_exposed(model, cfg, moe=moe, shapes=tp_shapes, net=net, gemm=fwd_gemm, dgrad=dgrad,
                                 wgrad=wgrad, overlap=tp_comm_overlap, ordered=ordered)
 
-    # CP: a ring of cp - 1 steps, each passing one K/V chunk to the next rank; backward passes
-    # K/V and their gradients. Each step hides behind the attention of the chunk in hand.
+    # CP (Transformer Engine's attention/dot_product_attention/context_parallel.py at v2.12), by cp_comm_type:
+    # p2p (AttnFuncWithCPAndKVP2P): a ring of cp - 1 steps, each passing one K/V chunk to the next rank;
+    #   backward passes K/V and their gradients. Each step hides behind the attention of the chunk in hand.
+    # a2a (AttnFuncWithCPAndQKVOA2A, :3268): Q, K and V all-to-all'd from sequence to head shards before
+    #   attention and the output back after it; backward the output gradient in, dQ, dK, dV out. Exposed.
+    # all_gather (AttnFuncWithCPAndKVAllGather, :2759): K and V all-gathered before attention ("exposed", its
+    #   docstring); backward gathers them again and reduce-scatters dK, dV.
     cp_fwd = cp_bwd = 0.0
     if cfg.cp > 1:
-        kv_chunk = 2 * BF16 * tokens * model.kv_size / cfg.tp
-        ring_level = max(shape.top_level for shape in cp_shapes)
-        step = p2p_time(ring_level, kv_chunk, net)
-        cp_fwd = max(0.0, (cfg.cp - 1) * step - attention)
-        cp_bwd = max(0.0, 2 * (cfg.cp - 1) * step - attention_bwd)
+        q_chunk = BF16 * tokens * model.q_size / cfg.tp  # this rank's queries, and its output
+        kv_chunk = 2 * BF16 * tokens * model.kv_size / cfg.tp  # its keys and values
+        if cp_comm_type == "a2a":
+            q_or_out = worst(all_to_all_time, cp_shapes, q_chunk, net)
+            k_or_v = worst(all_to_all_time, cp_shapes, kv_chunk / 2, net)
+            cp_fwd = cp_bwd = 2 * q_or_out + 2 * k_or_v
+        elif cp_comm_type == "all_gather":
+            gathered = cfg.cp * kv_chunk / 2  # the whole sequence's K (or V)
+            cp_fwd = 2 * worst(all_gather_time, cp_shapes, gathered, net)
+            cp_bwd = cp_fwd + 2 * worst(reduce_scatter_time, cp_shapes, gathered, net)
+        else:
+            ring_level = max(shape.top_level for shape in cp_shapes)
+            step = p2p_time(ring_level, kv_chunk, net)
+            cp_fwd = max(0.0, (cfg.cp - 1) * step - attention)
+            cp_bwd = max(0.0, 2 * (cfg.cp - 1) * step - attention_bwd)
 
     # EP: dispatch and combine all-to-alls of the copies of this rank's tokens (`dispatch_copies`); the
     # allgather dispatcher gathers the whole group's tokens and reduce-scatters the experts' outputs in

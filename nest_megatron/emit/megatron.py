@@ -101,10 +101,10 @@ def model_args(model: ModelSpec) -> list[str]:
             args += ["--moe-shared-expert-intermediate-size", str(m.moe_shared_expert_intermediate_size)]
     # The kernels the memory model assumed: an unfused attention keeps its softmax, an unfused
     # SwiGLU its activation; a traced model is megatron-core's local layer spec.
-    if m.attention_backend == "unfused":
-        args += ["--attention-backend", "unfused"]
-        if m.attention_softmax_in_fp32:
-            args.append("--attention-softmax-in-fp32")
+    if m.attention_backend != "auto":  # Megatron's default
+        args += ["--attention-backend", m.attention_backend]
+    if not model.fused_attention and m.attention_softmax_in_fp32:
+        args.append("--attention-softmax-in-fp32")
     if m.swiglu and not m.bias_swiglu_fusion:
         args.append("--no-bias-swiglu-fusion")
     if m.source != "analytic":
@@ -131,7 +131,8 @@ def parallel_args(
     tp_comm_overlap: bool = False,
     moe_dispatcher: str = "alltoall",
 ) -> list[str]:
-    """The flags the planner owns: parallel sizes, batch, ZeRO, recompute, layout and the MoE token dispatcher."""
+    """The flags the planner owns: parallel sizes, batch, ZeRO, recompute, layout, the MoE token dispatcher and
+    Transformer Engine's context-parallel exchange."""
     args = [
         "--tensor-model-parallel-size", str(cfg.tp),
         "--pipeline-model-parallel-size", str(cfg.pp),
@@ -154,6 +155,8 @@ def parallel_args(
         args += ["--pipeline-model-parallel-layout", pipeline_layout(chunks)]
     elif cfg.vpp > 1:
         args += ["--num-virtual-stages-per-pipeline-rank", str(cfg.vpp)]
+    if cfg.cp > 1 or cfg.cp_comm_type != "p2p":  # the exchange the cost model priced (Megatron's default: p2p)
+        args += ["--cp-comm-type", cfg.cp_comm_type]
     if cfg.order == "tp-cp-ep-pp-dp":
         args.append("--use-tp-pp-dp-mapping")
     args += ZERO_FLAGS[cfg.zero]

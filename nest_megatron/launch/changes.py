@@ -32,10 +32,13 @@ DEFAULTS = {
     "--ckpt-format": "torch_dist",
     DISPATCHER: "allgather",
     "--moe-flex-dispatcher-backend": "deepep",  # megatron-core transformer_config.py moe_flex_dispatcher_backend
+    "--cp-comm-type": ("p2p",),  # training/arguments.py:3221
 }
 
 
 def _shown(value) -> str:
+    if isinstance(value, tuple):  # a flag of several values (--cp-comm-type p2p a2a ...)
+        return " ".join(value)
     return "on" if value is True else str(value)
 
 
@@ -47,11 +50,13 @@ def layout_why(argv: list[str], loaded: Loaded, plan: Plan) -> str:
         return f"the given layout breaks a Megatron rule: {broken[0]}"
     # A layout sets vpp itself (its stages / pp) and is priced as the split it spells.
     split = argv_split(argv, world_size=plan.world_size, model=loaded.config.model)
-    layout = scan(argv).has("--pipeline-model-parallel-layout")
+    s = scan(argv)
+    layout = s.has("--pipeline-model-parallel-layout")
     try:
         given = PlanChoice(**pinned_values(argv, [n for n in PIN_FLAGS if not (layout and n == "vpp")],
                                            model=loaded.config.model),
-                           layers_per_stage=list(split) if split is not None else None)
+                           layers_per_stage=list(split) if split is not None else None,
+                           cp_comm_type=s.get("--cp-comm-type", ("p2p",))[0])
     except NestError as err:
         return f"the given layout is not one the cost model prices: {err}"
     problem, _ = profiled_problem(loaded.problem, loaded.config)
@@ -81,6 +86,9 @@ def flag_reasons(plan_args: list[str], user: list[str]) -> dict[str, str]:
             out[flag] = f"the plan prices the {name} dispatcher's traffic"
         if dispatcher == "flex":
             out["--moe-enable-deepep"] = "megatron-core's deprecated spelling: the plan gives --moe-flex-dispatcher-backend"
+    if planned.has("--cp-comm-type"):  # the argv's own is a constraint (launch/constraints.py): the plan's equals it
+        out["--cp-comm-type"] = (f"the plan prices Transformer Engine's {planned.get('--cp-comm-type')[0]} exchange "
+                                 "for its context parallelism")
     if planned.has("--use-megatron-fsdp"):
         out["--ckpt-format"] = "Megatron-FSDP reads and writes only fsdp_dtensor"
     elif given.get("--ckpt-format") == "fsdp_dtensor":

@@ -18,6 +18,7 @@ from nest_megatron.config.megatron_argv import Scanned, scan
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.errors import NestError
 from nest_megatron.launch.rewrite import pin_overrides
+from nest_megatron.parallel.config import CP_COMM_TYPES
 
 # training/config/training_config.py:486 (choices and default: --load without --ckpt-format reads torch_dist)
 CKPT_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
@@ -141,6 +142,19 @@ def _even_split(s: Scanned, why: str) -> list[str]:
     return ["solver.name=enumerate"]
 
 
+def _cp_comm_type(s: Scanned, user_keys: set[str]) -> Constraint | None:
+    """--cp-comm-type: the exchange the user chose is the plan's (Transformer Engine refuses some with some models:
+    parallel/rules.py, e.g. p2p with sliding-window attention, which leaves such a plan without CP). One exchange
+    for every layer, of those the cost model prices."""
+    given = s.get("--cp-comm-type")
+    if given is None or user_keys & {"plan.cp_comm_type", "solver.cp_comm_types"}:
+        return None
+    if len(set(given)) > 1 or given[0] not in CP_COMM_TYPES:
+        raise NestError(f"--cp-comm-type {' '.join(given)}: the planner prices one of {', '.join(CP_COMM_TYPES)} for "
+                        "every layer (per-layer lists and hierarchical a2a+p2p are not in the cost model)")
+    return Constraint([f"plan.cp_comm_type={given[0]}"], f"--cp-comm-type {given[0]}")
+
+
 def argv_constraints(argv: list[str], user: list[str], *, model: ModelConfig) -> list[Constraint]:
     """The constraints the argv puts on the plan, less what the user's overrides (`user`) decide themselves."""
     user_keys = _keys(user)
@@ -152,4 +166,5 @@ def argv_constraints(argv: list[str], user: list[str], *, model: ModelConfig) ->
         if kept:
             out.append(Constraint(kept, resume.why))
     sharded = _sharded_optimizer(s, user, resume)  # within the user's own stages already
-    return out + ([sharded] if sharded is not None else [])
+    exchange = _cp_comm_type(s, user_keys)
+    return out + [c for c in (sharded, exchange) if c is not None]

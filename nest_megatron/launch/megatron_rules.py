@@ -12,15 +12,25 @@ Megatron-LM commit, check). `rules_doc()` writes both tables as docs/megatron_ru
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
 from nest_megatron.config.megatron_argv import Scanned, model_values, scan
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.errors import NestError
-from nest_megatron.model.spec import ModelSpec
-from nest_megatron.parallel.config import ParallelConfig
-from nest_megatron.parallel.rules import MEGATRON_LM_COMMIT, RULES, Rule, violation
+from nest_megatron.model.spec import ModelSpec, Numerics
+from nest_megatron.parallel.config import CP_COMM_TYPES, ParallelConfig
+from nest_megatron.parallel.rules import (
+    DPA,
+    MEGATRON_LM_COMMIT,
+    RULES,
+    TE,
+    TRANSFORMER_ENGINE_COMMIT,
+    TRANSFORMER_ENGINE_TAG,
+    Rule,
+    violation,
+)
 
 VIRTUAL_FLAGS = ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
                  "--pipeline-model-parallel-layout")
@@ -29,6 +39,7 @@ VIRTUAL_FLAGS = ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stage
 FSDP_ZERO = {"optim_grads": 2, "optim_grads_params": 3, "no_shard": 2, "optim": 2}
 # parallel.rules names the configuration's fields; on an argv, name the flag that sets them.
 FLAG_OF_FIELD = {
+    "plan.cp_comm_type": "--cp-comm-type",  # before plan.cp, which it begins with
     "plan.tp": "--tensor-model-parallel-size",
     "plan.pp": "--pipeline-model-parallel-size",
     "plan.cp": "--context-parallel-size",
@@ -41,7 +52,11 @@ FLAG_OF_FIELD = {
     "use plan.order=tp-cp-ep-dp-pp": "drop --use-tp-pp-dp-mapping",
     "plan.recompute_num_layers": "--recompute-num-layers",
     "train.global_batch_size": "--global-batch-size",
+    "train.tp_comm_overlap=true": "--tp-comm-overlap",
 }
+# Transformer Engine's context-parallel exchanges (context_parallel.py:4076-4110; Megatron-LM's help text at
+# training/arguments.py:3222 says "allgather", which TE refuses with a ValueError).
+TE_CP_COMM_TYPES = (*CP_COMM_TYPES, "a2a+p2p")
 
 
 def layout_stages(layout: str) -> list[str]:
@@ -353,6 +368,37 @@ def _deepep_group(launch: Launch):
                     "--expert-model-parallel-size > 1")
 
 
+def _cp_comm_types(launch: Launch) -> tuple[str, ...]:
+    return launch.s.get("--cp-comm-type", ("p2p",))
+
+
+def _cp_comm_type_known(launch: Launch):
+    """--cp-comm-type names Transformer Engine's exchanges: p2p, a2a, all_gather, a2a+p2p."""
+    unknown = [t for t in _cp_comm_types(launch) if t not in TE_CP_COMM_TYPES]
+    if launch.cp > 1 and unknown:
+        return (f"--cp-comm-type {unknown[0]}: Transformer Engine takes {', '.join(TE_CP_COMM_TYPES)} (Megatron's help "
+                "says allgather, which TE refuses; the name is all_gather)")
+
+
+def _cp_comm_type_layers(launch: Launch):
+    """--cp-comm-type gives one exchange for every layer, or one per layer."""
+    given, layers = len(_cp_comm_types(launch)), launch.model.num_layers
+    if launch.cp > 1 and given not in (1, layers):
+        return f"--cp-comm-type with {given} values: give one for every layer, or one per layer ({layers})"
+
+
+def _cp_hierarchical(launch: Launch):
+    """a2a+p2p needs --hierarchical-context-parallel-sizes, whose product is the CP size."""
+    s = launch.s
+    if launch.cp > 1 and "a2a+p2p" in _cp_comm_types(launch):
+        sizes = s.get("--hierarchical-context-parallel-sizes")
+        if sizes is None:
+            return "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes (the a2a and p2p group sizes)"
+        if not all(v.isdigit() for v in sizes) or math.prod(int(v) for v in sizes) != launch.cp:
+            return (f"--hierarchical-context-parallel-sizes {' '.join(sizes)}: their product must be "
+                    f"--context-parallel-size {launch.cp}")
+
+
 def _first_last_bf16_delayed(launch: Launch):
     """FP8 with the first / last layers in bf16 not under the delayed recipe."""
     s = launch.s
@@ -362,7 +408,8 @@ def _first_last_bf16_delayed(launch: Launch):
 
 
 ARGS = "megatron/training/arguments.py"
-# The flag combinations Megatron-LM rejects; the sizes are checked by parallel.rules.RULES on the configuration.
+# The flag combinations Megatron-LM (and Transformer Engine) reject; the sizes are checked by parallel.rules.RULES on
+# the configuration.
 ARGV_RULES = (
     Rule("world-divisible", f"{ARGS}:432", _world_divisible),
     Rule("virtual-flags", f"nest: {ARGS}:940-977 reads one and ignores the others", _virtual_flags),
@@ -394,6 +441,9 @@ ARGV_RULES = (
          _deepep_group),
     Rule("first-last-bf16-delayed", "megatron/core/transformer/transformer_config.py:1527-1530",
          _first_last_bf16_delayed),
+    Rule("cp-comm-type-layers", "megatron/core/transformer/transformer_config.py:3103-3113", _cp_comm_type_layers),
+    Rule("cp-hierarchical", f"{ARGS}:580-585", _cp_hierarchical),
+    Rule("cp-comm-type-known", f"{DPA}context_parallel.py:4076-4110", _cp_comm_type_known),
 )
 
 
@@ -410,6 +460,7 @@ def violations(argv: list[str], *, world_size: int) -> list[str]:
     kind, recomputed, _ = _recompute(s)
     mbs, dp, vpp, layers_per_stage = s.get("--micro-batch-size", 1), launch.dp, _vpp(launch), _layers_per_stage(launch)
     gbs = s.get("--global-batch-size", mbs * dp)
+    comm_types = set(_cp_comm_types(launch))
     cfg = ParallelConfig(
         tp=launch.tp, pp=launch.pp, dp=dp, cp=launch.cp,
         ep=s.get("--expert-model-parallel-size", 1),
@@ -417,9 +468,13 @@ def violations(argv: list[str], *, world_size: int) -> list[str]:
         vpp=vpp, sp=s.has("--sequence-parallel"), mbs=mbs,
         zero=_zero(s), recompute=kind, recompute_num_layers=recomputed,
         order="tp-cp-ep-pp-dp" if s.has("--use-tp-pp-dp-mapping") else "tp-cp-ep-dp-pp",
+        # a per-layer list of several exchanges is no configuration the planner prices (the rules name it)
+        cp_comm_type=comm_types.pop() if len(comm_types) == 1 else " ".join(_cp_comm_types(launch)),
     )
-    rule = violation(cfg, model=ModelSpec(m), num_devices=world_size, global_batch_size=gbs,
-                     layers_per_stage=layers_per_stage)
+    # The FP8 recipe Transformer Engine's shape rules depend on (Megatron's default recipe: delayed).
+    numerics = Numerics(fp8_recipe=s.get("--fp8-recipe", "delayed") if s.has("--fp8-format") else None)
+    rule = violation(cfg, model=ModelSpec(m, numerics=numerics), num_devices=world_size, global_batch_size=gbs,
+                     layers_per_stage=layers_per_stage, tp_comm_overlap=s.present("--tp-comm-overlap"))
     if rule and name_flags(rule) not in out:
         out.append(name_flags(rule))
     return out
@@ -438,16 +493,43 @@ def rules_doc() -> str:
         "and tests/test_megatron_rules.py run its code for the Megatron-FSDP mesh and the MoE bias rule.",
         "",
     ]
+    config_where = ("`nest_megatron/parallel/rules.py` `RULES`: the search space, `evaluate`, the emitted argv; the "
+                    "first broken one is reported")
+    argv_where = ("`nest_megatron/launch/megatron_rules.py` `ARGV_RULES`: how the flags of a final argv combine; then "
+                  "the configuration rules on the sizes it spells")
     for title, where, table in (
-        ("Configuration rules", "`nest_megatron/parallel/rules.py` `RULES`: the search space, `evaluate`, "
-         "the emitted argv; the first broken one is reported", RULES),
-        ("Launch-line rules", "`nest_megatron/launch/megatron_rules.py` `ARGV_RULES`: how the flags of a final "
-         "argv combine; then the configuration rules on the sizes it spells", ARGV_RULES),
+        ("Configuration rules", config_where, [r for r in RULES if not is_te(r)]),
+        ("Launch-line rules", argv_where, [r for r in ARGV_RULES if not is_te(r)]),
     ):
-        lines += [f"## {title}", "", f"{where}.", "", "| id | rule | source |", "|---|---|---|"]
-        lines += [f"| `{r.id}` | {r.check.__doc__.splitlines()[0]} | {r.source} |" for r in table]
-        lines.append("")
+        lines += [f"## {title}", "", f"{where}.", ""] + _table(table)
+    lines += [
+        "## Transformer Engine's rules",
+        "",
+        "Transformer Engine asserts these when a module is built or at the first forward pass, after minutes of",
+        "start-up on every rank, where no CPU run reaches. They are in the same tables, checked after Megatron-LM's;",
+        "sources (`TE transformer_engine/...`) are file:line of Transformer Engine at "
+        f"[`{TRANSFORMER_ENGINE_TAG}`](https://github.com/NVIDIA/TransformerEngine/tree/{TRANSFORMER_ENGINE_COMMIT})",
+        f"(`{TRANSFORMER_ENGINE_COMMIT[:12]}`, what megatron-core 0.16.1's uv.lock pins; its wheel asks for",
+        ">=2.9.0a0,<2.12.0, and each check cited is the same in v2.9-v2.11). Per rank, tokens T = mbs x",
+        "seq_length / cp in every GEMM and T / tp in a sequence-parallel input shard. Where an option fixes a rule,",
+        "the planner chooses it: `plan.cp_comm_type` (`--cp-comm-type`) is searched over `solver.cp_comm_types` and",
+        "priced by cost/layer.py; a `--cp-comm-type` in the user's argv is a constraint.",
+        "",
+        f"### Configuration ({config_where.split(':')[0]})",
+        "",
+    ] + _table([r for r in RULES if is_te(r)])
+    lines += [f"### Launch line ({argv_where.split(':')[0]})", ""] + _table([r for r in ARGV_RULES if is_te(r)])
     return "\n".join(lines)
+
+
+def is_te(rule: Rule) -> bool:
+    """Whether the rule is Transformer Engine's (its source is a TE file)."""
+    return rule.source.startswith(TE)
+
+
+def _table(rules: list[Rule]) -> list[str]:
+    return (["| id | rule | source |", "|---|---|---|"]
+            + [f"| `{r.id}` | {r.check.__doc__.splitlines()[0]} | {r.source} |" for r in rules] + [""])
 
 
 def check(argv: list[str], *, world_size: int) -> None:

@@ -15,6 +15,11 @@ from functools import cached_property, lru_cache
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.model.layer_graph import LayerGraph, LayerTrace
 
+# Megatron's --attention-backend values (megatron/core/transformer/enums.py AttnBackend), and those that run a
+# fused kernel keeping no s x s tensor: auto lets Transformer Engine pick cuDNN's fused attention or flash-attn.
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+FUSED_ATTENTION_BACKENDS = ("auto", "flash", "fused")
+
 
 @dataclass(frozen=True)
 class Gemm:
@@ -136,6 +141,11 @@ class ModelSpec:
     @property
     def kv_size(self) -> int:
         return self.query_groups * self.head_dim
+
+    @property
+    def fused_attention(self) -> bool:
+        """Whether attention runs a fused kernel (model.attention_backend auto, flash or fused)."""
+        return self.cfg.attention_backend in FUSED_ATTENTION_BACKENDS
 
     @property
     def is_moe(self) -> bool:

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 RECOMPUTE_KINDS = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 RANK_ORDERS = ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp")
+# Megatron's --cp-comm-type values the planner prices, Transformer Engine's three exchanges over one CP group:
+# p2p (K/V ring, Megatron's default), a2a (Ulysses: Q, K, V and the output all-to-all over the heads),
+# all_gather (K/V gathered). TE's fourth, a2a+p2p, needs hierarchical CP groups the planner does not build.
+CP_COMM_TYPES = ("p2p", "a2a", "all_gather")
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,7 @@ class ParallelConfig:
     # None means every layer.
     recompute_num_layers: int | None = None
     order: str = "tp-cp-ep-dp-pp"
+    cp_comm_type: str = "p2p"  # --cp-comm-type with CP > 1 (CP_COMM_TYPES)
 
     @property
     def world(self) -> int:

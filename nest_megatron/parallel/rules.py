@@ -2,9 +2,11 @@
 
 Config validation, the planner's search space, `evaluate` and the argv emitter all ask
 `violation(...)`; it returns the line of the first rule of `RULES` the configuration breaks. Each
-rule's source is a file:line of Megatron-LM at `MEGATRON_LM_COMMIT` (megatron/...), an upstream issue
-or PR, or `nest:` for the planner's own policy where Megatron would launch but the plan is pointless
-or undefined. docs/megatron_rules.md lists them (launch/megatron_rules.rules_doc writes it).
+rule's source is a file:line of Megatron-LM at `MEGATRON_LM_COMMIT` (megatron/...), of Transformer
+Engine at `TRANSFORMER_ENGINE_TAG` (`TE transformer_engine/...`: the asserts of its first forward pass,
+which only a GPU run would otherwise hit), an upstream issue or PR, or `nest:` for the planner's own
+policy where Megatron would launch but the plan is pointless or undefined. docs/megatron_rules.md lists
+them (launch/megatron_rules.rules_doc writes it).
 """
 
 from __future__ import annotations
@@ -13,10 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nest_megatron.model.spec import ModelSpec
-from nest_megatron.parallel.config import RANK_ORDERS, RECOMPUTE_KINDS, ZERO_STAGES, ParallelConfig
+from nest_megatron.parallel.config import CP_COMM_TYPES, RANK_ORDERS, RECOMPUTE_KINDS, ZERO_STAGES, ParallelConfig
 
 # The Megatron-LM commit the sources below were read at (github.com/NVIDIA/Megatron-LM, 2026-08-22).
 MEGATRON_LM_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
+# The Transformer Engine the TE sources were read at (github.com/NVIDIA/TransformerEngine): the commit
+# megatron-core 0.16.1's uv.lock pins (transformer-engine 2.12.0+5671fd36, tag v2.12); its wheel asks for
+# transformer-engine >=2.9.0a0,<2.12.0, and every check cited is the same in v2.9, v2.10 and v2.11.
+TRANSFORMER_ENGINE_TAG = "v2.12"
+TRANSFORMER_ENGINE_COMMIT = "5671fd3675906cda1ade26c24a65d3dedd88eb89"
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,7 @@ class Case:
     global_batch_size: int
     layers_per_stage: tuple[int, ...] | None
     any_split: bool
+    tp_comm_overlap: bool = False  # --tp-comm-overlap: Transformer Engine's userbuffers, with TP > 1 and SP
 
 
 def num_microbatches(cfg: ParallelConfig, global_batch_size: int) -> int:
@@ -113,10 +121,11 @@ def _moe_sp(c: Case):
 
 
 def _cp_unfused(c: Case):
-    """Context parallel needs a fused attention (TE's DotProductAttention)."""
-    if c.cfg.cp > 1 and c.model.cfg.attention_backend == "unfused":
-        return (f"plan.cp={c.cfg.cp} with model.attention_backend=unfused: unfused attention has no context parallel "
-                "(Megatron's fused and flash backends do); use plan.cp=1")
+    """Context parallel needs a fused attention (TE's flash or fused backend)."""
+    backend = c.model.cfg.attention_backend
+    if c.cfg.cp > 1 and not c.model.fused_attention:
+        return (f"plan.cp={c.cfg.cp} with model.attention_backend={backend}: unfused attention has no context "
+                "parallel (Megatron's auto, fused and flash backends do); use plan.cp=1")
 
 
 def _cp_seq(c: Case):
@@ -257,9 +266,175 @@ def _recompute_layers_range(c: Case):
         return f"plan.recompute_num_layers={n}: allowed 1..{per_chunk}"
 
 
+# --- Transformer Engine's run-time rules (TRANSFORMER_ENGINE_TAG) ---------------------------------------------
+# What TE's modules see of a configuration: tokens per rank T = mbs * seq_length / cp in every GEMM, T / tp in
+# a column-parallel layer's sequence-parallel input shard (its all-gather's input), the heads, query groups and
+# head size per TP rank in attention.
+
+# A column-parallel GEMM's input is the sequence-parallel shard its forward all-gathers (model/spec.py's names).
+COLUMN_PARALLEL = ("qkv", "fc1", "shared_fc1")
+# FP8 recipe -> the multiple every GEMM dimension needs; MXFP8 quantizes in blocks of 32.
+FP8_MULTIPLE = {"delayed": 16, "tensorwise": 16, "blockwise": 16, "mxfp8": 32}
+
+
+def _tokens(c: Case) -> int:
+    return c.cfg.mbs * c.model.cfg.seq_length // c.cfg.cp
+
+
+def _shard_tokens(c: Case) -> int:
+    """Tokens of the sequence-parallel shard a TP rank holds (all of them without sequence parallel)."""
+    return _tokens(c) // c.cfg.tp if c.cfg.sp else _tokens(c)
+
+
+def _windowed(c: Case) -> bool:
+    """Whether some layer slides its attention window (megatron/core/transformer/utils.py:531
+    is_layer_window_attention: window_attn_skip_freq N leaves every N-th layer full, N = 1 all of them)."""
+    return c.model.cfg.window_size is not None and c.model.cfg.window_attn_skip_freq != 1
+
+
+def _cp_comm_type(c: Case):
+    """The CP exchange is one of p2p, a2a, all_gather."""
+    if c.cfg.cp > 1 and c.cfg.cp_comm_type not in CP_COMM_TYPES:
+        return (f"plan.cp_comm_type={c.cfg.cp_comm_type}: allowed are {', '.join(CP_COMM_TYPES)} (Transformer Engine's "
+                "a2a+p2p needs hierarchical CP groups, which the planner does not build)")
+
+
+def _cp_padding_mask(c: Case):
+    """Context parallel not with BERT's padding mask."""
+    if c.cfg.cp > 1 and c.model.cfg.family == "bert":
+        return (f"plan.cp={c.cfg.cp} with model.family=bert: Transformer Engine's context parallelism does not take "
+                "BERT's padding mask (its flash and fused attention assert it); use plan.cp=1")
+
+
+def _cp_sliding_window(c: Case):
+    """Sliding-window attention with context parallel exchanges by a2a or all_gather."""
+    cfg = c.cfg
+    if cfg.cp > 1 and _windowed(c) and cfg.cp_comm_type not in ("a2a", "all_gather"):
+        return (f"plan.cp_comm_type={cfg.cp_comm_type} with plan.cp={cfg.cp} and model.window_size="
+                f"{c.model.cfg.window_size}: Transformer Engine's context parallelism runs sliding-window attention "
+                "only with a2a or all_gather; use plan.cp_comm_type=a2a or all_gather, or plan.cp=1")
+
+
+def _cp_a2a_heads(c: Case):
+    """With a2a, CP divides each TP rank's attention heads and query groups."""
+    cfg, m = c.cfg, c.model
+    heads, groups = m.heads // cfg.tp, m.query_groups // cfg.tp
+    if cfg.cp > 1 and cfg.cp_comm_type == "a2a" and (heads % cfg.cp or groups % cfg.cp):
+        return (f"plan.cp_comm_type=a2a with plan.cp={cfg.cp}: the all-to-all splits each TP rank's {heads} attention "
+                f"heads and {groups} query groups over the CP ranks, so cp must divide both; use plan.cp_comm_type="
+                "all_gather or p2p, or a smaller plan.cp")
+
+
+def _cp_head_dim(c: Case):
+    """With a2a or all_gather, the head size is a multiple of 8."""
+    cfg, d = c.cfg, c.model.head_dim
+    if cfg.cp > 1 and cfg.cp_comm_type in ("a2a", "all_gather") and d % 8:
+        return (f"plan.cp_comm_type={cfg.cp_comm_type} with plan.cp={cfg.cp}: Transformer Engine needs the head size "
+                f"(kv_channels={d}) a multiple of 8 for it; use plan.cp_comm_type=p2p")
+
+
+def _fused_window_dropout(c: Case):
+    """The fused backend runs sliding-window attention only without attention dropout."""
+    m = c.model.cfg
+    if m.attention_backend == "fused" and _windowed(c) and m.attention_dropout > 0:
+        return (f"model.attention_backend=fused with model.window_size={m.window_size} and model.attention_dropout="
+                f"{m.attention_dropout}: cuDNN's fused attention has no sliding window with dropout, and Megatron "
+                "turns the other backends off; use attention_dropout=0 or attention_backend=auto|flash")
+
+
+def _flash_head_dim(c: Case):
+    """The flash backend needs a head size of at most 256, a multiple of 8."""
+    d = c.model.head_dim
+    if c.model.cfg.attention_backend == "flash" and (d > 256 or d % 8):
+        return (f"model.attention_backend=flash with kv_channels={d}: flash-attn takes head sizes up to 256 in "
+                "multiples of 8, and Megatron turns the other backends off; use attention_backend=auto|fused")
+
+
+def _fp8_gemm_dims(c: Case):
+    """With FP8, every GEMM dimension per rank is a multiple of 16 (MXFP8: 32), the sequence-parallel shard of 8 (32)."""
+    recipe = c.model.numerics.fp8_recipe
+    if recipe is None:
+        return None
+    multiple, cfg = FP8_MULTIPLE[recipe], c.cfg
+    tokens, shard = _tokens(c), _shard_tokens(c)
+    label = f"with FP8 ({recipe}): Transformer Engine's FP8 GEMMs need"
+    if tokens % multiple:
+        return (f"plan.mbs={cfg.mbs} x seq_length/plan.cp={c.model.cfg.seq_length}/{cfg.cp} = {tokens} tokens per rank "
+                f"{label} a multiple of {multiple}")
+    shard_multiple = 32 if recipe == "mxfp8" else 8
+    if cfg.sp and shard % shard_multiple:
+        return (f"plan.sp=true with plan.tp={cfg.tp}: each TP rank's sequence shard of {shard} tokens {label} a "
+                f"multiple of {shard_multiple}")
+    for moe in sorted(set(c.model.layer_is_moe)):
+        for g in c.model.layer_gemms(tokens=tokens, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe):
+            if g.name == "router":  # megatron-core's router GEMM is no TE module, and stays in high precision
+                continue
+            for side, size in (("output", g.n), ("input", g.k)):
+                if size % multiple:
+                    width = f"plan.etp={cfg.etp}" if g.name.startswith("expert_") else f"plan.tp={cfg.tp}"
+                    return (f"{width} {label} each dimension a multiple of {multiple}; the {g.name} GEMM's {side} "
+                            f"per rank is {size} wide")
+
+
+def _fp8_blockwise_sp(c: Case):
+    """Blockwise FP8 with sequence parallel: the shard's tokens and hidden_size are multiples of 128."""
+    cfg, h = c.cfg, c.model.h
+    shard = _shard_tokens(c)
+    if c.model.numerics.fp8_recipe == "blockwise" and cfg.sp and (shard % 128 or h % 128):
+        return (f"plan.sp=true with FP8 (blockwise): Transformer Engine all-gathers the sequence-parallel input in "
+                f"1x128 FP8 blocks, so each TP rank's {shard}-token shard (mbs*seq_length/(cp*tp)) and hidden_size={h} "
+                "must be multiples of 128")
+
+
+def _tp_overlap_recipe(c: Case):
+    """TP communication overlap takes delayed or tensorwise FP8, or MXFP8: not blockwise."""
+    cfg = c.cfg
+    if c.tp_comm_overlap and cfg.tp > 1 and cfg.sp and c.model.numerics.fp8_recipe == "blockwise":
+        return ("train.tp_comm_overlap=true with FP8 (blockwise): Transformer Engine's userbuffers take delayed or "
+                "tensorwise FP8 or MXFP8, not blockwise; set train.tp_comm_overlap=false or another train.fp8_recipe")
+
+
+def _tp_overlap_mxfp8(c: Case):
+    """TP communication overlap with MXFP8: the shard's tokens and hidden_size are multiples of 128."""
+    cfg, h = c.cfg, c.model.h
+    shard = _shard_tokens(c)
+    if (c.tp_comm_overlap and cfg.tp > 1 and cfg.sp and c.model.numerics.fp8_recipe == "mxfp8"
+            and (shard % 128 or h % 128)):
+        return (f"train.tp_comm_overlap=true with FP8 (mxfp8): Transformer Engine's userbuffers need each TP rank's "
+                f"{shard}-token sequence shard (mbs*seq_length/(cp*tp)) and hidden_size={h} multiples of 128")
+
+
 MC = "megatron/core/"
 TC = MC + "transformer/transformer_config.py"
 ARGS = "megatron/training/arguments.py"
+TE = "TE transformer_engine/"
+DPA = TE + "pytorch/attention/dot_product_attention/"
+# Transformer Engine's rules, in the order they are checked after Megatron-LM's.
+TE_RULES = (
+    Rule("cp-comm-type", f"{DPA}context_parallel.py:4076-4110 (p2p, all_gather, a2a; other values raise ValueError); "
+         "nest: a2a+p2p (:3986) needs --hierarchical-context-parallel-sizes, which the planner does not set", _cp_comm_type),
+    Rule("cp-padding-mask", f"{DPA}backends.py:821-824, 1860-1863; BERT's padding mask: "
+         f"{MC}models/bert/bert_layer_specs.py:60, 113", _cp_padding_mask),
+    Rule("cp-sliding-window", f"{DPA}context_parallel.py:4023-4029", _cp_sliding_window),
+    Rule("cp-a2a-heads", f"{DPA}context_parallel.py:3365-3367", _cp_a2a_heads),
+    Rule("cp-head-dim", f"{DPA}context_parallel.py:2806 (all_gather), 3320 (a2a)", _cp_head_dim),
+    Rule("fused-window-dropout", f"{DPA}utils.py:874-885, dot_product_attention.py:1425-1431 (no backend left: "
+         f"{MC}models/common/language_module/language_module.py:137-140 sets NVTE_FLASH_ATTN=0, NVTE_UNFUSED_ATTN=0)",
+         _fused_window_dropout),
+    Rule("flash-head-dim", f"{DPA}utils.py:627-646 (flash-attn 2), 648-650 (3), dot_product_attention.py:1425-1431 "
+         f"(no backend left: {MC}models/common/language_module/language_module.py:133-136)", _flash_head_dim),
+    Rule("fp8-gemm-dims", f"{TE}pytorch/utils.py:439-447 (module/linear.py:177, layernorm_linear.py:160); "
+         "common/gemm/cublaslt_gemm.cu:157, 205-210, 248, 291-298 (FP8 leading dimensions; in Hopper's TN GEMMs "
+         "the reduction dimension, the tokens in the weight gradient); MXFP8: pytorch/csrc/quantizer.cpp:876-878; "
+         "routed experts' rows are padded: pytorch/module/fp8_padding.py:116-122 "
+         f"({MC}transformer/moe/experts.py:311)", _fp8_gemm_dims),
+    Rule("fp8-blockwise-sp", f"{TE}pytorch/utils.py:450-457 (module/linear.py:178, layernorm_linear.py:161), "
+         "pytorch/tensor/float8_blockwise_tensor.py:51, 194-203", _fp8_blockwise_sp),
+    Rule("tp-overlap-recipe", f"{TE}pytorch/module/base.py:602-603, common/comm_gemm_overlap/comm_gemm_overlap.cpp:"
+         "177-178", _tp_overlap_recipe),
+    Rule("tp-overlap-mxfp8", f"{TE}pytorch/module/base.py:559-563, common/comm_gemm_overlap/comm_gemm_overlap.cpp:"
+         "211-218", _tp_overlap_mxfp8),
+)
 # In order: a rule may assume the rules above it hold (positive sizes, a known ZeRO stage, ...).
 RULES = (
     Rule("positive", "nest: argparse takes any integer; a size below 1 is no configuration", _positive),
@@ -276,9 +451,12 @@ RULES = (
          "KV heads, which the cost model does not price)", _tp_query_groups),
     Rule("sp-tp", f"{MC}model_parallel_config.py:504 ({ARGS}:1433 turns it off silently)", _sp_tp),
     Rule("moe-sp", f"{MC}transformer/moe/moe_layer.py:636", _moe_sp),
-    Rule("cp-unfused", f"{MC}transformer/dot_product_attention.py:58", _cp_unfused),
+    Rule("cp-unfused", f"{MC}transformer/dot_product_attention.py:58; "
+         "TE transformer_engine/pytorch/attention/dot_product_attention/utils.py:755-759", _cp_unfused),
     Rule("cp-seq", f"{ARGS}:1336", _cp_seq),
-    Rule("sp-seq", f"{MC}tensor_parallel/mappings.py:73", _sp_seq),
+    Rule("sp-seq", f"{MC}tensor_parallel/mappings.py:73; so too the userbuffers of --tp-comm-overlap, "
+         "[mbs*seq_length/cp, h] (megatron/training/initialize.py:224) in tp chunks: "
+         "TE transformer_engine/common/comm_gemm_overlap/comm_gemm_overlap.cpp:695, 702", _sp_seq),
     Rule("ep-dense", f"{ARGS}:1656", _ep_dense),
     Rule("ep-experts", f"{ARGS}:1657", _ep_experts),
     Rule("expert-grid", f"{MC}parallel_state.py:883", _expert_grid),
@@ -297,6 +475,7 @@ RULES = (
     Rule("interleaved-microbatches", f"{MC}pipeline_parallel/schedules.py:1173", _interleaved_microbatches),
     Rule("recompute-layers-full", f"{TC}:1931", _recompute_layers_full),
     Rule("recompute-layers-range", f"{TC}:1922 (per virtual stage: nest)", _recompute_layers_range),
+    *TE_RULES,
 )
 
 
@@ -308,13 +487,15 @@ def violation(
     global_batch_size: int,
     layers_per_stage: tuple[int, ...] | None = None,
     any_split: bool = False,
+    tp_comm_overlap: bool = False,
 ) -> str | None:
     """The first Megatron rule `cfg` breaks, as one line, or None when it can launch.
 
     The layers are split evenly unless `layers_per_stage` gives the split (Megatron's
-    --pipeline-model-parallel-layout); `any_split` asks whether some split can launch.
+    --pipeline-model-parallel-layout); `any_split` asks whether some split can launch;
+    `tp_comm_overlap`: whether the launch overlaps TP communication (--tp-comm-overlap).
     """
-    case = Case(cfg, model, num_devices, global_batch_size, layers_per_stage, any_split)
+    case = Case(cfg, model, num_devices, global_batch_size, layers_per_stage, any_split, tp_comm_overlap)
     for rule in RULES:
         line = rule.check(case)
         if line is not None:

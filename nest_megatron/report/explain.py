@@ -41,7 +41,7 @@ def plan_config(plan: Plan) -> ParallelConfig:
     return ParallelConfig(tp=p["tp"], pp=p["pp"], dp=p["dp"], cp=p["cp"], ep=p["ep"], etp=p["etp"], vpp=p["vpp"],
                           sp=p["sp"], mbs=plan.micro_batch_size, zero=plan.zero_stage, recompute=recompute,
                           recompute_num_layers=r["num_layers"] if r["method"] == "block" else None,
-                          order=plan.rank_order)
+                          order=plan.rank_order, cp_comm_type=p.get("cp_comm_type", "p2p"))
 
 
 SIZES = ("tp", "pp", "dp", "cp", "ep", "etp", "vpp")
@@ -77,7 +77,8 @@ def plan_mismatch(plan: Plan, problem: Problem) -> str | None:
                 f"its overrides build {problem.model.cfg.name} with model.num_layers={layers}")
     cfg = plan_config(plan)
     broken = violation(cfg, model=problem.model, num_devices=problem.num_devices,
-                       global_batch_size=problem.global_batch_size, layers_per_stage=tuple(plan.layers_per_stage))
+                       global_batch_size=problem.global_batch_size, layers_per_stage=tuple(plan.layers_per_stage),
+                       tp_comm_overlap=problem.tp_comm_overlap)
     if broken:
         return f"the plan breaks a Megatron rule: {broken}"
     mapping = plan.rank_to_device

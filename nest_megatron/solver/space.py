@@ -5,11 +5,12 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 
 from nest_megatron.config.schema import PlanChoice, SolverConfig
 from nest_megatron.cost.problem import Problem
 from nest_megatron.errors import NestError
-from nest_megatron.parallel.config import ParallelConfig
+from nest_megatron.parallel.config import CP_COMM_TYPES, ParallelConfig
 from nest_megatron.parallel.rules import violation
 
 
@@ -45,6 +46,7 @@ def choice_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | No
         recompute=choice.recompute or "none",
         recompute_num_layers=choice.recompute_num_layers,
         order=choice.order or "tp-cp-ep-dp-pp",
+        cp_comm_type=choice.cp_comm_type or "p2p",
     )
 
 
@@ -62,7 +64,7 @@ def evaluate_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | 
     """The one configuration `evaluate` scores: the user's choice, Megatron's defaults elsewhere."""
     cfg = choice_config(problem, choice, default_mbs=default_mbs)
     problem_line = violation(cfg, model=problem.model, num_devices=problem.num_devices, global_batch_size=problem.global_batch_size,
-                             layers_per_stage=pinned_split(choice))
+                             layers_per_stage=pinned_split(choice), tp_comm_overlap=problem.tp_comm_overlap)
     if problem_line:
         raise NestError(f"invalid configuration: {problem_line}")
     line = train_rule_line(problem, cfg)
@@ -171,9 +173,13 @@ def empty_space_reason(
     pinned = {name: value for name, value in vars(pins).items() if value is not None}
     if pinned:
         cfg = choice_config(problem, pins, default_mbs=micro_batch_size)
-        line = violation(cfg, model=problem.model, num_devices=problem.num_devices,
-                         global_batch_size=problem.global_batch_size, any_split=any_split,
-                         layers_per_stage=pinned_split(pins))
+        # the search tries every CP exchange where Transformer Engine refuses the default one (`_configurations`)
+        comm_types = [cfg.cp_comm_type] if pins.cp_comm_type or cfg.cp == 1 else list(CP_COMM_TYPES)
+        lines = [violation(replace(cfg, cp_comm_type=t), model=problem.model, num_devices=problem.num_devices,
+                           global_batch_size=problem.global_batch_size, any_split=any_split,
+                           layers_per_stage=pinned_split(pins), tp_comm_overlap=problem.tp_comm_overlap)
+                 for t in comm_types]
+        line = None if None in lines else lines[0]
         if line is None:
             line = train_rule_line(problem, cfg)
         if line is None and problem.num_devices % (cfg.tp * cfg.cp * cfg.pp):
@@ -251,13 +257,32 @@ def _configurations(
             vpps = [split_vpp(pins)]  # a split of pp*vpp entries fixes vpp
         # With one pipeline stage or one replica both Megatron orders build the same groups.
         orders = axis(pins.order, list(solver.rank_orders) if pp > 1 and dp > 1 else solver.rank_orders[:1])
+        # Transformer Engine's CP exchange: without CP there is none to choose (Megatron's default stands); with CP,
+        # solver.cp_comm_types, and where TE runs none of those for a configuration (sliding-window attention
+        # refuses p2p), the other exchanges it runs. A pinned one is the user's: no other.
+        comm_types = axis(pins.cp_comm_type, list(solver.cp_comm_types) if cp > 1 else ["p2p"])
+        fallback = [t for t in CP_COMM_TYPES if t not in comm_types] if cp > 1 and pins.cp_comm_type is None else []
         for ep, etp, sp, vpp, mbs, zero, recompute, order in itertools.product(eps, etps, sps, vpps, mbss, zeros, recomputes, orders):
             for recomputed in recomputed_counts if recompute == "full" else [None]:
-                cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
-                                     recompute=recompute, recompute_num_layers=recomputed, order=order)
-                train_line = train_rule_line(problem, cfg)  # not launchable with the train.* choices
+                sizes = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
+                             recompute=recompute, recompute_num_layers=recomputed, order=order)
+                train_line = train_rule_line(problem, ParallelConfig(**sizes))  # whatever the exchange
                 if train_line is not None:
                     yield None, train_line
                     continue
-                yield cfg, violation(cfg, model=model, num_devices=problem.num_devices, global_batch_size=problem.global_batch_size,
-                                     any_split=any_split, layers_per_stage=pinned_split(pins))
+                found = _judged(problem, pins, sizes, comm_types, any_split=any_split)
+                if fallback and all(line is not None for _, line in found):
+                    found += _judged(problem, pins, sizes, fallback, any_split=any_split)
+                yield from found
+
+
+def _judged(problem: Problem, pins: PlanChoice, sizes: dict, comm_types: list[str], *,
+            any_split: bool) -> list[tuple[ParallelConfig, str | None]]:
+    """The configuration of `sizes` with each CP exchange of `comm_types`, and the rule it breaks (None: it launches)."""
+    out = []
+    for comm_type in comm_types:
+        cfg = ParallelConfig(**sizes, cp_comm_type=comm_type)
+        out.append((cfg, violation(cfg, model=problem.model, num_devices=problem.num_devices,
+                                   global_batch_size=problem.global_batch_size, any_split=any_split,
+                                   layers_per_stage=pinned_split(pins), tp_comm_overlap=problem.tp_comm_overlap)))
+    return out
