@@ -431,3 +431,15 @@ def test_the_exchange_is_priced_as_te_runs_it(comm_type, exposed_s):
     lt = layer_time(problem.model, cfg=cfg, moe=False, spans=spans, net=net, compute=problem.compute_model)
     assert lt.cp_comm == pytest.approx(exposed_s, rel=1e-9)
     assert lt.fwd_comm + lt.bwd_comm == pytest.approx(exposed_s, rel=1e-9)  # TP 1, no experts: all of it is CP's
+
+
+def test_nemo_and_bridge_overrides_carry_the_exchange():
+    """A NeMo 2 or Megatron-Bridge run of the plan must run the exchange it was priced with: TransformerConfig's
+    cp_comm_type (megatron-core transformer_config.py:1030), which Megatron's TEDotProductAttention hands to TE."""
+    from nest_megatron.integrations import bridge_overrides, nemo_overrides
+
+    plan = api.evaluate([*EXAMPLE, *CP2, "plan.cp_comm_type=all_gather"])
+    assert nemo_overrides(plan)["model.config.cp_comm_type"] == "all_gather"
+    assert bridge_overrides(plan)["model.cp_comm_type"] == "all_gather"
+    no_cp = api.evaluate([*EXAMPLE, "plan.tp=1", "plan.pp=1", "plan.cp=1", "plan.zero=2"])
+    assert "model.config.cp_comm_type" not in nemo_overrides(no_cp) and "model.cp_comm_type" not in bridge_overrides(no_cp)

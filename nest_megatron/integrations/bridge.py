@@ -4,7 +4,8 @@ Field names follow megatron-bridge 0.3.1 (PyPI), megatron/bridge/training/config
 - ConfigContainer: model, train, optimizer, ddp, checkpoint, dist;
 - model.*: the GPTModelProvider, a megatron.core TransformerConfig (tensor_/pipeline_/virtual_pipeline_/
   context_/expert_model_parallel_size, expert_tensor_parallel_size, sequence_parallel,
-  pipeline_model_parallel_layout, recompute_granularity / method / num_layers, moe_token_dispatcher_type), as
+  pipeline_model_parallel_layout, recompute_granularity / method / num_layers, moe_token_dispatcher_type,
+  cp_comm_type with CP), as
   recipes/llama/llama3.py sets them (cfg.model.tensor_model_parallel_size = 1);
 - train.micro_batch_size / global_batch_size: TrainingConfig;
 - optimizer.use_distributed_optimizer and ddp.use_distributed_optimizer: Bridge turns both on when either is
@@ -54,6 +55,8 @@ def bridge_overrides(plan: Plan) -> Overrides:
         "model.context_parallel_size": p["cp"],
         "model.expert_model_parallel_size": p["ep"],
     }
+    if p["cp"] > 1:  # Transformer Engine's exchange the plan prices (TransformerConfig.cp_comm_type)
+        out["model.cp_comm_type"] = flag_value(plan, "--cp-comm-type")
     if is_moe(plan):
         out["model.expert_tensor_parallel_size"] = p["etp"]
         out["model.moe_token_dispatcher_type"] = flag_value(plan, "--moe-token-dispatcher-type")  # the one priced

@@ -7,7 +7,7 @@ Field names follow NeMo 2.7.3 (nemo_toolkit 2.7.3 on PyPI; NVIDIA/NeMo at 8cfedd
 - trainer.strategy.ddp: a megatron.core DistributedDataParallelConfig (recipes/llama3_8b.py, trainer());
 - data.*: nemo/collections/llm/gpt/data/mock.py, MockDataModule(micro_batch_size, global_batch_size);
 - model.config.*: megatron.core TransformerConfig (recompute_granularity / method / num_layers,
-  moe_token_dispatcher_type), as the recipes set them (recipes/qwen3_32b.py:
+  moe_token_dispatcher_type, cp_comm_type with CP), as the recipes set them (recipes/qwen3_32b.py:
   recipe.model.config.recompute_granularity = "full");
 - optim.config.use_distributed_optimizer: megatron.core OptimizerConfig (recipes/optim/adam.py);
 - model.config.init_model_with_meta_device: a megatron.core TransformerConfig field (megatron-core 0.16.1,
@@ -79,6 +79,8 @@ def nemo_overrides(plan: Plan, devices_per_node: int | None = None) -> Overrides
         f"{s}.context_parallel_size": p["cp"],
         f"{s}.expert_model_parallel_size": p["ep"],
     }
+    if p["cp"] > 1:  # Transformer Engine's exchange the plan prices (megatron.core TransformerConfig.cp_comm_type)
+        out["model.config.cp_comm_type"] = flag_value(plan, "--cp-comm-type")
     if is_moe(plan):
         out[f"{s}.expert_tensor_parallel_size"] = p["etp"]
         # the dispatcher the plan prices (megatron.core TransformerConfig, whose default is allgather)

@@ -55,7 +55,7 @@ FLAG_OF_FIELD = {
     "train.tp_comm_overlap=true": "--tp-comm-overlap",
 }
 # Transformer Engine's context-parallel exchanges (context_parallel.py:4076-4110; Megatron-LM's help text at
-# training/arguments.py:3222 says "allgather", which TE refuses with a ValueError).
+# training/arguments.py:3223 says "allgather", which TE refuses with a ValueError).
 TE_CP_COMM_TYPES = (*CP_COMM_TYPES, "a2a+p2p")
 
 
