@@ -14,15 +14,25 @@ The data is synthetic and deterministic (repeating token cycles; every rank of a
 replica generates the same batch), so the loss falls within a few iterations. Flags of Megatron-LM
 that this example does not implement are ignored with a note on stderr.
 
-Log lines on stdout (rank 0 prints the first three; the last rank, which is on the last pipeline
-stage, the rest; the loss is the mean over the micro-batches and data-parallel replicas):
+Log lines on stdout (rank 0 prints the arguments block and the next four; the last rank, which is on the last
+pipeline stage, the rest; the loss is the mean over the micro-batches and data-parallel replicas). The arguments
+block, the padded-vocabulary line, the iteration lines and (on GPUs) the memory reports are Megatron-LM's own
+formats, so that `nest-megatron calibrate` reads this script's logs as it reads Megatron-LM's (the format strings
+are cited where they are printed):
+    ------------------------ arguments ------------------------
+      add_bias_linear ................................. True
+      ...
+    -------------------- end of arguments ---------------------
+     > padded vocab (size: 128) with 0 dummy tokens (new size: 128)
     pretrain_gpt parallel: world=4 tp=2 pp=1 dp=2 cp=1 ep=1 etp=2 vpp=1 order=tp-cp-ep-dp-pp
     pretrain_gpt plan: num_microbatches=2 layers_per_stage=[2] vocab=256 device=cpu
     pretrain_gpt wrap: DistributedDataParallel   (Megatron-FSDP: FullyShardedDataParallel optim_grads_params)
-    iteration 1/10 | lm loss: 5.553990E+00 | learning rate: 3.000000E-03 | grad norm: 2.612 | time (ms): 41.0
+     [2026-12-02 03:00:00.000000] iteration        1/      10 | consumed samples:            8 | elapsed time per
+       iteration (ms): 41.0 | learning rate: 3.000000E-03 | global batch size:     8 | lm loss: 5.553990E+00 |
+       loss scale: 1.0 | grad norm: 2.612 | number of skipped iterations:   0 | number of nan iterations:   0 |
     ...
     pretrain_gpt done: iterations=10 first_loss=5.553990 last_loss=3.487909
-(an fp16 step skipped for a loss-scale overflow shows "skipped: loss scale overflow" for the grad norm).
+(one line each; an fp16 step skipped for a loss-scale overflow prints no grad norm and counts as a skipped iteration).
 
 With --save DIR --save-interval N it writes a torch_dist checkpoint (megatron-core's dist_checkpointing, Megatron-LM's
 layout: DIR/iter_NNNNNNN and DIR/latest_checkpointed_iteration.txt) every N iterations; --load DIR resumes from
@@ -47,6 +57,7 @@ import socket
 import sys
 import time
 import warnings
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -158,6 +169,72 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def note(message: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{PREFIX}: note: {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-LM's log formats (megatron/training at d98e8a6), which nest-megatron calibrate reads
+# ---------------------------------------------------------------------------------------------
+def megatron_namespace(args, world: int) -> dict:
+    """The parsed arguments as Megatron-LM's validated namespace names them: its attribute for each flag
+    (--disable-bias-linear sets add_bias_linear False: core/transformer/transformer_config.py:212-214) and what
+    validate_args derives (world_size, data_parallel_size, virtual_pipeline_model_parallel_size: arguments.py:145,
+    448, 941-983); transformer_impl is the layer spec it builds."""
+    namespace = {k: v for k, v in vars(args).items() if k not in ("disable_bias_linear", "virtual_stages")}
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    # It builds megatron-core's local layer spec (build_chunks): Megatron-LM's --transformer-impl local.
+    namespace.update(add_bias_linear=not args.disable_bias_linear, world_size=world, rank=0, transformer_impl="local",
+                     data_parallel_size=world // model_parallel,
+                     virtual_pipeline_model_parallel_size=args.virtual_stages)
+    return namespace
+
+
+def print_arguments(args, world: int) -> None:
+    """Megatron-LM's arguments block: megatron/training/arguments.py:1990-2001 `_print_args` ("arguments")."""
+    title, namespace = "arguments", megatron_namespace(args, world)
+    print(f'------------------------ {title} ------------------------', flush=True)
+    str_list = []
+    for arg in namespace:
+        dots = '.' * (48 - len(arg))
+        str_list.append('  {} {} {}'.format(arg, dots, namespace[arg]))
+    for arg in sorted(str_list, key=lambda x: x.lower()):
+        print(arg, flush=True)
+    print(f'-------------------- end of {title} ---------------------', flush=True)
+
+
+def print_padded_vocab(vocab_size: int, padded_size: int) -> None:
+    """megatron/training/vocab_utils.py:35-39 (calculate_padded_vocab_size)."""
+    print(" > padded vocab (size: {}) with {} dummy tokens (new size: {})".format(
+        vocab_size, padded_size - vocab_size, padded_size), flush=True)
+
+
+def iteration_line(*, iteration: int, train_iters: int, consumed: int, elapsed_s: float, learning_rate: float,
+                   batch_size: int, loss: float, loss_scale: float, grad_norm: float | None, skipped: int) -> str:
+    """megatron/training/training.py:3567-3641 `training_log`, the fields this script has (no throughput:
+    --log-throughput is Megatron-LM's option), in its order."""
+    log_string = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
+    log_string += ' iteration {:8d}/{:8d} |'.format(iteration, train_iters)
+    log_string += ' consumed samples: {:12d} |'.format(consumed)
+    log_string += ' elapsed time per iteration (ms): {:.1f} |'.format(elapsed_s * 1000.0)
+    log_string += f' learning rate: {learning_rate:.6E} |'
+    log_string += f' global batch size: {batch_size:5d} |'
+    log_string += ' {}: {:.6E} |'.format("lm loss", loss)
+    log_string += f' loss scale: {loss_scale:.1f} |'
+    if grad_norm is not None:
+        log_string += f' grad norm: {grad_norm:.3f} |'
+    log_string += ' number of skipped iterations: {:3d} |'.format(skipped)
+    log_string += ' number of nan iterations: {:3d} |'.format(0)
+    return log_string
+
+
+def report_memory(name: str) -> None:
+    """megatron/training/utils/common_utils.py:313-334 `report_memory`, printed by data-parallel rank 0 on GPUs."""
+    mega_bytes = 1024.0 * 1024.0
+    string = name + ' memory (MB)'
+    string += f" | allocated: {torch.cuda.memory_allocated() / mega_bytes:.2f}"
+    string += f" | max allocated: {torch.cuda.max_memory_allocated() / mega_bytes:.2f}"
+    string += f" | reserved: {torch.cuda.memory_reserved() / mega_bytes:.2f}"
+    string += f" | max reserved: {torch.cuda.max_memory_reserved() / mega_bytes:.2f}"
+    print("[Rank {}] {}".format(torch.distributed.get_rank(), string), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -662,6 +739,7 @@ def train(args, use_cuda: bool) -> None:
         config.grad_sync_func = [c.start_grad_sync for c in chunks] if len(chunks) > 1 else chunks[0].start_grad_sync
     split = layers_per_stage(chunks, ps.get_pipeline_model_parallel_group(), device)
     if dist.get_rank() == 0:
+        print_padded_vocab(args.vocab_size, vocab)
         print(f"{PREFIX} plan: num_microbatches={num_microbatches} layers_per_stage={split} vocab={vocab} "
               f"device={device}", flush=True)
         sharding = f" {args.data_parallel_sharding_strategy}" if args.use_megatron_fsdp else ""
@@ -690,8 +768,8 @@ def train(args, use_cuda: bool) -> None:
     forward_backward = get_forward_backward_func()
     is_logger = dist.get_rank() == dist.get_world_size() - 1  # all coordinates maximal: a last-stage rank
     first_loss = last_loss = float("nan")
+    interval_start, interval_iterations, skipped = time.perf_counter(), 0, 0
     for iteration in range(resumed + 1, args.train_iters + 1):
-        start = time.perf_counter()
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -709,12 +787,21 @@ def train(args, use_cuda: bool) -> None:
             first_loss = last_loss if iteration == resumed + 1 else first_loss
         if use_cuda:  # CUDA kernels run asynchronously: the iteration ends when this rank's have run
             torch.cuda.synchronize()
-        elapsed_ms = 1000 * (time.perf_counter() - start)
-        if is_logger and (iteration % args.log_interval == 0 or iteration == args.train_iters):
-            step = f"grad norm: {grad_norm:.3f}" if updated else "skipped: loss scale overflow"
-            print(f"iteration {iteration}/{args.train_iters} | lm loss: {last_loss:.6E} | "
-                  f"learning rate: {optimizer.param_groups[0]['lr']:.6E} | {step} | "
-                  f"time (ms): {elapsed_ms:.1f}", flush=True)
+        interval_iterations += 1
+        skipped += not updated
+        # As Megatron-LM's training_log: a line after the first iteration (it shows the start-up) and every
+        # --log-interval, with the mean time of the iterations since the previous line (training.py:3538-3548).
+        if iteration % args.log_interval == 0 or iteration == resumed + 1 or iteration == args.train_iters:
+            elapsed_s = (time.perf_counter() - interval_start) / interval_iterations
+            if is_logger:
+                print(iteration_line(iteration=iteration, train_iters=args.train_iters,
+                                     consumed=iteration * args.global_batch_size, elapsed_s=elapsed_s,
+                                     learning_rate=optimizer.param_groups[0]["lr"], batch_size=args.global_batch_size,
+                                     loss=last_loss, loss_scale=optimizer.get_loss_scale().item(),
+                                     grad_norm=grad_norm if updated else None, skipped=skipped), flush=True)
+            if use_cuda and iteration <= resumed + 2 and ps.get_data_parallel_rank() == 0:
+                report_memory(f"(after {iteration} iterations)")  # training.py:3679-3692: the first two
+            interval_start, interval_iterations, skipped = time.perf_counter(), 0, 0
         if args.save and iteration % args.save_interval == 0:
             save_checkpoint(args, iteration, chunks, optimizer, scheduler)
     if is_logger:
@@ -742,6 +829,8 @@ def main(argv: list[str]) -> int:
         # meta device too, and they have no reset_parameters to materialise them with (on GPUs they allocate there).
         note("--init-model-with-meta-device dropped: used with --use-megatron-fsdp on GPUs only")
         args.init_model_with_meta_device = False
+    if int(os.environ.get("RANK", "0")) == 0:
+        print_arguments(args, int(os.environ.get("WORLD_SIZE", "1")))
     init_distributed(args, use_cuda)
     torch.manual_seed(args.seed)  # the same initial weights on every rank (CPU initialisation)
     if use_cuda:

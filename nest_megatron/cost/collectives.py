@@ -7,6 +7,9 @@ two. Phase l among n_l peers on S_l bytes costs (n_l - 1) alpha_l + (n_l - 1)/n_
 B_l is the device's bandwidth at that level (its own NIC share: every device of a unit sends its
 shard at once, as in a rail-optimised or fat-tree fabric).
 
+A level's bandwidth efficiency (hardware/topology.py Level.efficiency, 1 unless a calibration fitted it) scales
+its bandwidth; it is applied here, once, for every collective and transfer.
+
 Oversubscription and sharing: a level-l switch with oversubscription o carries 1/o of what its
 devices can inject. When a fraction u of the devices under it send across level l at the same
 time (u = 1 when every device is busy in a group of that kind, less when devices sit idle), each
@@ -35,7 +38,7 @@ class Network:
         bandwidth = []
         for level in topology.levels:
             share = min(1.0, 1.0 / (level.oversubscription * busy_fraction)) if level.oversubscription > 1 else 1.0
-            bandwidth.append(level.bandwidth * share)
+            bandwidth.append(level.bandwidth * level.efficiency * share)
         return cls(tuple(bandwidth), tuple(lv.latency for lv in topology.levels))
 
 

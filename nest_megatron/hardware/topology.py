@@ -30,6 +30,9 @@ class Level:
     bandwidth: float  # per device per direction, B/s
     latency: float  # s
     oversubscription: float = 1.0
+    # The fraction of `bandwidth` collectives reach at this level (NCCL's protocol and the fabric's congestion):
+    # 1 as described; a calibration (nest-megatron calibrate) fits it from a cluster's own runs.
+    efficiency: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -147,9 +147,10 @@ def paper(problem: Problem, *, cluster_name: str, model_name: str, num_devices: 
 # --- flat network (Phaze) ----------------------------------------------------------------------------------
 
 def flat_topology(topology: Topology) -> Topology:
-    """The same fan-outs with every level priced as level 0 (bandwidth, latency, oversubscription)."""
+    """The same fan-outs with every level priced as level 0 (bandwidth, its efficiency, latency, oversubscription)."""
     base = topology.levels[0]
-    levels = tuple(replace(lv, bandwidth=base.bandwidth, latency=base.latency, oversubscription=base.oversubscription)
+    levels = tuple(replace(lv, bandwidth=base.bandwidth, efficiency=base.efficiency, latency=base.latency,
+                           oversubscription=base.oversubscription)
                    for lv in topology.levels)
     return replace(topology, name=f"{topology.name}_flat", levels=levels)
 
