@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from nest_megatron.calibration.profile import shipped
 from nest_megatron.config.load import Loaded, load
 from nest_megatron.cost.evaluate import estimate
 from nest_megatron.errors import InfeasibleError, NestError
@@ -28,10 +29,20 @@ def evaluate(overrides: list[str]) -> Plan:
     return evaluate_loaded(load(overrides))
 
 
+def priced_problem(loaded: Loaded):
+    """The problem with the compute model that prices it, and a line saying which: a calibration profile's constants
+    (config/load.py put them into the problem) on the roofline, else a profile's fitted model where the profile
+    cache has one, else the shipped constants."""
+    calibration = loaded.calibration
+    if calibration is not None and calibration.path is not None:
+        return loaded.problem, f"roofline with the constants of {calibration.label} (profiles are not used with a calibration)"
+    return profiled_problem(loaded.problem, loaded.config)
+
+
 def plan_loaded(loaded: Loaded, *, progress: Progress | None = None) -> Plan:
     """`progress(visited, in the space, best step time so far)` hears of the search as it goes."""
     cfg = loaded.config
-    problem, compute = profiled_problem(loaded.problem, cfg)
+    problem, compute = priced_problem(loaded)
     result = SOLVERS[cfg.solver.name](problem, cfg.solver, cfg.plan, micro_batch_size=cfg.train.micro_batch_size,
                                       progress=progress)
     if result.empty_space is not None:
@@ -46,12 +57,13 @@ def plan_loaded(loaded: Loaded, *, progress: Progress | None = None) -> Plan:
     search = {"solver": cfg.solver.name, "time_s": result.time_s, "configs_evaluated": result.configs_evaluated,
               "configs_in_space": result.configs_in_space, "compute": compute}
     return build_plan(problem, result.best, model_name=cfg.model.name, cluster_name=cfg.cluster.name,
-                      overrides=loaded.overrides, search=search, runners_up=result.runners_up)
+                      overrides=loaded.overrides, search=search, runners_up=result.runners_up,
+                      calibration=_calibration(loaded, result.best.step_time))
 
 
 def evaluate_loaded(loaded: Loaded) -> Plan:
     cfg = loaded.config
-    problem, compute = profiled_problem(loaded.problem, cfg)
+    problem, compute = priced_problem(loaded)
     parallel = evaluate_config(problem, cfg.plan, default_mbs=cfg.train.micro_batch_size)
     est = estimate(problem, parallel, layers_per_stage=pinned_split(cfg.plan))
     if not est.fits:
@@ -63,5 +75,12 @@ def evaluate_loaded(loaded: Loaded) -> Plan:
         )
     return build_plan(problem, est, model_name=cfg.model.name, cluster_name=cfg.cluster.name,
                       overrides=loaded.overrides,
-                      search={"solver": "evaluate", "time_s": 0.0, "configs_evaluated": 1, "compute": compute})
+                      search={"solver": "evaluate", "time_s": 0.0, "configs_evaluated": 1, "compute": compute},
+                      calibration=_calibration(loaded, est.step_time))
+
+
+def _calibration(loaded: Loaded, step_s: float) -> dict:
+    """What the Plan records of the calibration that priced it, with the band of `step_s`."""
+    calibration = loaded.calibration or shipped(loaded.problem.accelerator.name)
+    return calibration.to_plan(step_s)
 

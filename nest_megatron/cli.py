@@ -19,6 +19,7 @@ COMMANDS = {
     "trace": "trace",
     "profile": "profile",
     "sweep": "sweep",
+    "calibrate": "calibrate",
 }
 
 USAGE = "nest-megatron COMMAND [overrides] [options]   (nest-megatron COMMAND --help for each)"

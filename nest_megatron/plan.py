@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from nest_megatron.calibration.band import overlaps
 from nest_megatron.cost.evaluate import Estimate
 from nest_megatron.cost.problem import Problem
 from nest_megatron.emit.megatron import ZERO_FLAGS, model_args, parallel_args, recompute_settings
@@ -45,6 +46,9 @@ class Plan:
     runners_up: list[dict] = field(default_factory=list)
     hosts: list[str] = field(default_factory=list)  # the allocation's nodes in node-rank order, idle ones last; [] unnamed
     failed_hosts: list[str] = field(default_factory=list)  # the allocation's nodes that are down (cluster.failed_nodes)
+    # The calibration that priced it (calibration/profile.py Calibration.to_plan): its constants, its cross-validated
+    # errors and the band of the predicted step time; {} in plans written before calibrations
+    calibration: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -98,11 +102,11 @@ def summary(est: Estimate) -> dict:
 
 
 def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name: str, overrides: list[str] = (),
-               search: dict | None = None, runners_up: list[Estimate] = ()) -> Plan:
+               search: dict | None = None, runners_up: list[Estimate] = (), calibration: dict | None = None) -> Plan:
     c, model = est.config, problem.model
     level_names = [lv.name for lv in problem.topology.levels]
     mapping = est.rank_to_device if est.rank_to_device is not None else np.arange(c.world)
-    return Plan(
+    plan = Plan(
         model=model_name,
         cluster=cluster_name,
         accelerator=problem.accelerator.name,
@@ -137,7 +141,13 @@ def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name
         runners_up=[summary(e) for e in runners_up],
         hosts=hosts_by_node_rank(problem.topology, mapping),
         failed_hosts=list(problem.topology.failed_hosts),
+        calibration=dict(calibration or {}),
     )
+    if calibration:
+        for row in plan.runners_up:
+            row["tied_within_error"] = bool(row["fits"]) and overlaps(row["step_time_s"], est.step_time,
+                                                                      calibration.get("errors") or ())
+    return plan
 
 
 def hosts_by_node_rank(topology, rank_to_device) -> list[str]:

@@ -1,77 +1,95 @@
-"""Fit the accelerator's few free compute constants to the published, measured H100 runs.
+"""Fit the accelerator's compute constants to the published, measured H100 runs, and cross-validate the fit.
 
-    python scripts/fit_calibration.py [--accelerator h100_sxm] [--rounds 6]
+    python scripts/fit_calibration.py [--constants NAME,...] [--no-cross-validation] [--write-shipped]
 
-The free constants are the cost model's physics, not per-row knobs: the fraction of the bf16 and of
-the fp8 peak a large GEMM reaches (gemm_efficiency, gemm_fp8_efficiency), of the bf16 peak flash
-attention reaches at head dim 128 (attention_efficiency), of the HBM bandwidth a memory-bound kernel
-reaches (memory_bound_efficiency), and the fixed launch-and-tail time of a GEMM or attention kernel
-(kernel_overhead_us). Everything else (peaks, bandwidths, tile shape, the network) is a datasheet or
-a derivation. The fit minimises the sum of squared log errors of the predicted step time over every
-calibration row priced at its published layout (scripts/bench_published.py), by coordinate descent
-from the shipped values with halving steps. It prints the constants to write into
-nest_megatron/hydra_configs/accelerator/<accelerator>.yaml and the errors they give.
+The candidates are the cost model's physics, not per-row knobs (calibration/constants.py): by default the five
+compute constants of the shipped fit, gemm_efficiency, gemm_fp8_efficiency, attention_efficiency,
+memory_bound_efficiency and kernel_overhead_us; `--constants` adds others (network_efficiency.1, ...).
+Everything else (peaks, bandwidths, tile shape) is a datasheet or a derivation. The fit is calibration/fit.py's,
+the one `nest-megatron calibrate` runs on a user's logs: a regularised, bounded fit of the log step-time errors of
+every calibration row priced at its published layout (scripts/bench_published.py), the shipped values as priors,
+keeping the prior of every constant the rows do not determine.
+
+It prints the fitted constants (for nest_megatron/hydra_configs/accelerator/<accelerator>.yaml), the in-sample
+errors, and the errors where each row is priced by a fit that did not see it: leave-one-out, leave-one-source-out
+(launcher, NeMo, AutoModel) and leave-one-release-out (each container tag). `--write-shipped` writes the
+cross-validated errors of the shipped constants (the accelerator configs' values, not the fit's) to
+nest_megatron/calibration/shipped/h100_sxm.yaml, whence every plan's error band comes.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import math
+import datetime as dt
 import sys
+import time
+from pathlib import Path
 
-from nest_megatron.cost.evaluate import estimate
-from nest_megatron.fidelity.bench import evaluate_row, summarise
-from nest_megatron.fidelity.published import rows
+import yaml
 
-# accelerator field -> (first step, lower bound, upper bound)
-FREE = {
-    "gemm_efficiency": (0.05, 0.3, 1.0),
-    "gemm_fp8_efficiency": (0.05, 0.2, 1.0),
-    "attention_efficiency": (0.05, 0.1, 1.0),
-    "memory_bound_efficiency": (0.1, 0.3, 1.0),
-    "kernel_overhead_s": (5e-6, 0.0, 2e-4),
-}
+from nest_megatron.calibration.fit import cross_validation, errors_of, fit, priors
+from nest_megatron.calibration.profile import SHIPPED
+from nest_megatron.fidelity.bench import as_runs, evaluate_row
+from nest_megatron.fidelity.published import CALIBRATION_PATH, rows
+
+SHIPPED_FIT = ("gemm_efficiency", "gemm_fp8_efficiency", "attention_efficiency", "memory_bound_efficiency",
+               "kernel_overhead_us")
+BAND_FROM = "leave-one-source-out"  # the band every plan prints: the most pessimistic of the three, with 57 rows
+ACCELERATORS = ("h100_sxm", "h200")  # the accelerator configs that hold these constants (h200: the same die)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6, help="coordinate-descent rounds (the step halves each)")
+    parser.add_argument("--constants", default=",".join(SHIPPED_FIT), help="comma-separated names of the candidates")
+    parser.add_argument("--no-cross-validation", action="store_true", help="the fit and its in-sample errors only")
+    parser.add_argument("--write-shipped", action="store_true",
+                        help=f"write the shipped constants' cross-validated errors to {SHIPPED.name}/h100_sxm.yaml")
     args = parser.parse_args(argv)
-    priced = [r for r in (evaluate_row(row) for row in rows()) if r.estimate is not None and r.refused is None]
-    start = priced[0].problem.accelerator
-    params = {k: getattr(start, k) for k in FREE}
-
-    def errors(p: dict) -> list[float]:
-        out = []
-        for r in priced:
-            problem = dataclasses.replace(r.problem, accelerator=dataclasses.replace(r.problem.accelerator, **p))
-            out.append(math.log(estimate(problem, r.estimate.config).step_time / r.row.measured_step_s))
-        return out
-
-    def loss(p: dict) -> float:
-        return sum(e * e for e in errors(p))
-
-    best, steps = loss(params), {k: v[0] for k, v in FREE.items()}
-    for round_ in range(args.rounds):
-        for key, (_, low, high) in FREE.items():
-            for direction in (1, -1):
-                while True:
-                    trial = dict(params, **{key: min(max(params[key] + direction * steps[key], low), high)})
-                    if trial[key] == params[key] or (value := loss(trial)) >= best:
-                        break
-                    best, params = value, trial
-        steps = {k: v / 2 for k, v in steps.items()}
-        print(f"round {round_}: sum of squared log errors {best:.4f}", file=sys.stderr)
-
-    print(f"# fitted on {len(priced)} rows of the calibration set (sum of squared log errors {best:.4f}):")
-    for key, value in params.items():
-        print(f"kernel_overhead_us: {value * 1e6:.1f}" if key == "kernel_overhead_s" else f"{key}: {value:.3f}")
-    refit = [dataclasses.replace(r, estimate=estimate(
-        dataclasses.replace(r.problem, accelerator=dataclasses.replace(r.problem.accelerator, **params)), r.estimate.config))
-        for r in priced]
-    print(f"# {summarise(refit).line()}")
+    only = [n for n in args.constants.split(",") if n]
+    start = time.perf_counter()
+    runs = as_runs([evaluate_row(row) for row in rows()])
+    prior = priors(runs)
+    shipped = errors_of(tuple(run.predict(prior) for run in runs), runs)
+    full = fit(runs, only=only)
+    print(f"# {len(runs)} rows of {CALIBRATION_PATH.name}, {time.perf_counter() - start:.0f} s")
+    print("# fitted constants (calibration/fit.py; write the fitted ones into the accelerator config to ship them):")
+    for name, verdict in full.verdicts.items():
+        print(f"{name}: {verdict.value:.4g}   # prior {verdict.prior:.4g}; {verdict.why}")
+    print(f"# shipped constants, in sample: {shipped.line()}")
+    print(f"# the fit, in sample:           {errors_of(full.predicted_s, runs).line()}")
+    if args.no_cross_validation:
+        return 0
+    crossed = cross_validation(runs, full=full, only=only)
+    for name, errors in crossed.items():
+        print(f"# {name + ':':24s}  {errors.line()}   ({time.perf_counter() - start:.0f} s)")
+    if args.write_shipped:
+        write_shipped(runs, prior, crossed)
     return 0
+
+
+def write_shipped(runs, prior: dict, crossed: dict) -> None:
+    """The cross-validated errors of the procedure that chose the shipped constants (their own fit to these rows,
+    starting from them), per row, for the error band of every plan priced with them."""
+    data = {
+        "label": "shipped H100 calibration",
+        "accelerator": "h100_sxm",
+        "applies_to": list(ACCELERATORS),
+        "written": f"python scripts/fit_calibration.py --write-shipped, {dt.date.today().isoformat()}",
+        "rows": f"{len(runs)} rows of benchmarks/{CALIBRATION_PATH.name}",
+        "constants": {k: float(v) for k, v in prior.items() if k in SHIPPED_FIT},
+        "band_from": BAND_FROM,
+        "cross_validation": {name: {"runs": e.runs, "median_abs_error": round(e.median_abs, 5),
+                                    "bias": round(e.bias, 5), "worst_abs_error": round(e.worst, 5),
+                                    "rows": [run.label for run in runs],
+                                    "errors": [round(x, 5) for x in e.errors]}
+                             for name, e in crossed.items()},
+    }
+    path = SHIPPED / "h100_sxm.yaml"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("# Generated by scripts/fit_calibration.py --write-shipped; tests/test_calibration.py checks its\n"
+                    "# constants against the accelerator config (regenerate after a refit).\n"
+                    + yaml.safe_dump(data, sort_keys=False, width=120))
+    print(f"wrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
 
 
 if __name__ == "__main__":

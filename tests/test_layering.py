@@ -8,17 +8,17 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "nest_megatron"
 
 LAYERS = [
-    ["errors", "config.schema", "config.megatron_argv"],
+    ["errors", "config.schema", "config.megatron_argv", "calibration", "calibration.logs"],
     ["model", "hardware"],
     ["parallel"],
-    ["cost"],
+    ["cost", "calibration.constants", "calibration.fit"],
     ["emit"],
     ["solver"],
     ["plan"],
     ["report"],
-    ["config.load", "trace", "profile"],
+    ["config.load", "trace", "profile", "calibration.profile"],
     ["api", "fidelity"],
-    ["launch", "integrations", "sweep"],
+    ["launch", "integrations", "sweep", "calibration.runs"],
     ["commands"],
     ["cli", "reference"],
 ]

@@ -190,19 +190,25 @@ def fit(runs: list[Run], *, prior: dict[str, float] | None = None, noise: float 
             z, used_iterations = _minimise(runs, space, z, base, noise=noise, width=prior_width)
             iterations += used_iterations
         r = _residuals(runs, space.values(z, base))
-        sd = _posterior_sd(_jacobian(runs, space, z, base, r), noise=noise, width=prior_width) / prior_width
+        jac = _jacobian(runs, space, z, base, r)
+        sd = _posterior_sd(jac, noise=noise, width=prior_width) / prior_width
         worst = int(np.argmax(sd)) if candidates else -1
         if not candidates or sd[worst] <= DETERMINED:
             break
         dropped = candidates.pop(worst)
-        verdicts[dropped.name] = Verdict(
-            dropped.name, prior[dropped.name], prior[dropped.name], False,
-            f"the runs do not determine it (they would leave {sd[worst]:.0%} of its prior's uncertainty)")
+        # How much a prior's width of change would move the most sensitive run, against the runs' noise
+        moves = float(np.max(np.abs(jac[:, worst]))) * prior_width
+        why = (f"no run depends on it (a change of {prior_width:.0%} of its scale moves no step time by "
+               f"{moves:.1%})" if moves < noise / 10 else
+               f"the runs do not determine it apart from the other constants (they would leave {sd[worst]:.0%} of "
+               "its prior's uncertainty)")
+        verdicts[dropped.name] = Verdict(dropped.name, prior[dropped.name], prior[dropped.name], False, why)
         z0 = {c.name: float(zi) for c, zi in zip(space.constants, z)}
     values = space.values(z, base)
-    for c, s in zip(candidates, sd):
+    for c, s, zi, low, high in zip(candidates, sd, z, space.low, space.high):
+        bound = " at its bound: the runs want it further" if np.isclose(zi, low) or np.isclose(zi, high) else ""
         verdicts[c.name] = Verdict(c.name, prior[c.name], values[c.name], True,
-                                   f"fitted (the runs leave {s:.0%} of its prior's uncertainty)",
+                                   f"fitted (the runs leave {s:.0%} of its prior's uncertainty){bound}",
                                    posterior_sd=float(s * prior_width * c.scale))
     ordered = {n: verdicts[n] for n in prior}
     return Fit(values=values, verdicts=ordered, predicted_s=tuple(run.predict(values) for run in runs),
@@ -265,3 +271,24 @@ def cross_validate(runs: list[Run], key: Callable[[Run], str], *, full: Fit | No
 
 def leave_one_out(runs: list[Run], *, full: Fit | None = None, **fit_options) -> Errors:
     return cross_validate(runs, lambda run: run.label, full=full, **fit_options)
+
+
+# Held-out groups: every run alone, every source (framework) of runs, every software release; a run lacks a group
+# key when it does not say (a user's logs have no release).
+CROSS_VALIDATIONS: dict[str, Callable[[Run], str | None]] = {
+    "leave-one-out": lambda run: run.label,
+    "leave-one-source-out": lambda run: run.groups.get("source"),
+    "leave-one-release-out": lambda run: run.groups.get("release"),
+}
+
+
+def cross_validation(runs: list[Run], *, full: Fit | None = None, which: tuple[str, ...] = tuple(CROSS_VALIDATIONS),
+                     **fit_options) -> dict[str, Errors]:
+    """The errors of each cross-validation in `which` that the runs' groups allow (at least two groups)."""
+    out = {}
+    for name in which:
+        key = CROSS_VALIDATIONS[name]
+        if any(key(run) is None for run in runs) or len({key(run) for run in runs}) < 2:
+            continue
+        out[name] = cross_validate(runs, key, full=full, **fit_options)
+    return out

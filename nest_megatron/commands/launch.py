@@ -38,6 +38,7 @@ from nest_megatron.launch.elastic import (
     write_cache,
 )
 from nest_megatron.launch.prepare import Prepared, check_digest_format, check_expected_plan, prepare
+from nest_megatron.launch.run_dir import begin as begin_run_dir
 from nest_megatron.launch.torchrun import NodeCommand, check_script, run_command, sigterm_stops_with_status
 from nest_megatron.report.table import render
 
@@ -73,7 +74,8 @@ def _options(parser: argparse.ArgumentParser) -> None:
     torchrun.add_argument("--master-port", "--master_port", dest="master_port")
     torchrun.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint")
     elastic = parser.add_argument_group("elastic (--nnodes MIN:MAX)")
-    elastic.add_argument("--run-dir", help="where the per-node-count plans are written (default: a new temporary directory)")
+    elastic.add_argument("--run-dir", help="where the plan, the final argv and the workers' logs are written, for "
+                         "nest-megatron calibrate (elastic: the per-node-count plans; default: a new temporary directory)")
     elastic.add_argument("--max-restarts", type=int, default=3, help="torchrun's: worker-group restarts after a failure "
                          "(a lost node is one); a node joining restarts without counting (default 3)")
     elastic.add_argument("--rdzv-conf", help="torchrun's c10d rendezvous settings, e.g. last_call_timeout=5,is_host=true")
@@ -126,7 +128,7 @@ def command_lines(prepared: Prepared) -> list[str]:
     return lines
 
 
-def execute(prepared: Prepared, *, dry_run: bool, command: str) -> int:
+def execute(prepared: Prepared, *, dry_run: bool, command: str, run_dir: str | None = None) -> int:
     show(prepared, dry_run=dry_run)
     if dry_run:
         return 0
@@ -141,8 +143,11 @@ def execute(prepared: Prepared, *, dry_run: bool, command: str) -> int:
               file=sys.stderr)
         return 0
     try:
-        return run_command(prepared.this_node)
-    except NestError as err:  # torchrun could not be imported: nothing started
+        folder, node_command = begin_run_dir(prepared, prepared.this_node, run_dir)
+        print(f"nest-megatron: run directory {folder} (the plan, the argv, the workers' logs: nest-megatron calibrate "
+              f"{folder})", file=sys.stderr, flush=True)
+        return run_command(node_command)
+    except NestError as err:  # the run directory cannot be written, torchrun could not be imported: nothing started
         return fail(command, err)
 
 
@@ -172,7 +177,7 @@ def _launch(args: argparse.Namespace) -> int:
             check_expected_plan(prepared.plan, args.expect_plan)
     except (NestError, OSError) as err:
         return fail("launch", err)
-    return execute(prepared, dry_run=args.dry_run, command="launch")
+    return execute(prepared, dry_run=args.dry_run, command="launch", run_dir=args.run_dir)
 
 
 @contextmanager

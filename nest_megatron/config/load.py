@@ -21,6 +21,8 @@ from hydra.errors import ConfigCompositionException, HydraException, MissingConf
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from nest_megatron.calibration.constants import with_values
+from nest_megatron.calibration.profile import Calibration, check_levels, from_config
 from nest_megatron.config.schema import (
     AcceleratorConfig,
     ClusterConfig,
@@ -64,6 +66,8 @@ class Loaded:
     problem: Problem
     config: RootConfig
     overrides: tuple[str, ...] = ()  # as given, so that a Plan can be rebuilt (explain, every SLURM node)
+    # What prices the problem: the shipped constants, or a calibration profile's (calibration=, NEST_MEGATRON_CALIBRATION)
+    calibration: Calibration | None = None
 
 
 ConfigStore.instance().store(name="base_config", node=RootConfig)
@@ -99,14 +103,24 @@ def options(group: str) -> list[str]:
 def load(overrides: list[str]) -> Loaded:
     cfg = _compose(overrides)
     root = RootConfig(**{name: _typed(name, schema, cfg.get(name)) for name, schema in SECTIONS.items()}, out=cfg.get("out"),
-                      cache=cfg.get("cache"), report=cfg.get("report"))
+                      cache=cfg.get("cache"), report=cfg.get("report"), calibration=cfg.get("calibration"))
     root.model, tracer = resolve_model_source(root.model)  # model.source: analytic, or a traced model
     _check(root)
-    kept = tuple(o for o in overrides if not o.startswith(("out=", "report=")))
+    kept = tuple(o for o in overrides if not o.startswith(("out=", "report=", "calibration=")))
     if root.cluster.nodes is None and _allocated_nodes(root.cluster) is not None:
         # SLURM's node list, so that the overrides rebuild the problem outside the job too (explain, sweep)
         kept += (f"cluster.nodes={os.environ['SLURM_JOB_NODELIST']}",)
-    return Loaded(problem=_problem(root, tracer), config=root, overrides=kept)
+    calibration = from_config(root.calibration, root.accelerator.name)
+    if calibration.path is not None:
+        # The profile by its absolute path (given, or from NEST_MEGATRON_CALIBRATION), so that the overrides
+        # re-price the plan with it anywhere (explain)
+        root.calibration = calibration.path
+        kept += (f"calibration={calibration.path}",)
+    problem = _problem(root, tracer)
+    if calibration.path is not None:
+        check_levels(calibration, [lv.name for lv in problem.topology.levels], f"calibration={calibration.path}")
+        problem = with_values(problem, calibration.values)
+    return Loaded(problem=problem, config=root, overrides=kept, calibration=calibration)
 
 
 def _compose(overrides: list[str]):
@@ -252,7 +266,7 @@ def _unknown_key_message(dotted: str) -> str:
         close = difflib.get_close_matches(key.split(".")[0], allowed, n=1)
         hint = f"did you mean {section}.{close[0]}? " if close else ""
         return f"{dotted}: no such key; {hint}keys of {section}: {', '.join(allowed)}"
-    allowed = list(SECTIONS) + ["out", "cache", "report"]
+    allowed = list(SECTIONS) + ["out", "cache", "report", "calibration"]
     return f"{dotted}: no such key; top-level keys: {', '.join(allowed)}"
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import statistics
 from dataclasses import dataclass
 
+from nest_megatron.calibration.fit import Run
 from nest_megatron.config.load import load
 from nest_megatron.cost.evaluate import Estimate, estimate
 from nest_megatron.cost.problem import Problem
@@ -100,3 +101,11 @@ def groups(results: list[RowResult]) -> dict[str, list[RowResult]]:
     for source in sorted({r.row.source for r in results}):
         out[f"source {source}"] = [r for r in results if r.row.source == source]
     return out
+
+
+def as_runs(results: list[RowResult]) -> list[Run]:
+    """The priced rows as the fitter's runs (calibration/fit.py), grouped by source and release."""
+    return [Run(label=r.row.id, problem=r.problem, config=r.estimate.config, measured_s=r.row.measured_step_s,
+                layers_per_stage=r.estimate.layers_per_stage,
+                groups={"source": r.row.source, "release": r.row.release})
+            for r in results if r.estimate is not None and r.refused is None]

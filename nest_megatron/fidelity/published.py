@@ -118,6 +118,12 @@ class Row:
     not_expressible: str | None = None  # why the cost model cannot express this row's model
     assumed: tuple[str, ...] = ()  # settings the row does not state, filled with its source's default
     recompute_stated: bool = True  # False: a recipe default; the bench falls back to selective, then full
+
+    @property
+    def release(self) -> str:
+        """The software release the run measured: the launcher's or NeMo's container tag (the id's first two
+        words), or AutoModel's one commit of tables."""
+        return "automodel" if self.source == "automodel" else "-".join(self.id.split("-")[:2])
     optimizer: str = "megatron"  # the optimizer's state dtypes (OPTIMIZERS)
     moe_dispatcher: str = "alltoall"  # cost/problem.py Problem.moe_dispatcher
     moe_router: str = "learned"  # cost/problem.py Problem.moe_router

@@ -28,6 +28,13 @@ def print_table(console: Console, table: Table) -> None:
         console.width = width
 
 
+def step_time(plan: Plan) -> str:
+    """`15.400 s (14.1-16.9 s)`: the predicted step time and the band its calibration's errors give it."""
+    step = plan.predicted["step_time_s"]
+    band = (plan.calibration or {}).get("step_time_band_s")
+    return f"{step:.3f} s" + (f" ({band[0]:.3g}-{band[1]:.3g} s)" if band else "")
+
+
 def render(plan: Plan, console: Console) -> None:
     p, pred = plan.parallel, plan.predicted
     command = "evaluate" if plan.search["solver"] == "evaluate" else "plan"  # a scored choice, or a search
@@ -46,8 +53,16 @@ def render(plan: Plan, console: Console) -> None:
     node_order = "torchrun's" if plan.rank_to_device == sorted(plan.rank_to_device) else "permuted (see rank_to_device)"
     head.add_row("placement", f"{plan.rank_order}, node order {node_order}   groups cross: "
                  + ", ".join(f"{k}={v}" for k, v in plan.group_levels.items() if v))
-    head.add_row("step time", f"{pred['step_time_s']:.3f} s   {pred['tokens_per_s']:,.0f} tokens/s   "
+    head.add_row("step time", f"{step_time(plan)}   {pred['tokens_per_s']:,.0f} tokens/s   "
                               f"{pred['tflops_per_gpu']:.0f} TFLOP/s/GPU   MFU {pred['mfu']:.1%}")
+    if plan.calibration:
+        head.add_row("calibration", plan.calibration["summary"])
+    tied = [r for r in plan.runners_up if r.get("tied_within_error")]
+    if tied:
+        head.add_row("tied", f"{len(tied)} runner(s)-up within the model's error: "
+                             + "; ".join(f"TP {r['tp']} PP {r['pp']} DP {r['dp']} mbs {r['mbs']} ZeRO {r['zero']} "
+                                         f"{r['recompute']}, {r['step_time_s']:.3f} s" for r in tied[:3])
+                             + ("; ..." if len(tied) > 3 else ""))
     if plan.idle_devices:
         head.add_row("idle devices", str(plan.idle_devices))
     if plan.failed_hosts:

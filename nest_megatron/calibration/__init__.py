@@ -1,0 +1,1 @@
+"""Calibration: the cost model's constants fitted to measured runs (see calibration/fit.py)."""
