@@ -190,7 +190,7 @@ def planner_case(problem: list[str], priced: list[str]) -> Case:
     return Case("planner's choice", pins)
 
 
-ITERATION = re.compile(r"iteration\s+(\d+)/\d+ .*time \(ms\): ([\d.]+)")
+ITERATION = re.compile(r"iteration +(\d+)/ *\d+ \|.*? elapsed time per iteration \(ms\): ([\d.]+) \|")  # Megatron-LM's
 PEAK = re.compile(rf"{PREFIX} peak_memory_bytes=(-?\d+)")
 
 

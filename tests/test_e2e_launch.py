@@ -29,7 +29,8 @@ MEGATRON_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-he
                  "--attention-dropout", "0"]
 BUILT = re.compile(r"^pretrain_gpt parallel: (.*) order=(\S+)$", re.M)
 PLANNED = re.compile(r"^nest-megatron: tp=(\d+) pp=(\d+) dp=(\d+) cp=(\d+)", re.M)
-ITERATION = re.compile(r"^iteration (\d+)/(\d+) \| lm loss: (\S+) \|", re.M)
+# Megatron-LM's training_log line (scripts/pretrain_gpt.py prints it: training.py:3567-3641)
+ITERATION = re.compile(r"\] iteration +(\d+)/ *(\d+) \|.*? lm loss: (\S+) \|")
 
 
 def launch(overrides: list[str], script_args: list[str], timeout_s: float = 300) -> subprocess.CompletedProcess:

@@ -139,7 +139,7 @@ def test_worker_picks_the_plan_of_the_world_size_and_refuses_an_unplanned_one(tm
 
 # --- end to end ----------------------------------------------------------------------------------------------------
 
-ITERATION = re.compile(r"^iteration (\d+)/\d+ \| lm loss: (\S+) \|", re.M)
+ITERATION = re.compile(r"\] iteration +(\d+)/ *\d+ \|.*? lm loss: (\S+) \|")  # Megatron-LM's training_log line
 SELECTED = re.compile(r"^nest-megatron elastic: (\d) node\(s\), (\d) ranks, restart (\d+): plan (\w+) .*selected in "
                       r"([\d.]+) ms", re.M)
 BUILT = re.compile(r"^pretrain_gpt parallel: world=(\d) tp=(\d) pp=(\d) dp=(\d)", re.M)

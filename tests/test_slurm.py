@@ -32,7 +32,7 @@ MEGATRON_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-he
                  "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
                  "--vocab-size", "128", "--bf16", "--train-iters", "3", "--lr", "3e-3", "--hidden-dropout", "0",
                  "--attention-dropout", "0"]
-ITERATION = re.compile(r"^iteration (\d+)/\d+ \| lm loss: (\S+) \|", re.M)
+ITERATION = re.compile(r"\] iteration +(\d+)/ *\d+ \|.*? lm loss: (\S+) \|")  # Megatron-LM's training_log line
 # The script calls nest-megatron by its absolute path: under pytest, the console script beside this Python.
 LAUNCHER = str(Path(sys.executable).parent / "nest-megatron")
 

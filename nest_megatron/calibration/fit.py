@@ -159,7 +159,7 @@ def _minimise(runs, space: _Space, z: np.ndarray, base: dict, *, noise: float, w
         moved = float(np.max(np.abs(trial - z)))
         improved = current - value
         z, r, current, damping = trial, r_trial, value, max(damping / 10, 1e-9)
-        if moved < 1e-7 or improved < 1e-12 * max(current, 1.0):
+        if moved < 1e-6 or improved < 1e-7 * max(current, 1.0):
             return z, iteration
     return z, MAX_ITERATIONS
 
@@ -259,6 +259,9 @@ def cross_validate(runs: list[Run], key: Callable[[Run], str], *, full: Fit | No
     errors in run order. With one group only, the held-out runs are priced with the priors (nothing is left to
     fit on)."""
     predicted = [0.0] * len(runs)
+    if full is not None and "only" not in fit_options:
+        # The candidates are what the full fit determined: a fold decides again whether its runs still do.
+        fit_options = dict(fit_options, only=full.fitted)
     for group in dict.fromkeys(key(run) for run in runs):
         held = [i for i, run in enumerate(runs) if key(run) == group]
         rest = [run for i, run in enumerate(runs) if i not in held]

@@ -175,8 +175,11 @@ def _parse_file(log: RunLog, name: str, lines: list[str]) -> None:
                 section = None if log.arguments else section
             continue
         if (it := ITERATION.match(line)) is not None:
-            log.iterations.append(_iteration(it, where, line))
-            continue
+            if line.rstrip().endswith("|"):  # Megatron's and Bridge's lines end with their last field's " |"
+                log.iterations.append(_iteration(it, where, line))
+            elif number == len(lines):
+                raise NestError(f"{where}: the last iteration line is cut ({line.strip()[:60]!r}...); a truncated log?")
+            continue  # a line another rank's output broke in two: not a measurement
         if (memory := MEMORY.match(line)) is not None:
             _memory(log, memory)
             continue
@@ -189,8 +192,6 @@ def _parse_file(log: RunLog, name: str, lines: list[str]) -> None:
         if (step := NEMO_STEP.match(line)) is not None:
             _nemo_step(log, step, where)
             continue
-        if number == len(lines) and re.search(r"\biteration +\d+/", line) and not line.rstrip().endswith("|"):
-            raise NestError(f"{where}: the last iteration line is cut ({line.strip()[:60]!r}...); a truncated log?")
     if block_start is not None:
         raise NestError(f"{name}:{block_start}: the arguments block that starts here does not end (no 'end of "
                         f"arguments' line): a truncated log?")

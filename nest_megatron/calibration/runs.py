@@ -66,7 +66,13 @@ class Rebuilt:
                    rank_to_device=self.rank_to_device)
 
 
+# validate_args maps the dtype flags' names to torch dtypes before printing them (arguments.py:1077-1085)
+TORCH_DTYPES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.uint8": "fp8"}
+
+
 def _text(value) -> str:
+    if isinstance(value, str) and value in TORCH_DTYPES:
+        return TORCH_DTYPES[value]
     if isinstance(value, tuple):
         return ",".join(map(str, value))
     if isinstance(value, list):
@@ -85,6 +91,8 @@ def argv_of(log: RunLog) -> tuple[list[str], dict[str, str]]:
         if name not in log.arguments and log.format == "bridge":
             name = BRIDGE_DEST.get(flag, name)
         value = log.value(name)
+        if flag == "--group-query-attention" and log.format == "bridge":
+            value = log.value("num_query_groups") is not None  # TransformerConfig has only num_query_groups
         if flag == "--vocab-size" and value is None and log.padded_vocab:
             value, where[flag] = log.padded_vocab[0], log.arguments_at  # the tokenizer's size (vocab_utils.py:35)
         if value is None:
