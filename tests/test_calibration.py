@@ -363,7 +363,7 @@ def test_plans_with_a_calibration_use_its_constants(tmp_path):
         "constants": {"gemm_efficiency": {"value": 0.5, "fitted": True},
                       "kernel_overhead_us": {"value": 54.4, "fitted": False}},
         "leave_one_out": {"errors": [0.01, -0.02]}}))
-    overrides = ["model=llama3_8b", "cluster.num_devices=8", "plan.tp=1", "plan.mbs=1"]
+    overrides = ["model=llama3_8b", "cluster.num_devices=8", "plan.tp=2", "plan.mbs=1"]
     calibrated = api.evaluate([*overrides, f"calibration={profile}"])
     plain = load(overrides).problem
     expected = estimate(dataclasses.replace(plain, accelerator=dataclasses.replace(plain.accelerator, gemm_efficiency=0.5)),
