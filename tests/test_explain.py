@@ -162,11 +162,60 @@ def test_runner_up_reasons_by_hand(tiny_plan):
     plan = Plan.from_dict({**tiny_plan.to_dict(),
                            "predicted": {**tiny_plan.predicted, "step_time_s": 2.0, "capacity_gib": 80.0},
                            "runners_up": [
-                               {**tiny_plan.runners_up[0], "step_time_s": 2.5, "peak_memory_gib": 70.0, "fits": True},
+                               {**tiny_plan.runners_up[0], "step_time_s": 2.5, "peak_memory_gib": 70.0, "fits": True,
+                                "tied_within_error": False},
                                {**tiny_plan.runners_up[0], "step_time_s": 1.5, "peak_memory_gib": 90.5, "fits": False},
+                               {**tiny_plan.runners_up[0], "step_time_s": 2.1, "peak_memory_gib": 70.0, "fits": True,
+                                "tied_within_error": True},
                            ]})
-    # 2.5 / 2.0 = 1.25: 25.0% slower; 90.5 - 80.0 = 10.5 GiB over.
-    assert [r["why"] for r in runner_up_rows(plan)] == ["slower by 25.0%", "does not fit by 10.5 GiB"]
+    # 2.5 / 2.0 = 1.25: 25.0% slower; 90.5 - 80.0 = 10.5 GiB over; 2.1 / 2.0: 5.0% slower, within the band.
+    assert [r["why"] for r in runner_up_rows(plan)] == ["slower by 25.0%", "does not fit by 10.5 GiB",
+                                                        "tied within the model's error (slower by 5.0%)"]
+
+
+def test_the_prediction_figure_draws_the_band(report, tiny_plan):
+    """The plan's band is its calibration's: for the shipped one, t / (1 + e) at the 95th and the 5th percentile of
+    the cross-validated errors e of calibration/shipped/h100_sxm.yaml; every runner-up that fits and both baselines
+    that found a plan get theirs, and a runner-up is tied when its band reaches the plan's."""
+    data, index, drawn = report
+    shipped = yaml.safe_load((ROOT / "nest_megatron/calibration/shipped/h100_sxm.yaml").read_text())
+    errors = np.asarray(shipped["cross_validation"][shipped["band_from"]]["errors"])
+    step = tiny_plan.predicted["step_time_s"]
+    low, high = step / (1 + np.percentile(errors, 95)), step / (1 + np.percentile(errors, 5))
+    figure = drawn["prediction.png"]
+    assert figure["whiskers"][0] == pytest.approx((low, high))
+    assert tiny_plan.calibration["step_time_band_s"] == pytest.approx([low, high])
+    fitting = [r for r in tiny_plan.runners_up if r["fits"]][:8]
+    assert figure["bars"] == 1 + len(fitting) + 1  # the plan, the runners-up that fit, the Manual baseline
+    for r, row in zip(fitting, data.prediction[1:]):
+        mine_low = r["step_time_s"] / (1 + np.percentile(errors, 95))
+        assert row["tied"] == (mine_low <= high) == r["tied_within_error"]
+    assert figure["measured_x"] is None
+    assert f"{step:.4g} s ({low:.4g}-{high:.4g} s)" in index.read_text()
+
+
+def test_a_plan_in_its_run_directory_is_shown_against_what_the_run_measured(tiny_plan, tmp_path):
+    """A run directory as `launch` writes it, its last rank's log in Megatron-LM's format: the report draws the
+    measured step (the median of the intervals after the first) beside the prediction."""
+    from megatron_logs import iteration_line
+
+    from nest_megatron.calibration.runs import measured_in
+
+    (tmp_path / "plan.json").write_text(tiny_plan.to_json())
+    (tmp_path / "run.json").write_text(json.dumps({"logs": "logs"}))
+    log = tmp_path / "logs/node0/abc_1/attempt_0/1/stdout.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("\n".join(["------------------------ arguments ------------------------",
+                               "  num_layers ...................................... 4",
+                               "-------------------- end of arguments ---------------------"]
+                              + [iteration_line(iteration=i, train_iters=4, consumed=64 * i, elapsed_s=s, batch_size=64)
+                                 for i, s in ((1, 0.5), (2, 0.012), (3, 0.010), (4, 0.011))]) + "\n")
+    measured = measured_in(tmp_path)
+    assert measured["step_s"] == pytest.approx(0.011) and measured["iterations"] == 3  # median of 12, 10, 11 ms
+    problem = load(tiny_plan.overrides).problem
+    index, drawn = write_report(report_data(problem, tiny_plan, baselines={}, measured=measured), tmp_path / "r")
+    assert drawn["prediction.png"]["measured_x"] == pytest.approx(0.011)
+    assert "measured step</td><td>0.011 s" in index.read_text()
 
 
 def test_baselines_side_by_side(report, tiny_plan):
@@ -271,12 +320,12 @@ def test_report_page_loads_with_its_images(report, tiny_plan, chromium, tmp_path
     _, index, _ = report
     chromium.load(index)
     images = chromium.evaluate(IMAGES)
-    assert len(images) == 3
+    assert len(images) == 4
     assert all(complete and width > 0 for complete, width, _ in images), images
     assert all(src == "data:image/png;base64," for _, _, src in images)  # self-contained
     assert chromium.errors() == []
     headings = chromium.evaluate("Array.from(document.querySelectorAll('h2')).map(h => h.textContent)")
-    assert headings == ["Pipeline schedule of one iteration", "Memory per stage", "Placement on the topology",
+    assert headings == ["Predicted step time and the model's error", "Pipeline schedule of one iteration", "Memory per stage", "Placement on the topology",
                         "Plans the solver also considered", "Against the baselines", "Megatron arguments"]
     runner_rows = chromium.evaluate("document.querySelectorAll('table')[1].tBodies[0].rows.length")
     assert runner_rows == len(tiny_plan.runners_up)
@@ -300,7 +349,8 @@ def test_explain_command_writes_the_report(tiny_plan, tmp_path, capsys):
     plan_file.write_text(tiny_plan.to_json())
     assert cli.main(["explain", str(plan_file), "--no-baselines"]) == 0
     out = tmp_path / "plan_report"
-    assert sorted(p.name for p in out.iterdir()) == ["index.html", "memory.png", "placement.png", "schedule.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["index.html", "memory.png", "placement.png", "prediction.png",
+                                                     "schedule.png"]
     captured = capsys.readouterr()
     assert f"report written to {out / 'index.html'}" in captured.out
     # Not a terminal: no progress bar, no colour codes.

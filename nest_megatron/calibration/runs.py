@@ -189,8 +189,8 @@ def _fits(rebuilt: Rebuilt) -> Rebuilt:
 
 # --- run directories -----------------------------------------------------------------------------------------
 
-def read_run_dir(folder: Path, *, label: str) -> Rebuilt:
-    """A run directory of `nest-megatron launch`: the plan it ran, rebuilt from the workers' logs."""
+def run_dir_log(folder: Path) -> tuple[RunLog, dict]:
+    """The workers' logs of a run directory, merged, and its Plan JSON."""
     try:
         run = json.loads((folder / RUN_FILE).read_text())
         plan = json.loads((folder / PLAN_FILE).read_text())
@@ -204,7 +204,25 @@ def read_run_dir(folder: Path, *, label: str) -> Rebuilt:
     if not logs:
         raise NestError(f"{folder}: no worker logs under {run.get('logs', 'logs')}/ (torchrun --log-dir): the run "
                         "did not start, or its logs went elsewhere")
-    log = parse([(str(p), p.read_text(errors="replace")) for p in logs], source=str(folder))
+    return parse([(str(p), p.read_text(errors="replace")) for p in logs], source=str(folder)), plan
+
+
+def measured_in(folder: Path) -> dict | None:
+    """What the run of a run directory measured, for the explain report; None when `folder` is no run directory or
+    its logs hold no finished iteration."""
+    if not (folder / RUN_FILE).exists():
+        return None
+    try:
+        log, _ = run_dir_log(folder)
+        check(log)
+    except NestError:
+        return None
+    return {"step_s": log.measured_step_s, "source": str(folder), "iterations": max(len(log.iterations) - 1, 1)}
+
+
+def read_run_dir(folder: Path, *, label: str) -> Rebuilt:
+    """A run directory of `nest-megatron launch`: the plan it ran, rebuilt from the workers' logs."""
+    log, plan = run_dir_log(folder)
     user = [o for o in plan["overrides"] if o.partition("=")[0].split(".")[0] in CLUSTER_KEYS]
     rebuilt = rebuild(log, user=user, label=label, plan=plan, rank_to_device=tuple(plan["rank_to_device"]))
     _check_against_plan(rebuilt, plan, folder)

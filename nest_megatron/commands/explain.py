@@ -12,6 +12,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
+from nest_megatron.calibration.runs import measured_in
 from nest_megatron.commands.common import check_writable, fail, progress_bar, stdout_console
 from nest_megatron.config.load import Loaded, load
 from nest_megatron.errors import NestError
@@ -66,7 +67,8 @@ def output_dir(plan_path: str, options: list[str]) -> Path:
     return out or Path(plan_path).with_suffix("").with_name(Path(plan_path).stem + "_report")
 
 
-def explain(loaded: Loaded, plan: Plan, out: Path, *, baselines: bool, progress: Progress) -> Path:
+def explain(loaded: Loaded, plan: Plan, out: Path, *, baselines: bool, progress: Progress,
+            measured: dict | None = None) -> Path:
     """Run the baselines on `loaded`'s problem, render the report of `plan` and move it into `out`
     (index.html last, so a report is either whole or absent); return index.html's path."""
     problem, cfg = loaded.problem, loaded.config
@@ -91,7 +93,7 @@ def explain(loaded: Loaded, plan: Plan, out: Path, *, baselines: bool, progress:
         step("flat-network search")
         found["best flat-network plan"] = flat_network(problem, SOLVERS[cfg.solver.name], solver_cfg=cfg.solver,
                                                        pins=cfg.plan, micro_batch_size=cfg.train.micro_batch_size)
-    data = report_data(problem, plan, baselines=found)
+    data = report_data(problem, plan, baselines=found, measured=measured)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out, prefix=".explain-") as tmp:
         write_report(data, Path(tmp), step=step)
@@ -109,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
         check_writable(out, "out", folder=True)
         loaded = load(plan.overrides)
         with progress_bar(quiet=args.quiet) as progress:
-            index = explain(loaded, plan, out, baselines=not args.no_baselines, progress=progress)
+            # a plan in the run directory of its launch: what the run measured, beside what was predicted
+            measured = measured_in(Path(args.plan).parent)
+            index = explain(loaded, plan, out, baselines=not args.no_baselines, progress=progress, measured=measured)
     except (NestError, OSError) as err:
         return fail(args.command, err)
     if not args.quiet:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nest_megatron.calibration.band import band, overlaps
 from nest_megatron.cost.evaluate import Context, Estimate, after_pipeline, context, estimate_in, stage_parts
 from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.schedule import Timeline, timeline
@@ -26,7 +27,7 @@ from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.ranks import decoder_sizes, expert_sizes, rank_groups
 from nest_megatron.parallel.rules import violation
 from nest_megatron.plan import Plan
-from nest_megatron.report.plots import memory, placement, schedule
+from nest_megatron.report.plots import memory, placement, prediction, schedule
 from nest_megatron.report.plots.placement import FAILED, IDLE, GroupMark
 from nest_megatron.report.table import configurations
 
@@ -107,6 +108,8 @@ def runner_up_rows(plan: Plan) -> list[dict]:
                              zero=r["zero"], recompute=r["recompute"], order=r["order"])
         if r["fits"]:
             why = f"slower by {100 * (r['step_time_s'] / best - 1):.1f}%"
+            if r.get("tied_within_error"):
+                why = f"tied within the model's error ({why})"
         else:
             why = f"does not fit by {r['peak_memory_gib'] - capacity:.1f} GiB"
         rows.append({"config": describe(cfg), "order": r["order"], "step_time_s": r["step_time_s"],
@@ -190,6 +193,32 @@ def on_allocation(topology: Topology, stage_of_device: list[int],
     return whole, stages, [replace(g, devices=tuple(moved[d] for d in g.devices)) for g in groups]
 
 
+PREDICTION_ROWS = 8  # runners-up drawn beside the plan in the prediction figure
+
+
+def prediction_rows(plan: Plan, cfg: ParallelConfig, baselines: dict[str, Estimate | None]) -> list[dict]:
+    """The plan, its runners-up that fit and the baselines, each with the band of its step time by the plan's
+    calibration (calibration/band.py) and whether it is tied with the plan within it."""
+    errors = (plan.calibration or {}).get("errors") or ()
+    best = plan.predicted["step_time_s"]
+
+    def row(name: str, step: float) -> dict:
+        return {"name": name, "step_time_s": step, "band_s": band(step, errors), "tied": overlaps(step, best, errors)}
+
+    rows = [dict(row(f"this plan: {describe(cfg)}", best), tied=False)]
+    for r in [r for r in plan.runners_up if r["fits"]][:PREDICTION_ROWS]:
+        rows.append(row(f"runner-up: {runner_describe(r)}", r["step_time_s"]))
+    for name, est in baselines.items():
+        if est is not None:
+            rows.append(row(f"{name}: {describe(est.config)}", est.step_time))
+    return rows
+
+
+def runner_describe(r: dict) -> str:
+    return describe(ParallelConfig(tp=r["tp"], pp=r["pp"], dp=r["dp"], cp=r["cp"], ep=r["ep"], vpp=r["vpp"],
+                                   mbs=r["mbs"], zero=r["zero"], recompute=r["recompute"], order=r["order"]))
+
+
 @dataclass(frozen=True)
 class ReportData:
     plan: Plan
@@ -200,29 +229,40 @@ class ReportData:
     groups: list[GroupMark]
     runners_up: list[dict]
     comparison: list[dict]
+    prediction: list[dict] = ()  # prediction_rows
+    # What a run of this plan measured (its run directory's logs): {"step_s", "source", "iterations"}; None: no run
+    measured: dict | None = None
 
 
-def report_data(problem: Problem, plan: Plan, *, baselines: dict[str, Estimate | None]) -> ReportData:
+def report_data(problem: Problem, plan: Plan, *, baselines: dict[str, Estimate | None],
+                measured: dict | None = None) -> ReportData:
     ctx = plan_context(problem, plan)
     split = tuple(plan.layers_per_stage)
     drawn_on, stage_of_device, groups = on_allocation(
         problem.topology, *placement_marks(plan, ctx.cfg, exposed_time_per_group(ctx, split)))
     return ReportData(plan=plan, topology=drawn_on, estimate=estimate_in(ctx, split),
                       timeline=timeline(ctx, split), stage_of_device=stage_of_device, groups=groups,
-                      runners_up=runner_up_rows(plan), comparison=comparison_rows(plan, ctx.cfg, baselines))
+                      runners_up=runner_up_rows(plan), comparison=comparison_rows(plan, ctx.cfg, baselines),
+                      prediction=prediction_rows(plan, ctx.cfg, baselines), measured=measured)
 
 
 # --- rendering -------------------------------------------------------------------------------------------
 
-FIGURES = ("schedule.png", "memory.png", "placement.png")
+FIGURES = ("prediction.png", "schedule.png", "memory.png", "placement.png")
 
 
 def draw_figures(data: ReportData, out: Path, *, step: Callable[[str], None] = lambda name: None) -> dict[str, dict]:
     """The three PNGs under `out`; what each drew (plots/*.draw's return), by file name."""
     plan, pred = data.plan, data.plan.predicted
     p = plan.parallel
+    step("prediction figure")
+    calibration = (plan.calibration or {}).get("summary") or "no calibration recorded: no band"
+    drawn = {"prediction.png": prediction.draw(
+        list(data.prediction), measured_s=data.measured["step_s"] if data.measured else None,
+        path=out / "prediction.png",
+        title=f"Predicted step time, with the model's error band\n{calibration}")}
     step("schedule figure")
-    drawn = {"schedule.png": schedule.draw(
+    drawn |= {"schedule.png": schedule.draw(
         data.timeline, step_time=pred["step_time_s"], path=out / "schedule.png",
         title=f"One iteration, {data.timeline.schedule}: {plan.num_microbatches} micro-batches on {p['pp']} stages"
               + (f" x {p['vpp']} virtual" if p["vpp"] > 1 else ""))}
@@ -262,6 +302,11 @@ p.note { color: #555; font-size: 0.9em; } pre { white-space: pre-wrap; backgroun
 """
 
 
+def _band_text(plan: Plan) -> str:
+    band_s = (plan.calibration or {}).get("step_time_band_s")
+    return f" ({band_s[0]:.4g}-{band_s[1]:.4g} s)" if band_s else ""
+
+
 def render_html(data: ReportData, out: Path) -> str:
     plan, pred, p = data.plan, data.plan.predicted, data.plan.parallel
     summary = [
@@ -270,12 +315,18 @@ def render_html(data: ReportData, out: Path) -> str:
                   f"= global {plan.global_batch_size}"],
         ["layers per stage", " ".join(map(str, plan.layers_per_stage))],
         ["groups cross", ", ".join(f"{k}: {v}" for k, v in plan.group_levels.items() if v) or "nothing (one device)"],
-        ["predicted step", f"{pred['step_time_s']:.4g} s, {pred['tokens_per_s']:,.0f} tokens/s, "
+        ["predicted step", f"{pred['step_time_s']:.4g} s{_band_text(plan)}, {pred['tokens_per_s']:,.0f} tokens/s, "
                            f"{pred['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {pred['mfu']:.1%}"],
+        ["calibration", (plan.calibration or {}).get("summary") or "not recorded (a plan written before calibrations)"],
         ["peak memory", f"{pred['peak_memory_gib']:.1f} of {pred['capacity_gib']:.1f} GiB"],
         ["search", f"{plan.search['solver']}: {configurations(plan.search['configs_evaluated'])} in "
                    f"{plan.search['time_s']:.2f} s"],
     ]
+    if data.measured:
+        m = data.measured
+        summary.insert(6, ["measured step", f"{m['step_s']:.4g} s ({m['step_s'] / pred['step_time_s'] - 1:+.1%} "
+                                            f"of the prediction: median of {m['iterations']} logged intervals in "
+                                            f"{m['source']})"])
     if plan.idle_devices or plan.failed_hosts:
         summary.insert(1, ["allocation", f"{plan.num_devices - plan.idle_devices} of the {plan.num_devices} working "
                                          f"devices run ranks, {plan.idle_devices} idle"
@@ -301,6 +352,11 @@ def render_html(data: ReportData, out: Path) -> str:
         f"<h1>nest-megatron plan: {html.escape(plan.model)} on {plan.num_devices} x {html.escape(plan.accelerator)} "
         f"({html.escape(plan.cluster)})</h1>",
         _table(None, summary),
+        "<h2>Predicted step time and the model's error</h2>",
+        _image(out, "prediction.png", "predicted step time of the plan, runners-up and baselines with error bands"),
+        '<p class="note">Each whisker is the band the calibration\'s cross-validated errors give that prediction '
+        "(the 5th to the 95th percentile of predicted / measured on runs it was not fitted to); a runner-up whose "
+        "band reaches the plan's is tied with it within the model's error.</p>",
         "<h2>Pipeline schedule of one iteration</h2>",
         _image(out, "schedule.png", "pipeline schedule timeline per stage"),
         f'<p class="note">{html.escape(schedule_note)}</p>',
