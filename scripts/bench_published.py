@@ -23,11 +23,13 @@ from pathlib import Path
 
 from nest_megatron import api
 from nest_megatron.errors import NestError
-from nest_megatron.fidelity.bench import RowResult, evaluate_row, groups, summarise
+from nest_megatron.fidelity.bench import RowResult, cross_validated, evaluate_row, groups, summarise, summarise_errors
 from nest_megatron.fidelity.published import CALIBRATION_PATH, rows
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"median |error|": 0.08, "|bias|": 0.04, "worst |error|": 0.20}
+# On rows each fit did not see (issue 19): the headline
+CROSS_VALIDATED_TARGETS = {"median |error|": 0.08, "|bias|": 0.04, "worst |error|": 0.25}
 BREAKDOWN_SHOWN = 0.03  # parts of the step below this share are left out of the table
 
 
@@ -74,6 +76,22 @@ def _targets(results: list[RowResult]) -> list[str]:
         lines.append(f"- {name}: {'met' if not missed else 'missed: ' + ', '.join(missed)}")
     refused = [r.row.id for r in results if r.refused]
     lines.append(f"- published layouts refused as out of memory: {len(refused)}" + (f" ({', '.join(refused)})" if refused else ""))
+    return lines
+
+
+def _cross_validated_table(crossed: dict[str, list[float]], results: list[RowResult]) -> list[str]:
+    """The headline: each row priced by a fit that did not see it (its row, its source, its release), beside the
+    shipped constants in sample, with the targets."""
+    lines = ["| errors | rows | median \\|error\\| | bias | within 10 % | within 20 % | worst | targets |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, s in [*((n, summarise_errors(e)) for n, e in crossed.items()), ("in sample (shipped constants)",
+                                                                              summarise(results))]:
+        checks = {"median |error|": s.median_abs_error, "|bias|": abs(s.bias), "worst |error|": s.max_abs_error}
+        missed = [f"{k} {v:.1%} > {CROSS_VALIDATED_TARGETS[k]:.0%}" for k, v in checks.items()
+                  if v > CROSS_VALIDATED_TARGETS[k]]
+        verdict = "" if name.startswith("in sample") else ("met" if not missed else "missed: " + ", ".join(missed))
+        lines.append(f"| {name} | {s.rows} | {s.median_abs_error:.1%} | {s.bias:+.1%} | {s.within_10:.0%} | "
+                     f"{s.within_20:.0%} | {s.max_abs_error:.1%} | {verdict} |")
     return lines
 
 
@@ -148,8 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "docs" / "fidelity"))
     parser.add_argument("--plan", action="store_true", help="also plan each row's model and compare")
+    parser.add_argument("--cross-validate", action="store_true",
+                        help="compute the cross-validated errors (minutes) rather than read the shipped calibration's")
     args = parser.parse_args(argv)
     results = [evaluate_row(row) for row in rows()]
+    crossed = cross_validated(results, compute=args.cross_validate)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = dt.date.today().isoformat()
@@ -161,16 +182,25 @@ def main(argv: list[str] | None = None) -> int:
            f"`{CALIBRATION_PATH.relative_to(ROOT)}` ({len(results)} rows). Error = predicted / measured - 1. "
            "The launcher and NeMo rows keep their optimizer's state (Apex DistributedFusedAdam: 10 B a parameter), "
            "the AutoModel MoE rows dispatch with DeepEP (nest_megatron/fidelity/published.py).", "",
-           f"![predicted vs measured](published_{stamp}.png)", "", "## Summary", "", *_summary_table(results), "",
+           f"![predicted vs measured](published_{stamp}.png)", "",
+           "## Cross-validated (the headline)", "",
+           "Each row priced by the fit of the constants to the other rows (scripts/fit_calibration.py, calibration/fit.py): "
+           "leaving out the row, its source (launcher, NeMo, AutoModel) or its release (container tag). Targets "
+           "(issue 19): median |error| <= 8 %, |bias| <= 4 %, worst <= 25 %.", "",
+           *(_cross_validated_table(crossed, results) if crossed else
+             ["(not computed: the shipped calibration file is of other rows or constants; run with --cross-validate)"]),
+           "", "## Summary (in sample)", "", *_summary_table(results), "",
            "Targets (issue: median |error| <= 8 %, |bias| <= 4 %, every expressible row within 20 %, for each group):", "",
            *_targets(results), "", "## Rows", "", *_row_table(results), "", "## Not expressible", "", *not_expressible]
     if args.plan:
         doc += ["", "## Where `plan` claims more than 10 % over the published layout", "", *_plan_table(results)]
     (out / f"published_{stamp}.md").write_text("\n".join(doc) + "\n")
+    for name, errors in crossed.items():
+        print(f"{name:22} {summarise_errors(errors).line()}")
     for name, members in groups(results).items():
         s = summarise(members)
         if s:
-            print(f"{name:18} {s.line()}")
+            print(f"{name:22} {s.line()}")
     print(f"wrote {out / f'published_{stamp}.md'} and .png")
     return 0
 

@@ -244,6 +244,4 @@ class RootConfig:
     out: Optional[str] = None  # where the Plan JSON is written
     report: Optional[str] = None  # `plan` also writes the explain report (index.html + PNGs) into this folder
     cache: Optional[str] = None  # the profile cache file (None: $XDG_CACHE_HOME/nest-megatron/profiles.json)
-    # A calibration profile (nest-megatron calibrate ... out=PROFILE.yaml) whose constants price the plan (None:
-    # $NEST_MEGATRON_CALIBRATION, else the shipped constants); every plan reports its error band from it.
-    calibration: Optional[str] = None
+    calibration: Optional[str] = None  # a profile of nest-megatron calibrate that prices the plan (None: $NEST_MEGATRON_CALIBRATION, else the shipped constants)

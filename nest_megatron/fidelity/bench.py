@@ -84,7 +84,10 @@ class Summary:
 
 def summarise(results: list[RowResult]) -> Summary | None:
     """Over the rows priced and not refused; None when there are none."""
-    errors = [r.error for r in results if r.estimate is not None and r.refused is None]
+    return summarise_errors([r.error for r in results if r.estimate is not None and r.refused is None])
+
+
+def summarise_errors(errors: list[float]) -> Summary | None:
     if not errors:
         return None
     absolute = [abs(e) for e in errors]
@@ -109,3 +112,35 @@ def as_runs(results: list[RowResult]) -> list[Run]:
                 layers_per_stage=r.estimate.layers_per_stage,
                 groups={"source": r.row.source, "release": r.row.release})
             for r in results if r.estimate is not None and r.refused is None]
+
+
+def cross_validated(results: list[RowResult], *, compute: bool = False) -> dict[str, list[float]]:
+    """Each cross-validation's errors of the priced rows (calibration/fit.py cross_validation: leave-one-out,
+    -source-out, -release-out), by name. Without `compute`, those the shipped calibration file holds
+    (calibration/shipped/h100_sxm.yaml, written by scripts/fit_calibration.py --write-shipped), when it holds the
+    same rows and the constants they are priced with; {} when it does not (refit: compute them)."""
+    import yaml
+
+    from nest_megatron.calibration.fit import cross_validation, fit, priors
+    from nest_megatron.calibration.profile import SHIPPED
+
+    runs = as_runs(results)
+    if compute:
+        full = fit(runs, only=list(SHIPPED_FIT))
+        return {name: list(e.errors) for name, e in cross_validation(runs, full=full, only=list(SHIPPED_FIT)).items()}
+    path = SHIPPED / "h100_sxm.yaml"
+    if not path.exists():
+        return {}
+    data = yaml.safe_load(path.read_text())
+    prior = priors(runs)
+    same_constants = all(abs(prior.get(k, float("nan")) - v) <= 1e-9 * max(1.0, abs(v)) for k, v in data["constants"].items())
+    out = {}
+    for name, cross in data["cross_validation"].items():
+        if same_constants and cross["rows"] == [run.label for run in runs]:
+            out[name] = list(cross["errors"])
+    return out
+
+
+# The constants the shipped fit chooses (scripts/fit_calibration.py): the accelerator's compute efficiencies.
+SHIPPED_FIT = ("gemm_efficiency", "gemm_fp8_efficiency", "attention_efficiency", "memory_bound_efficiency",
+               "kernel_overhead_us")
