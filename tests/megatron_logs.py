@@ -7,6 +7,8 @@ Megatron-LM d98e8a6:
 - megatron/training/training.py:3567-3641 `training_log` (the stdout line)
 - megatron/training/utils/common_utils.py:313-334 `report_memory`
 - megatron/training/vocab_utils.py:35-39 `calculate_padded_vocab_size`
+NeMo 8cfedd7 (NeMo 2):
+- nemo/lightning/pytorch/callbacks/progress_printer.py:42,55-63,141-144 (`MegatronProgressBar`)
 Megatron-Bridge 067f987:
 - src/megatron/bridge/training/utils/train_utils.py:1088-1148 `training_log`
 - src/megatron/bridge/training/config.py:1846-1875 `ConfigContainer.log_non_default_values`
@@ -70,6 +72,14 @@ BRIDGE_STRINGS = {
     ],
     "src/megatron/bridge/training/initialize.py": [
         'print(f"> initialized HyperCommGrid with tp={tp}, pp={pp}, cp={cp}, dp={dp}")',
+    ],
+}
+NEMO_STRINGS = {
+    "nemo/lightning/pytorch/callbacks/progress_printer.py": [
+        'self._train_description = "Training"',
+        "log_string += f' | {metric}: {val}'",
+        "log_string += f' | {metric}: {val:.4}'",
+        'prefix = self.train_description + f" epoch {trainer.current_epoch}, iteration {n-1}/{self.total-1}"',
     ],
 }
 STAMP = "2026-11-30 10:00:00.000000"  # datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f') of a fixed moment
@@ -168,3 +178,15 @@ def bridge_summary(mcore: dict[str, dict[str, tuple]], other: dict[str, dict]) -
 def bridge_grid(*, tp: int, pp: int, cp: int, dp: int) -> str:
     """src/megatron/bridge/training/initialize.py:785."""
     return f"> initialized HyperCommGrid with tp={tp}, pp={pp}, cp={cp}, dp={dp}"
+
+
+def nemo2_step_line(*, epoch: int, n: int, total: int, metrics: dict) -> str:
+    """nemo/lightning/pytorch/callbacks/progress_printer.py:141-142 (the prefix) and :55-63 (format_string)."""
+    log_string = "Training" + f" epoch {epoch}, iteration {n-1}/{total-1}"
+    for metric, val in metrics.items():
+        if isinstance(val, (float)) and val.is_integer():
+            val = int(val)
+            log_string += f' | {metric}: {val}'
+        else:
+            log_string += f' | {metric}: {val:.4}'
+    return log_string

@@ -16,12 +16,14 @@ import yaml
 from megatron_logs import (
     BRIDGE_STRINGS,
     MEGATRON_LM_STRINGS,
+    NEMO_STRINGS,
     arguments_block,
     bridge_grid,
     bridge_iteration_line,
     bridge_summary,
     iteration_line,
     memory_line,
+    nemo2_step_line,
     padded_vocab_line,
 )
 
@@ -41,7 +43,7 @@ CLUSTER = ["cluster=dgx_h100_superpod"]
 # --- the frameworks' own format strings ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("env, strings", [("MEGATRON_LM_ROOT", MEGATRON_LM_STRINGS),
-                                          ("MEGATRON_BRIDGE_ROOT", BRIDGE_STRINGS)])
+                                          ("MEGATRON_BRIDGE_ROOT", BRIDGE_STRINGS), ("NEMO_ROOT", NEMO_STRINGS)])
 def test_format_strings_are_the_frameworks(env, strings):
     root = os.environ.get(env)
     if not root:
@@ -189,6 +191,27 @@ def test_a_megatron_bridge_log_is_rebuilt(tmp_path):
     assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_query_groups, m.seq_length, m.vocab_size,
             m.swiglu, m.add_bias_linear, m.normalization) == (32, 4096, 14336, 8, 8192, 128256, True, False, "RMSNorm")
     assert rebuilt.log.measured_step_s == pytest.approx(4.1015)  # median of 4101.5, 4098.2, 4105.0 ms
+
+
+# --- NeMo 2 ----------------------------------------------------------------------------------------------------
+
+def test_a_nemo2_log_gives_the_step_times_and_the_command_line_the_configuration(tmp_path, capsys):
+    """NeMo 2 prints no configuration: the overrides give it; its step lines give the times (the mean of each
+    logged interval's train_step_timing)."""
+    lines = ["[NeMo I 2026-11-30 10:00:00 nemo_logging:393] Experiments will be logged at /results"]
+    for n, seconds in ((1, 20.0), (11, 6.124), (21, 6.118), (31, 6.131)):
+        lines.append(nemo2_step_line(epoch=0, n=n, total=100, metrics={
+            "lr": 1.5e-6, "global_batch_size": 128.0, "global_step": float(n - 1), "reduced_train_loss": 10.93,
+            "train_step_timing in s": seconds, "consumed_samples": 128.0 * n}))
+    path = tmp_path / "nemo.log"
+    path.write_text("\n".join(lines) + "\n")
+    given = ["model=llama3_8b", *CLUSTER, "cluster.num_devices=16", "train.global_batch_size=128", "plan.tp=2",
+             "plan.mbs=1"]
+    rebuilt = read_run(str(path), user=given, label="nemo")
+    assert rebuilt.log.format == "nemo2" and rebuilt.log.measured_step_s == pytest.approx(6.124)  # of 6.124 6.118 6.131
+    assert (rebuilt.config.tp, rebuilt.config.dp, rebuilt.config.mbs) == (2, 8, 1)
+    code, err = _calibrate(capsys, str(path), *CLUSTER)
+    assert code == 2 and "a NeMo 2 log prints no configuration" in err and len(err.splitlines()) == 1
 
 
 # --- bad input: one line naming the file and the line, exit 2, nothing written --------------------------------

@@ -27,7 +27,8 @@ MEGATRON_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-he
                  "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
                  "--vocab-size", str(VOCAB), "--bf16", "--train-iters", "6", "--lr", "3e-3", "--hidden-dropout", "0",
                  "--attention-dropout", "0"]
-BUILT = re.compile(r"^pretrain_gpt parallel: (.*) order=(\S+)$", re.M)
+# The launch tees each rank's output (launch/run_dir.py), torchrun prefixing it with the rank: [rank0]:
+BUILT = re.compile(r"^(?:\[rank\d+\]:)?pretrain_gpt parallel: (.*) order=(\S+)$", re.M)
 PLANNED = re.compile(r"^nest-megatron: tp=(\d+) pp=(\d+) dp=(\d+) cp=(\d+)", re.M)
 # Megatron-LM's training_log line (scripts/pretrain_gpt.py prints it: training.py:3567-3641)
 ITERATION = re.compile(r"\] iteration +(\d+)/ *(\d+) \|.*? lm loss: (\S+) \|")

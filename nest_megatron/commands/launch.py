@@ -40,7 +40,7 @@ from nest_megatron.launch.elastic import (
 from nest_megatron.launch.prepare import Prepared, check_digest_format, check_expected_plan, prepare
 from nest_megatron.launch.run_dir import begin as begin_run_dir
 from nest_megatron.launch.torchrun import NodeCommand, check_script, run_command, sigterm_stops_with_status
-from nest_megatron.report.table import render
+from nest_megatron.report.table import render, step_time
 
 HELP = "plan a Megatron launch line, rewrite its parallel flags and run torchrun"
 EPILOG = """examples:
@@ -96,6 +96,9 @@ def show(prepared: Prepared, *, dry_run: bool) -> None:
     show_changes(prepared)
     if not dry_run:
         print(summary, file=sys.stderr, flush=True)
+        if prepared.plan.calibration:  # which calibration priced it (the table says it under --dry-run)
+            print(f"nest-megatron: predicted {step_time(prepared.plan)} a step; {prepared.plan.calibration['summary']}",
+                  file=sys.stderr, flush=True)
         return
     console = stdout_console()
     render(prepared.plan, console)

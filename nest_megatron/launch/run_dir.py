@@ -6,7 +6,7 @@ needs no hand work.
     RUN_DIR/logs/node<R>/command.json this node's torchrun command
     RUN_DIR/logs/node<R>/<run id>/attempt_<n>/<local rank>/stdout.log, stderr.log
                                       the workers' output, teed there by torchrun (--log-dir, --tee 3) as it goes to
-                                      the console
+                                      the console, there each line prefixed with its rank ([rank0]:)
 
 Every node writes the same plan.json and run.json and its own logs/node<R>/; on several nodes give one --run-dir
 on a shared file system, so that rank 0's arguments block and the last rank's iteration lines land together.
@@ -27,6 +27,8 @@ from nest_megatron.launch.torchrun import NodeCommand
 RUN_FILE, PLAN_FILE, LOGS = "run.json", "plan.json", "logs"
 # torchrun's own options that already send the workers' output somewhere: the user's choice is kept
 USER_LOG_FLAGS = ("--log-dir", "--log_dir", "--tee", "-t", "--redirects", "-r")
+# torch/distributed/run.py reads it (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE; ${rank}: the global rank)
+PREFIX_ENV, PREFIX = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]:"
 
 
 def _write(path: Path, text: str) -> None:
@@ -49,7 +51,10 @@ def begin(prepared: Prepared, command: NodeCommand, folder: str | None) -> tuple
     # argv is [torchrun, *torchrun's flags, script, *script_args]: nest-torchrun's flags are the user's as typed
     flags = command.argv[1:len(command.argv) - len(prepared.script_args) - 1]
     own = any(token.split("=", 1)[0] in USER_LOG_FLAGS for token in flags)
-    teed = command if own else NodeCommand(node_rank=command.node_rank, env=command.env,
+    # torchrun prefixes each teed console line with the worker: by its global rank, as Megatron-LM names ranks,
+    # unless the user chose a template
+    env = {**command.env, **({} if PREFIX_ENV in os.environ else {PREFIX_ENV: PREFIX})}
+    teed = command if own else NodeCommand(node_rank=command.node_rank, env=env,
                                            argv=[command.argv[0], "--log-dir", str(logs), "--tee", "3",
                                                  *command.argv[1:]])
     run = {
