@@ -198,8 +198,8 @@ def fit(runs: list[Run], *, prior: dict[str, float] | None = None, noise: float 
         dropped = candidates.pop(worst)
         # How much a prior's width of change would move the most sensitive run, against the runs' noise
         moves = float(np.max(np.abs(jac[:, worst]))) * prior_width
-        why = (f"no run depends on it (a change of {prior_width:.0%} of its scale moves no step time by "
-               f"{moves:.1%})" if moves < noise / 10 else
+        why = (f"no run depends on it (a change of {prior_width:.0%} of its scale moves the most sensitive run's "
+               f"step time by {moves:.2%})" if moves < noise / 10 else
                f"the runs do not determine it apart from the other constants (they would leave {sd[worst]:.0%} of "
                "its prior's uncertainty)")
         verdicts[dropped.name] = Verdict(dropped.name, prior[dropped.name], prior[dropped.name], False, why)

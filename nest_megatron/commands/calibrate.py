@@ -91,9 +91,8 @@ def _label(path: str, before: list[str]) -> str:
 
 def profile(rebuilt: list[Rebuilt], full: Fit, loo) -> dict:
     """The profile's content (calibration/profile.py reads it back)."""
-    problem = rebuilt[0].loaded.problem
-    before, after = errors_of(full.prior_predicted_s, [r.run() for r in rebuilt]), errors_of(full.predicted_s,
-                                                                                               [r.run() for r in rebuilt])
+    problem, measured = rebuilt[0].loaded.problem, [r.run() for r in rebuilt]
+    before, after = errors_of(full.prior_predicted_s, measured), errors_of(full.predicted_s, measured)
     constants = {}
     for name, verdict in full.verdicts.items():
         constant = CONSTANTS[name]
