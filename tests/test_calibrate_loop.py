@@ -92,18 +92,27 @@ def test_pretrain_gpt_logs_on_gloo_rebuild_the_run_exactly(run_dirs, name, tmp_p
         assert len(rebuilt.log.iterations) == 4
 
 
-def test_calibrate_then_plan_with_it(run_dirs, tmp_path, capsys):
+def test_plan_launch_calibrate_plan(run_dirs, tmp_path, capsys):
+    """The loop: a plan priced by the shipped calibration; the launches (the fixture) run it; calibrate fits their
+    logs; the next plan of the same problem is priced with the profile and says so."""
+    planning = [*CLUSTER, "model=tiny_gpt", "cluster.num_devices=2", "train.global_batch_size=8", "solver.jobs=1"]
+    before = tmp_path / "before.json"
+    assert cli.main(["plan", *planning, f"out={before}"]) == 0
+    assert "shipped H100 calibration: cross-validated median" in capsys.readouterr().out
     profile = tmp_path / "cal.yaml"
     assert cli.main(["calibrate", *(str(run_dirs[n][0]) for n in RUNS), f"out={profile}"]) == 0
     data = yaml.safe_load(profile.read_text())
     assert [r["log"] for r in data["runs"]] == [str(run_dirs[n][0]) for n in RUNS]
     assert all(r["plan_digest"] for r in data["runs"]) and len(data["leave_one_out"]["errors"]) == 2
     capsys.readouterr()
-    out = tmp_path / "plan.json"
-    assert cli.main(["plan", *CLUSTER, "model=tiny_gpt", "cluster.num_devices=2", "train.global_batch_size=8",
-                     "solver.jobs=1", f"calibration={profile}", f"out={out}"]) == 0
+    out = tmp_path / "after.json"
+    assert cli.main(["plan", *planning, f"calibration={profile}", f"out={out}"]) == 0
     text = capsys.readouterr().out
-    plan = json.loads(out.read_text())
+    plan, shipped = json.loads(out.read_text()), json.loads(before.read_text())
+    assert shipped["calibration"]["label"] == "shipped H100 calibration" and shipped["calibration"]["path"] is None
     assert plan["calibration"]["path"] == str(profile.resolve())
-    assert plan["calibration"]["values"] == {k: v["value"] for k, v in data["constants"].items() if v["fitted"]}
+    fitted = {k: v["value"] for k, v in data["constants"].items() if v["fitted"]}
+    assert fitted and plan["calibration"]["values"] == fitted
     assert "calibration cal.yaml: cross-validated median" in text and "(2 runs, leave-one-out)" in text
+    # The CPU runs took far longer than an H100 would: the calibrated constants price every plan slower
+    assert plan["predicted"]["step_time_s"] > shipped["predicted"]["step_time_s"]
