@@ -13,6 +13,7 @@ user's calibration; for the shipped one, the cross-validation its file names): c
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -143,16 +144,22 @@ def write_profile(data: dict) -> str:
                           width=120)
 
 
+@functools.lru_cache(maxsize=None)
+def _shipped_file(file: Path) -> dict:
+    """A shipped file, parsed once a process (every load() asks for it; PyYAML's pure-Python parser is slow)."""
+    return yaml.safe_load(file.read_text())
+
+
 def shipped(accelerator: str) -> Calibration:
     """The shipped calibration's errors for `accelerator`: its own file, else the file whose constants it uses."""
     own = SHIPPED / f"{accelerator}.yaml"
     files = [own] if own.exists() else sorted(SHIPPED.glob("*.yaml"))
     for file in files:
-        data = yaml.safe_load(file.read_text())
+        data = _shipped_file(file)
         if own.exists() or accelerator in data.get("applies_to", ()):
             return _shipped(data, accelerator, note="")
     if files:
-        data = yaml.safe_load(files[0].read_text())
+        data = _shipped_file(files[0])
         return _shipped(data, accelerator, note=f"no measured runs of {accelerator}: the errors of "
                                                 f"{data['accelerator']}'s runs")
     return Calibration(label="shipped constants", accelerator=accelerator, note="no calibration runs")
