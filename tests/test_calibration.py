@@ -190,6 +190,8 @@ def test_a_megatron_bridge_log_is_rebuilt(tmp_path):
     m = rebuilt.loaded.config.model
     assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_query_groups, m.seq_length, m.vocab_size,
             m.swiglu, m.add_bias_linear, m.normalization) == (32, 4096, 14336, 8, 8192, 128256, True, False, "RMSNorm")
+    # what Bridge's summary leaves out (GPTModelProvider's own fields) comes from the command line
+    assert (m.position_embedding_type, m.untie_embeddings_and_output_weights) == ("rope", True)
     assert rebuilt.log.measured_step_s == pytest.approx(4.1015)  # median of 4101.5, 4098.2, 4105.0 ms
 
 
@@ -293,6 +295,7 @@ def namespace_of(argv: list[str], world: int, vpp: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_calibrate_recovers_perturbed_constants(tmp_path, capsys):
     shipped = load(CLUSTER).problem.accelerator
     truth = {"gemm_efficiency": 0.9 * shipped.gemm_efficiency, "kernel_overhead_us": 1.3 * shipped.kernel_overhead_s * 1e6,
