@@ -132,7 +132,7 @@ def test_the_1024_gpu_run_is_rebuilt_exactly(tmp_path):
     assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups,
             m.seq_length, m.vocab_size) == (80, 8192, 28672, 64, 8, 8192, 128256)
     assert (m.swiglu, m.untie_embeddings_and_output_weights, m.position_embedding_type, m.normalization,
-            m.add_bias_linear, m.attention_backend) == (True, True, "rope", "RMSNorm", False, "flash")
+            m.add_bias_linear, m.attention_backend) == (True, True, "rope", "RMSNorm", False, "auto")
     t = rebuilt.loaded.config.train
     assert (t.global_batch_size, t.overlap_grad_reduce, t.overlap_param_gather, t.tp_comm_overlap,
             t.cross_entropy_fusion, t.precision) == (1024, True, True, True, True, "bf16")

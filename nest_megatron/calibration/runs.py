@@ -103,6 +103,8 @@ def argv_of(log: RunLog) -> tuple[list[str], dict[str, str]]:
             tokens = [flag] if value is True else []
         elif kind == "false":
             tokens = [flag] if value is False else []
+        elif kind == "list":  # nargs='+': one token a value
+            tokens = [flag, *map(_text, value if isinstance(value, (list, tuple)) else [value])]
         else:
             tokens = [flag, _text(value)]
         if tokens:
@@ -149,6 +151,12 @@ def rebuild(log: RunLog, *, user: list[str], label: str, plan: dict | None = Non
                                                    "--context-parallel-size"))
         split = argv_split(argv, world_size=world, model=model)
         extra = [*pins, f"plan.vpp={vpp}", f"plan.dp={world // (tp * pp * cp)}"]
+        exchanges = s.get("--cp-comm-type")
+        if cp > 1 and exchanges:  # the exchange the run used; the planner prices one for every layer
+            if len(set(exchanges)) > 1:
+                raise NestError(f"--cp-comm-type {' '.join(exchanges)}: a run with one exchange per layer is not in "
+                                "the cost model")
+            extra.append(f"plan.cp_comm_type={exchanges[0]}")
         if split is not None:
             extra.append(f"plan.layers_per_stage=[{','.join(map(str, split))}]")
         if "cluster.num_devices" not in keys:
