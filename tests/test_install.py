@@ -25,8 +25,10 @@ def test_an_installed_wheel_plans_outside_the_checkout(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
                     str(ROOT)], check=True, capture_output=True, timeout=300)
     wheel = next(tmp_path.glob("nest_megatron-*.whl"))
-    configs = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "nest_megatron" / "hydra_configs").rglob("*.yaml"))
-    assert len(configs) > 20
+    package = ROOT / "nest_megatron"
+    configs = sorted(str(p.relative_to(ROOT)) for folder in ("hydra_configs", "calibration/shipped")
+                     for p in (package / folder).rglob("*.yaml"))
+    assert len(configs) > 20 and any(c.startswith("nest_megatron/calibration/shipped/") for c in configs)
     assert configs == sorted(n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".yaml"))
 
     site = tmp_path / "site"
@@ -44,6 +46,9 @@ def test_an_installed_wheel_plans_outside_the_checkout(tmp_path):
     plan = json.loads(done.stdout)
     p = plan["parallel"]
     assert (plan["cluster"], p["tp"] * p["pp"] * p["dp"] * p["cp"]) == ("dgx_h100_superpod", 16)
+    # the band comes from the shipped calibration the wheel carries
+    low, high = plan["calibration"]["step_time_band_s"]
+    assert low < plan["predicted"]["step_time_s"] < high
 
 
 def _my_cluster(folder: Path, name: str) -> Path:
