@@ -361,7 +361,8 @@ def best_for(ctx: Context, *, cutoff: float = np.inf, memory: tuple | None = Non
 def placements(problem: Problem, cfg: ParallelConfig) -> list[np.ndarray | None]:
     """The rank -> device maps a configuration is tried under: Megatron's own layout (None, rank r
     on device r), every other host order torchrun can realise, and with sub-host levels every
-    order of the units inside a host (`host_placements`)."""
+    order of the units inside a host (`host_placements`); with TP across hosts, only the orders that
+    keep every TP group inside its NVLink domain (cluster.nvlink_level)."""
     topo = problem.topology
     maps = host_placements(cfg.order, decoder_sizes(cfg), topo.devices_per_node, topo.unit_size(0))
     others = maps[1:]

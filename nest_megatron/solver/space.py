@@ -209,8 +209,10 @@ def tensor_parallel_sizes(problem: Problem) -> list[int]:
     """The TP sizes searched: those that divide the heads and the query groups and keep every TP group inside one
     NVLink domain (Topology.domain_devices: a host's devices, or a GB200 NVL72 rack's 72 across its 18 trays). No
     Megatron rule bounds TP by the node (megatron/training/arguments.py:432 asks only that tp*pp*cp divide the
-    world; parallel_state.py builds groups of any ranks); a TP group's collectives sit on every layer's critical
-    path, and off NVLink they would run at the NIC's bandwidth, so the search keeps them on it."""
+    world; parallel_state.py builds groups of any ranks; Transformer Engine's userbuffers for --tp-comm-overlap take
+    a TP group larger than a node's local ranks, pytorch/module/base.py:386 at v2.11); a TP group's collectives sit
+    on every layer's critical path, and off NVLink they would run at the NIC's bandwidth, so the search keeps them
+    on it."""
     model = problem.model
     return [t for t in divisors(problem.topology.domain_devices)
             if model.heads % t == 0 and model.query_groups % t == 0]
