@@ -47,8 +47,12 @@ class Topology:
     # The whole allocation, failed nodes included (cluster.failed_nodes), for the report to draw; None: none failed.
     allocation: Topology | None = field(default=None, compare=False, repr=False)
     _unit_ids: tuple = field(default=(), compare=False, hash=False, repr=False)
+    # num_devices, counted once: the search asks it of every configuration it checks (over a million at 1,152 GPUs)
+    _num_devices: int = field(init=False, default=0, compare=False, hash=False, repr=False)
 
     def __post_init__(self):
+        devices = sum(self.children[0]) if self.children is not None else math.prod(lv.fan_out for lv in self.levels)
+        object.__setattr__(self, "_num_devices", devices)
         if self.children is None:
             return
         assert len(self.children) == len(self.levels) and len(self.children[-1]) == 1, "one unit at the top"
@@ -76,9 +80,7 @@ class Topology:
 
     @property
     def num_devices(self) -> int:
-        if self.children is not None:
-            return sum(self.children[0])
-        return math.prod(level.fan_out for level in self.levels)
+        return self._num_devices
 
     def unit_of(self, level: int, devices):
         """The level-`level` unit of each device in `devices` (an int or an array): numbered in device order."""
