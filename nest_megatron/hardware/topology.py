@@ -112,9 +112,9 @@ class Topology:
     def domain_devices(self) -> int:
         """A size whose divisors, as groups of consecutive devices from device 0, never straddle two NVLink domains:
         the greatest common divisor of the device offsets where a domain ends and the next begins, the first
-        domain's size among them (one domain: its size). 72 on full NVL72 racks; 8 on an allocation of 10 and 8
-        trays of two racks (domains of 40 and 32: gcd(40) = 40, TP up to 8 by the heads), 4 on 10, 9 and 10 trays
-        (boundaries 40 and 76). With NVLink ending at the host it is the host's devices. The search's TP sizes
+        domain's size among them (one domain: its size). 72 on full NVL72 racks; 40 on an allocation of 10 and 8
+        trays of two racks (domains of 40 and 32, the one boundary at device 40); 4 on 10, 9 and 10 trays
+        (boundaries at 40 and 76). With NVLink ending at the host it is the host's devices. The search's TP sizes
         divide it (solver/space.py tensor_parallel_sizes)."""
         ends = np.cumsum(self.unit_sizes(self.domain_level))
         return math.gcd(*ends[:-1].tolist()) if len(ends) > 1 else int(ends[0])
