@@ -101,11 +101,11 @@ ACCELERATOR_KEYS = {
     "hbm_bandwidth_gb_per_s": ("1000", 1000.0), "gemm_efficiency": ("0.5", 0.5), "attention_efficiency": ("0.4", 0.4),
     "memory_bound_efficiency": ("0.7", 0.7), "reserved_memory_gib": ("2", 2.0),
     "peak_fp8_tflops": ("1000", 1000.0), "mxfp8": ("true", True), "gemm_fp8_efficiency": ("0.5", 0.5),
-    "sm_count": ("108", 108), "kernel_overhead_us": ("10", 10.0),
+    "sm_count": ("108", 108), "kernel_overhead_us": ("10", 10.0), "fp8_gemm_any_layout": ("true", True),
 }
 CLUSTER_KEYS = {
     "name": ("c", "c"), "topology": ("hierarchical", "hierarchical"), "num_devices": ("64", 64),
-    "device_memory_gib": ("70", 70.0), "host_level": ("1", 1),
+    "device_memory_gib": ("70", 70.0), "host_level": ("1", 1), "nvlink_level": ("2", 2),
 }
 LEVEL_KEYS = {
     "name": ("board", "board"), "fan_out": ("4", 4), "bandwidth_gb_per_s": ("100", 100.0), "latency_s": ("1e-6", 1e-6),

@@ -2,7 +2,8 @@
 CUDA_VISIBLE_DEVICES, checked on hand-worked maps and then for real: torchrun agents on loopback, one
 per "host" of two devices (two hosts with a map permuted by hand, four with the planner's own node
 permutation), run megatron-core's initialize_model_parallel (gloo) through scripts/pretrain_gpt.py,
-and every process's TP/PP/DP/CP groups are compared with the plan's."""
+and every process's TP/PP/DP/CP groups are compared with the plan's; a third run puts one TP group of 4 across two
+hosts of an NVLink domain (gb200_nvl72's rack, trays of 2 here)."""
 
 from __future__ import annotations
 
@@ -175,9 +176,21 @@ def solver_permuted_plan():
     return plan, ["n0", "n1", "n2", "n3"]
 
 
+def nvlink_domain_plan():
+    """TP=4 on 2 hosts of 2 devices inside one NVLink domain (gb200_nvl72 with trays of 2: the rack's NVLink joins
+    them), as the planner places it: Megatron's own order, rank r on device r, so TP group 0 is ranks 0-3, hostA's
+    two GPUs and hostB's two. The plan's TP group crosses the nvl72 level, never a network level."""
+    plan = api.plan(["model=tiny_gpt", "cluster=gb200_nvl72", *SMALL_NODES, "cluster.num_devices=4", "plan.tp=4",
+                     "plan.pp=1"])
+    assert (plan.parallel["tp"], plan.parallel["dp"], plan.rank_to_device) == (4, 1, [0, 1, 2, 3])
+    assert plan.group_levels["tp"] == "nvl72"
+    return plan, HOSTS
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
-@pytest.mark.parametrize("make_plan", [hand_permuted_plan, solver_permuted_plan], ids=["2hosts_by_hand", "4hosts_solver"])
+@pytest.mark.parametrize("make_plan", [hand_permuted_plan, solver_permuted_plan, nvlink_domain_plan],
+                         ids=["2hosts_by_hand", "4hosts_solver", "tp_across_2hosts_nvl72"])
 def test_loopback_nodes_build_the_planned_groups(tmp_path, make_plan):
     plan, hosts = make_plan()
     assignments = host_assignments(plan, hosts)

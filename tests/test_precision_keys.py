@@ -95,11 +95,11 @@ def test_model_flags_the_planner_cannot_take_are_one_line(extra, message):
 @pytest.mark.parametrize("overrides, message", [
     (["accelerator=a100_80gb", "train.precision=fp8"],
      "train.precision=fp8: accelerator a100_80gb has no FP8 tensor cores (no peak_fp8_tflops); "
-     "FP8 accelerators: b200, h100_sxm, h200"),
+     "FP8 accelerators: b200, gb200, gb300, h100_sxm, h200"),
     (["accelerator=tpuv4", "train.precision=fp8"], "train.precision=fp8: accelerator tpuv4 has no FP8 tensor cores"),
     (["train.precision=fp8", "train.fp8_recipe=mxfp8"],
      "train.fp8_recipe=mxfp8: accelerator h100_sxm has no MXFP8 (block-scaled FP8) in hardware; MXFP8 accelerators: "
-     "b200; use delayed, tensorwise or blockwise"),
+     "b200, gb200, gb300; use delayed, tensorwise or blockwise"),
     (["train.precision=fp16"], "train.precision=fp16: allowed are bf16, fp8"),
     (["train.fp8_recipe=custom"], "train.fp8_recipe=custom: allowed are delayed, tensorwise, blockwise, mxfp8"),
     (["model.swiglu=true", "model.squared_relu=true"],
@@ -130,6 +130,8 @@ def test_accelerator_fp8_numbers_reach_the_problem():
     """Dense FP8 = half the datasheet's sparse figure: H100 / H200 3,958 -> 1,978.9 TFLOP/s; HGX B200 72 PFLOPS for
     8 GPUs with sparsity -> 9 per GPU sparse, 4.5 dense (2x its 2,250 bf16)."""
     expected = {"h100_sxm": (1978.9e12, False), "h200": (1978.9e12, False), "b200": (4.5e15, True),
+                # GB200 / GB300 NVL72: 720 PFLOPS FP8 with sparsity for 72 GPUs -> 10 sparse, 5 dense per GPU
+                "gb200": (5.0e15, True), "gb300": (5.0e15, True),
                 "a100_80gb": (None, False), "tpuv4": (None, False)}
     for name, (peak, mx) in expected.items():
         a = load([*BASE, f"accelerator={name}"]).problem.accelerator

@@ -645,6 +645,7 @@ def _problem(root: RootConfig, tracer=None) -> Problem:
     dtypes = (OptimizerDtypes(t.main_params_dtype, t.exp_avg_dtype, t.exp_avg_sq_dtype)
               if t.precision_aware_optimizer else None)
     numerics = Numerics(fp8_recipe=t.fp8_recipe if t.precision == "fp8" else None,
+                        fp8_any_layout=root.accelerator.fp8_gemm_any_layout,
                         grad_reduce_in_bf16=t.grad_reduce_in_bf16, cross_entropy_fusion=t.cross_entropy_fusion,
                         optimizer_dtypes=dtypes)
     return Problem(

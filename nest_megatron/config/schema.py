@@ -76,6 +76,9 @@ class AcceleratorConfig:
     peak_bf16_tflops: float = MISSING  # dense bf16 tensor-core peak, 1e12 FLOP/s
     peak_fp8_tflops: Optional[float] = None  # dense FP8 tensor-core peak, 1e12 FLOP/s (None: no FP8 tensor cores)
     mxfp8: bool = False  # block-scaled MXFP8 in hardware (Blackwell), what --fp8-recipe mxfp8 needs
+    # FP8 GEMMs take either operand order (Blackwell, compute capability 10.x): Transformer Engine keeps no transposed
+    # FP8 copy under the per-tensor recipes (its is_non_tn_fp8_gemm_supported; Hopper's FP8 GEMMs are TN only).
+    fp8_gemm_any_layout: bool = False
     memory_gib: float = MISSING  # HBM capacity usable by the framework, GiB
     hbm_bandwidth_gb_per_s: float = MISSING  # 1e9 B/s
     # The fractions of the peaks that kernels reach; a profile cache (`nest-megatron profile`) fits
@@ -126,6 +129,11 @@ class ClusterConfig:
     # The level whose unit is one host, i.e. one torchrun node (0: a node is the lowest level).
     # Levels below it are inside a host: NVLink pairs or PCIe switches of a PCIe box.
     host_level: int = 0
+    # The highest level whose links are NVLink: one of its units is an NVLink domain, which may hold several hosts
+    # (a GB200 NVL72 rack: 18 trays of 4 GPUs on one NVLink switch fabric). Tensor-parallel (and expert-TP) groups
+    # stay inside a domain, and may span its hosts; EP, CP and DP groups may leave it, priced by the levels they
+    # cross. At or above host_level (None: host_level, NVLink ends at the host).
+    nvlink_level: Optional[int] = None
     # The allocated nodes, a SLURM hostlist (n[01-12],n[21-24]): the plan's hosts, cluster.num_devices =
     # nodes x devices per node (None: SLURM_JOB_NODELIST inside a SLURM job, else unnamed nodes).
     nodes: Optional[str] = None

@@ -35,6 +35,7 @@ keeps Q, K, V un-repeated as the checkpoint's inputs; full recompute keeps the l
 
 from __future__ import annotations
 
+from nest_megatron.cost import fp8
 from nest_megatron.model.spec import ModelSpec
 
 BF16, FP32, MASK = 2, 4, 1
@@ -43,7 +44,6 @@ BF16, FP32, MASK = 2, 4, 1
 CORE_ATTENTION_TERMS = ("softmax", "attention_dropout", "softmax_lse")
 # The inputs of the linears (QKV, projection, FC1, FC2, the experts' FC1): kept in fp8 with fp8 GEMMs.
 FP8_SAVED_INPUTS = ("qkv_input", "proj_input", "fc1_input", "fc2_input", "expert_input")
-FP8 = 1
 
 
 def _qkv_bytes(model: ModelSpec, *, tokens: float, tp: int, selective: bool) -> float:
@@ -100,10 +100,11 @@ def layer_activation_terms(
     terms["fc2_input"] = BF16 * rows * f / width
     if model.numerics.fp8_recipe is not None:
         # Transformer Engine's fp8 linears keep their input as the fp8 copy the weight-gradient GEMM
-        # reads (1 byte per element; the scales are negligible), not in bf16.
+        # reads (1 byte per element and its scales: cost/fp8.py saved_input_bytes), not in bf16.
+        per_element = fp8.saved_input_bytes(model.numerics.fp8_recipe)
         for name in FP8_SAVED_INPUTS:
             if name in terms:
-                terms[name] = terms[name] * FP8 / BF16
+                terms[name] = terms[name] * per_element / BF16
     if selective:
         for name in CORE_ATTENTION_TERMS:
             terms.pop(name, None)

@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from nest_megatron.cost import fp8
 from nest_megatron.cost.collectives import (
     Network,
     all_gather_time,
@@ -43,13 +44,6 @@ from nest_megatron.cost.compute import ATTENTION_BACKWARD_FACTOR, BF16, ComputeM
 from nest_megatron.cost.placement import Spans
 from nest_megatron.model.spec import Gemm, ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
-
-# Bytes moved per element quantised to fp8: read bf16 (2), write the fp8 copy (1) and its transpose
-# (1), which Hopper's fp8 GEMMs need for the other operand order of the backward. Per-tensor current
-# scaling (tensorwise) first reads the tensor once more for its amax (2); the block-scaled recipes
-# write one scale per 32 (mxfp8) or 128 (blockwise) elements, and delayed scaling takes the amax
-# from the history, fused into the cast (Transformer Engine's quantize kernels).
-QUANTISE_BYTES = {"delayed": 4.0, "tensorwise": 6.0, "blockwise": 4.0 + 2 / 128, "mxfp8": 4.0 + 2 / 32}
 
 
 @dataclass(frozen=True)
@@ -133,11 +127,13 @@ def elementwise_bytes(model: ModelSpec, *, tokens: int, cfg: ParallelConfig, moe
 
 
 def quantisation_bytes(model: ModelSpec, gemms: list[Gemm]) -> tuple[float, float]:
-    """(forward, backward) bytes of the fp8 casts: each GEMM's input [m, k] forward, its output
-    gradient [m, n] backward. Weights are cast once per step (the first micro-batch's) and left out."""
-    if model.numerics.fp8_recipe is None:
+    """(forward, backward) bytes of the fp8 casts (cost/fp8.py quantise_bytes per element): each GEMM's input
+    [m, k] forward, its output gradient [m, n] backward. Weights are cast once per step (the first micro-batch's)
+    and left out."""
+    numerics = model.numerics
+    if numerics.fp8_recipe is None:
         return 0.0, 0.0
-    per_element = QUANTISE_BYTES[model.numerics.fp8_recipe]
+    per_element = fp8.quantise_bytes(numerics.fp8_recipe, any_layout=numerics.fp8_any_layout)
     fwd = sum(g.count * g.m * g.k for g in gemms if g.name != "router")
     bwd = sum(g.count * g.m * g.n for g in gemms if g.name != "router")
     return per_element * fwd, per_element * bwd

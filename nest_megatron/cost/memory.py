@@ -16,7 +16,8 @@ its fp32 master kept as the 16 low bits beside the bf16 weight, moments in the d
 
 D is the width of the group the state is sharded over: dp x cp for dense parameters, the
 expert-data-parallel width for expert parameters. With fp8 GEMMs each local layer's linears also
-keep an fp8 copy of their weight and its transpose for the step (2 B per parameter).
+keep fp8 copies of their weight for the step (cost/fp8.py: 2 B per parameter on Hopper, its rowwise copy and the
+transpose; 1 B on Blackwell with a per-tensor recipe; 2 + 2/32 B with MXFP8).
 
 Activations: the k-th stage from the end keeps k micro-batches in flight under 1F1B; with v
 virtual stages, rank i keeps min(m v, 2 (p - i - 1) + (v - 1) p + 1) chunks of L/(p v) layers
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nest_megatron.cost import fp8
 from nest_megatron.cost.activations import attention_buffer_bytes, logits_bytes
 from nest_megatron.cost.compute import BF16
 from nest_megatron.cost.tables import StageSums
@@ -37,7 +39,6 @@ from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 
 GRAD_FP32, ADAM_FP32 = 4, 12  # main gradient; master weight + two moments (Megatron's optimizers)
-FP8_WEIGHT_COPY_BYTES = 2  # an fp8 weight and its transpose, per parameter of a linear
 
 
 @dataclass(frozen=True)
@@ -120,11 +121,12 @@ def stage_memory(
     # ZeRO-3 gathers the weights of the layer being computed and of the one prefetched.
     gathered = 2 * largest_layer_params(model, cfg) if cfg.zero == 3 else 0
     weights = weights + BF16 * gathered
-    if model.numerics.fp8_recipe is not None:
-        # Transformer Engine caches each linear's fp8 weight and its transpose for the step (cast in
-        # the first micro-batch): of every local layer, or of the gathered ones under ZeRO-3.
+    numerics = model.numerics
+    if numerics.fp8_recipe is not None:
+        # Transformer Engine caches each linear's fp8 weight copies for the step (cast in the first micro-batch;
+        # cost/fp8.py weight_copy_bytes): of every local layer, or of the gathered ones under ZeRO-3.
         local = gathered if cfg.zero == 3 else sums.dense_params + sums.expert_params
-        weights = weights + FP8_WEIGHT_COPY_BYTES * local
+        weights = weights + fp8.weight_copy_bytes(numerics.fp8_recipe, any_layout=numerics.fp8_any_layout) * local
     activations = (activation_bytes(sums, in_flight=in_flight, act_rebuilt=act_rebuilt)
                    + attention_buffer_bytes(model, mbs=cfg.mbs, tp=cfg.tp))
     logits = logits_bytes(model, mbs=cfg.mbs, tp=cfg.tp, cp=cfg.cp) if last else 0.0

@@ -41,10 +41,18 @@ def recompute_settings(cfg: ParallelConfig, layers_per_chunk: int) -> dict:
     return {"granularity": "full", "method": "block", "num_layers": min(cfg.recompute_num_layers, layers_per_chunk)}
 
 
+def fp8_format(recipe: str) -> str:
+    """--fp8-format for a recipe: e4m3 everywhere for MXFP8, as Transformer Engine's MXFP8BlockScaling defaults to
+    (common/recipe/__init__.py:290 at v2.11) and Megatron-Bridge's bf16_with_mxfp8_mixed sets (src/megatron/bridge/
+    training/mixed_precision.py:262 at 067f987); hybrid (e4m3 forward, e5m2 gradients) for the other recipes.
+    Megatron takes either with any recipe (megatron/core/fp8_utils.py:761-766); the argv's own --fp8-format stays
+    (it is not a planner flag), and both are priced alike."""
+    return "e4m3" if recipe == "mxfp8" else "hybrid"
+
+
 def model_args(model: ModelSpec) -> list[str]:
     """The model-shape flags, so that the argv is complete for pretrain_gpt.py, and the datatypes it is
-    priced in (model.numerics): with fp8 Megatron's FP8 flags (hybrid: e4m3 forward, e5m2 gradients; bf16
-    stays the dtype of the rest), bf16 gradient reduction, the fused cross entropy, the precision-aware optimizer."""
+    priced in (model.numerics): with fp8 Megatron's FP8 flags (`fp8_format`; bf16 stays the dtype of the rest), bf16 gradient reduction, the fused cross entropy, the precision-aware optimizer."""
     m = model.cfg
     args = [
         "--num-layers", str(m.num_layers),
@@ -62,7 +70,7 @@ def model_args(model: ModelSpec) -> list[str]:
     ]
     numerics = model.numerics
     if numerics.fp8_recipe:
-        args += ["--fp8-format", "hybrid", "--fp8-recipe", numerics.fp8_recipe]
+        args += ["--fp8-format", fp8_format(numerics.fp8_recipe), "--fp8-recipe", numerics.fp8_recipe]
     if numerics.grad_reduce_in_bf16:
         args.append("--grad-reduce-in-bf16")
     if numerics.cross_entropy_fusion:

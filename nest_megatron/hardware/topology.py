@@ -44,11 +44,18 @@ class Topology:
     # units in device order; the top level has one unit. None: every unit of level l holds fan_out.
     children: tuple[tuple[int, ...], ...] | None = None
     hosts: tuple[str, ...] | None = None  # the allocation's node names in device order (cluster.nodes); None: unnamed
+    # The highest level whose links are NVLink (cluster.nvlink_level): a unit of it is one NVLink domain, which may
+    # hold several hosts (a GB200 NVL72 rack of 18 trays). None: the host level (NVLink ends at the host).
+    nvlink_level: int | None = None
     # The whole allocation, failed nodes included (cluster.failed_nodes), for the report to draw; None: none failed.
     allocation: Topology | None = field(default=None, compare=False, repr=False)
     _unit_ids: tuple = field(default=(), compare=False, hash=False, repr=False)
+    # num_devices, counted once: the search asks it of every configuration it checks (over a million at 1,152 GPUs)
+    _num_devices: int = field(init=False, default=0, compare=False, hash=False, repr=False)
 
     def __post_init__(self):
+        devices = sum(self.children[0]) if self.children is not None else math.prod(lv.fan_out for lv in self.levels)
+        object.__setattr__(self, "_num_devices", devices)
         if self.children is None:
             return
         assert len(self.children) == len(self.levels) and len(self.children[-1]) == 1, "one unit at the top"
@@ -76,9 +83,7 @@ class Topology:
 
     @property
     def num_devices(self) -> int:
-        if self.children is not None:
-            return sum(self.children[0])
-        return math.prod(level.fan_out for level in self.levels)
+        return self._num_devices
 
     def unit_of(self, level: int, devices):
         """The level-`level` unit of each device in `devices` (an int or an array): numbered in device order."""
@@ -99,6 +104,23 @@ class Topology:
     def devices_per_node(self) -> int:
         """Devices of one host: what torchrun calls a node."""
         return self.unit_size(min(self.host_level, len(self.levels) - 1))
+
+    @property
+    def domain_level(self) -> int:
+        """The level whose unit is one NVLink domain: cluster.nvlink_level, else the host's (of the levels kept)."""
+        level = self.nvlink_level if self.nvlink_level is not None else self.host_level
+        return min(level, len(self.levels) - 1)
+
+    @property
+    def domain_devices(self) -> int:
+        """A size whose divisors, as groups of consecutive devices from device 0, never straddle two NVLink domains:
+        the greatest common divisor of the device offsets where a domain ends and the next begins, the first
+        domain's size among them (one domain: its size). 72 on full NVL72 racks; 40 on an allocation of 10 and 8
+        trays of two racks (domains of 40 and 32, the one boundary at device 40); 4 on 10, 9 and 10 trays
+        (boundaries at 40 and 76). With NVLink ending at the host it is the host's devices. The search's TP sizes
+        divide it (solver/space.py tensor_parallel_sizes)."""
+        ends = np.cumsum(self.unit_sizes(self.domain_level))
+        return math.gcd(*ends[:-1].tolist()) if len(ends) > 1 else int(ends[0])
 
     def unit_size(self, level: int) -> int:
         """Devices in one unit of `level`; in an irregular tree only for the levels up to the host, which are
@@ -167,7 +189,7 @@ def irregular(topology: Topology, children: tuple[tuple[int, ...], ...], hosts: 
     """`topology`'s lowest len(children) levels over the tree `children`; each level's fan_out becomes its
     largest unit's, as the report draws it."""
     levels = tuple(replace(lv, fan_out=max(counts)) for lv, counts in zip(topology.levels, children))
-    return Topology(topology.name, levels, topology.host_level, children, hosts)
+    return Topology(topology.name, levels, topology.host_level, children, hosts, nvlink_level=topology.nvlink_level)
 
 
 def hierarchical(cfg: ClusterConfig) -> Topology:
@@ -184,7 +206,11 @@ def hierarchical(cfg: ClusterConfig) -> Topology:
     if not 0 <= cfg.host_level < len(levels):
         raise NestError(f"cluster.host_level={cfg.host_level}: must name one of the {len(levels)} levels "
                         f"({', '.join(f'{i}: {lv.name}' for i, lv in enumerate(levels))})")
-    return Topology(name=cfg.name, levels=levels, host_level=cfg.host_level)
+    if cfg.nvlink_level is not None and not cfg.host_level <= cfg.nvlink_level < len(levels):
+        raise NestError(f"cluster.nvlink_level={cfg.nvlink_level}: must name a level at or above cluster.host_level="
+                        f"{cfg.host_level} (an NVLink domain holds whole hosts): "
+                        f"{', '.join(f'{i}: {lv.name}' for i, lv in enumerate(levels) if i >= cfg.host_level)}")
+    return Topology(name=cfg.name, levels=levels, host_level=cfg.host_level, nvlink_level=cfg.nvlink_level)
 
 
 def torus(cfg: ClusterConfig) -> Topology:
@@ -206,6 +232,9 @@ def torus(cfg: ClusterConfig) -> Topology:
     )
     if cfg.host_level != 0:
         raise NestError(f"cluster.host_level={cfg.host_level}: a torus has one host per chip group of dim0; use 0")
+    if cfg.nvlink_level is not None:
+        raise NestError(f"cluster.nvlink_level={cfg.nvlink_level}: a torus has no NVLink domain (its levels are the "
+                        "torus dimensions); leave it unset")
     return Topology(name=cfg.name, levels=levels)
 
 

@@ -20,7 +20,8 @@ Field names follow NeMo 2.7.3 (nemo_toolkit 2.7.3 on PyPI; NVIDIA/NeMo at 8cfedd
 - trainer.plugins.fp8 / fp8_recipe: the MegatronMixedPrecision plugin (nemo/lightning/pytorch/plugins/
   mixed_precision.py:111-112, fp8=None and fp8_recipe="delayed" by default), the recipes' `plugins=bf16_mixed()`
   (recipes/llama3_8b.py:138; recipes/precision/mixed_precision.py:65-66 sets fp8 'hybrid' for FP8), as the argv's
-  --fp8-format hybrid --fp8-recipe R; fp8=None for a bf16 plan.
+  --fp8-format F --fp8-recipe R (F: hybrid, e4m3 for mxfp8, as NeMo's own bf16_with_mxfp8_mixed takes either);
+  fp8=None for a bf16 plan.
 NeMo copies optim.config.use_distributed_optimizer into the DDP config itself (MegatronStrategy.setup).
 --tp-comm-overlap has no attribute path in NeMo 2: it is the MegatronCommOverlapCallback(tp_comm_overlap=True)
 of trainer.callbacks (nemo/lightning/pytorch/callbacks/megatron_comm_overlap.py:85), which also initialises
@@ -116,7 +117,7 @@ def nemo_overrides(plan: Plan, devices_per_node: int | None = None) -> Overrides
     out[f"{s}.ddp.grad_reduce_in_fp32"] = "--grad-reduce-in-bf16" not in plan.megatron_args
     out["model.config.cross_entropy_loss_fusion"] = "--cross-entropy-loss-fusion" in plan.megatron_args
     recipe = fp8_recipe(plan)
-    out["trainer.plugins.fp8"] = "hybrid" if recipe else None  # the precision the plan is priced for
+    out["trainer.plugins.fp8"] = flag_value(plan, "--fp8-format") if recipe else None  # as the plan's argv, priced
     if recipe:
         out["trainer.plugins.fp8_recipe"] = recipe
     return out

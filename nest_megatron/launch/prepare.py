@@ -169,7 +169,13 @@ def check_expected_plan(plan: Plan, expected: str) -> None:
 def megatron_env(plan: Plan) -> dict[str, str | None]:
     """The environment Megatron-LM asserts at start (validate_args, on Hopper and earlier GPUs): with TP or CP
     it needs CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue, so that its communication kernels are issued in
-    order); Megatron-FSDP needs it not to be 1 (None: removed)."""
+    order); Megatron-FSDP needs it not to be 1 (None: removed), on every GPU (arguments.py:1048, 1166).
+
+    On Blackwell Megatron no longer asserts the 1 (arguments.py:1453-1455: "requirement no longer exists since the
+    Blackwell architecture"; Megatron-Bridge's Blackwell recipes set 32, scripts/performance/utils/overrides.py:
+    258-262); the launch keeps 1 there too: Megatron accepts it, and it is the stream order the cost model prices
+    (cost/layer.py ordered_streams). A TP group across the trays of a GB200 NVL72 rack needs nothing more here:
+    NCCL finds the rack's NVLink itself (MNNVL, NCCL_MNNVL_ENABLE=2 by default: nccl src/init.cc)."""
     if plan.zero_stage >= 2:
         return {"CUDA_DEVICE_MAX_CONNECTIONS": None}
     if plan.parallel["tp"] > 1 or plan.parallel["cp"] > 1:

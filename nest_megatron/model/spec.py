@@ -52,6 +52,9 @@ class Numerics:
     cost and keep."""
 
     fp8_recipe: str | None = None  # GEMMs in fp8 with this recipe (train.precision=fp8); None: bf16
+    # The accelerator's FP8 GEMMs take any operand layout (accelerator.fp8_gemm_any_layout, Blackwell): a per-tensor
+    # recipe keeps one FP8 copy of a tensor, not a copy and its transpose (cost/fp8.py).
+    fp8_any_layout: bool = False
     grad_reduce_in_bf16: bool = False  # main gradients and their data-parallel reduction in bf16, not fp32
     cross_entropy_fusion: bool = False  # the fused cross entropy: neither fp32 logits nor a softmax kept
     # The precision-aware optimizer (--use-precision-aware-optimizer) and its state's dtypes; None: Megatron's

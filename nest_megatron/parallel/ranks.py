@@ -90,6 +90,12 @@ def group_shapes(groups: np.ndarray, rank_to_device: np.ndarray, topology: Topol
     return [GroupShape(tuple(row[lvl] / row[lvl + 1] for lvl in range(len(row) - 1))) for row in distinct_rows]
 
 
+def inside_units(groups: np.ndarray, rank_to_device: np.ndarray, topology: Topology, level: int) -> bool:
+    """Whether every group of `groups` (ranks) sits, placed by `rank_to_device`, inside one unit of `level`."""
+    units = topology.unit_of(level, np.asarray(rank_to_device)[groups])
+    return bool((units == units[:, :1]).all())
+
+
 def identity_placement(world: int) -> np.ndarray:
     """Rank r on device r: Megatron's default when torchrun assigns ranks node by node."""
     return np.arange(world)

@@ -47,7 +47,7 @@ from nest_megatron.cost.memory import activation_bytes, in_flight_chunks, stage_
 from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.tables import range_sums
 from nest_megatron.parallel.config import ParallelConfig
-from nest_megatron.parallel.ranks import decoder_sizes, host_placements
+from nest_megatron.parallel.ranks import decoder_sizes, host_placements, inside_units, rank_groups
 from nest_megatron.parallel.rules import num_microbatches
 from nest_megatron.solver.bounds import MemoryFloors, no_fit_reason
 from nest_megatron.solver.enumerate import SearchResult, row_key
@@ -361,10 +361,15 @@ def best_for(ctx: Context, *, cutoff: float = np.inf, memory: tuple | None = Non
 def placements(problem: Problem, cfg: ParallelConfig) -> list[np.ndarray | None]:
     """The rank -> device maps a configuration is tried under: Megatron's own layout (None, rank r
     on device r), every other host order torchrun can realise, and with sub-host levels every
-    order of the units inside a host (`host_placements`)."""
+    order of the units inside a host (`host_placements`); with TP across hosts, only the orders that
+    keep every TP group inside its NVLink domain (cluster.nvlink_level)."""
     topo = problem.topology
     maps = host_placements(cfg.order, decoder_sizes(cfg), topo.devices_per_node, topo.unit_size(0))
-    return [None, *maps[1:]]
+    others = maps[1:]
+    if cfg.tp > topo.devices_per_node:  # TP spans hosts: only the other host orders that keep it in its NVLink domain
+        tp_groups = rank_groups(cfg.order, decoder_sizes(cfg), "tp")
+        others = [m for m in others if inside_units(tp_groups, m, topo, topo.domain_level)]
+    return [None, *others]
 
 
 def fields_but(cfg: ParallelConfig, *names: str) -> tuple:

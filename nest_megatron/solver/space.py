@@ -205,6 +205,19 @@ def _unused_devices(tp: int, cp: int, pp: int, devices: int) -> str:
             "(the planner uses every device)")
 
 
+def tensor_parallel_sizes(problem: Problem) -> list[int]:
+    """The TP sizes searched: those that divide the heads and the query groups and keep every TP group inside one
+    NVLink domain (Topology.domain_devices: a host's devices, or a GB200 NVL72 rack's 72 across its 18 trays). No
+    Megatron rule bounds TP by the node (megatron/training/arguments.py:432 asks only that tp*pp*cp divide the
+    world; parallel_state.py builds groups of any ranks; Transformer Engine's userbuffers for --tp-comm-overlap take
+    a TP group larger than a node's local ranks, pytorch/module/base.py:386 at v2.11); a TP group's collectives sit
+    on every layer's critical path, and off NVLink they would run at the NIC's bandwidth, so the search keeps them
+    on it."""
+    model = problem.model
+    return [t for t in divisors(problem.topology.domain_devices)
+            if model.heads % t == 0 and model.query_groups % t == 0]
+
+
 def stage_counts(num_layers: int, devices: int, *, any_split: bool) -> list[int]:
     """The pipeline sizes searched: those that leave each stage at least MIN_STAGE_LAYERS layers (PP 37 on
     80 layers: 2 or 3 a stage, never 1), among the divisors of the devices with `any_split`, else among
@@ -231,12 +244,11 @@ def _configurations(
     """The search space within the pins on `world` devices (None: all): (cfg, None) for each configuration
     Megatron launches, (cfg or None, the rule's line) for each it does not."""
     model, devices = problem.model, world or problem.num_devices
-    node = problem.topology.devices_per_node
 
     def axis(pinned, values):
         return [pinned] if pinned is not None else values
 
-    tps = axis(pins.tp, [t for t in divisors(node) if model.heads % t == 0 and model.query_groups % t == 0])
+    tps = axis(pins.tp, tensor_parallel_sizes(problem))
     cps = axis(pins.cp, [c for c in (1, 2, 4, 8, 16, 32) if c <= solver.max_context_parallel])
     pps = axis(pins.pp, stage_counts(model.cfg.num_layers, devices, any_split=any_split))
     mbss = axis(pins.mbs, [micro_batch_size] if micro_batch_size else list(solver.micro_batch_sizes))
