@@ -15,7 +15,7 @@ from nest_megatron.hardware.accelerator import GIB
 from nest_megatron.plan import Plan, build_plan
 from nest_megatron.profile.for_plan import profiled_problem
 from nest_megatron.solver.registry import SOLVERS
-from nest_megatron.solver.space import evaluate_config, pinned_split
+from nest_megatron.solver.space import evaluate_config, pinned_chunks
 from nest_megatron.solver.visit import Progress
 
 
@@ -65,7 +65,7 @@ def evaluate_loaded(loaded: Loaded) -> Plan:
     cfg = loaded.config
     problem, compute = priced_problem(loaded)
     parallel = evaluate_config(problem, cfg.plan, default_mbs=cfg.train.micro_batch_size)
-    est = estimate(problem, parallel, layers_per_stage=pinned_split(cfg.plan))
+    est = estimate(problem, parallel, layers_per_stage=pinned_chunks(cfg.plan, parallel, num_layers=cfg.model.num_layers))
     if not est.fits:
         worst = max(range(len(est.memory)), key=lambda i: est.memory[i].total)
         raise InfeasibleError(

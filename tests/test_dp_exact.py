@@ -18,6 +18,7 @@ from nest_megatron.cost.evaluate import context, estimate, estimate_in
 from nest_megatron.cost.problem import Problem
 from nest_megatron.hardware.accelerator import Accelerator
 from nest_megatron.hardware.topology import Level, Topology, irregular
+from nest_megatron.launch.megatron_rules import argv_split
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.ranks import node_permutations
@@ -155,15 +156,12 @@ def test_dp_split_equals_brute_force(case):
 
 
 def test_an_uneven_split_when_the_layers_do_not_divide():
-    # 10 layers on 4 stages: no even split exists; the DP finds one and Megatron gets a layout.
+    # 10 layers on 4 stages: no even split exists; the DP finds one and Megatron gets the flags for it (the simplest
+    # of parallel.layout's forms), which read back as that split.
     p = api.plan(["model=tiny_gpt", "model.num_layers=10", "cluster=dgx_h100_superpod", "cluster.num_devices=16",
-                  "train.global_batch_size=64", "plan.pp=4", "plan.tp=1", "plan.cp=1"])
+                  "train.global_batch_size=64", "plan.pp=4", "plan.tp=1", "plan.cp=1", "plan.vpp=1"])
     assert sum(p.layers_per_stage) == 10 and len(p.layers_per_stage) == 4
-    args = p.megatron_args
-    layout = args[args.index("--pipeline-model-parallel-layout") + 1]
-    stages = layout.split("|")
-    assert stages[0].startswith("E") and stages[-1].endswith("L")
-    assert [int(s.strip("EL").split("*")[1]) for s in stages] == p.layers_per_stage
+    assert argv_split(p.megatron_args, world_size=p.world_size) == tuple(p.layers_per_stage)
 
 
 def test_plan_uses_the_dp_and_beats_the_even_split_enumerator():

@@ -26,11 +26,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from omegaconf import OmegaConf  # noqa: E402
 
 from nest_megatron import api, cli  # noqa: E402
-from nest_megatron.emit.megatron import pipeline_layout  # noqa: E402
 from nest_megatron.errors import NestError  # noqa: E402
 from nest_megatron.integrations import apply_to_config, apply_to_recipe, bridge_overrides, nemo_overrides  # noqa: E402
 from nest_megatron.integrations.nemo import trainer_shape  # noqa: E402
 from nest_megatron.integrations.overrides import cli_line, hydra_literal  # noqa: E402
+from nest_megatron.parallel.layout import layout_string  # noqa: E402
 
 # nemo_toolkit 2.7.3 (PyPI wheel), nemo/lightning/pytorch/strategies/megatron_strategy.py:
 # MegatronStrategy.__init__ parameters and defaults (NVIDIA/NeMo@8cfedd72 has the same, less the two
@@ -161,9 +161,9 @@ def fp8_plan():
 
 
 def uneven(plan):
-    """The same plan with a 3|5 layer split, as the solver emits one (layout on the Megatron argv)."""
-    args = plan.megatron_args + ["--pipeline-model-parallel-layout", pipeline_layout((3, 5))]
-    return dataclasses.replace(plan, layers_per_stage=[3, 5], megatron_args=args)
+    """The same plan with a 1|3 split of tiny_gpt's 4 layers, as the solver emits one (layout on the Megatron argv)."""
+    args = plan.megatron_args + ["--pipeline-model-parallel-layout", layout_string((1, 3))]
+    return dataclasses.replace(plan, layers_per_stage=[1, 3], megatron_args=args)
 
 
 # -- NeMo 2 ---------------------------------------------------------------------------------------------
@@ -235,8 +235,8 @@ def test_nemo_overrides_of_a_plain_plan_turn_things_off(plain_plan):
 
 def test_uneven_split_becomes_the_layout_of_the_megatron_argv(plain_plan):
     plan = uneven(plain_plan)
-    assert nemo_overrides(plan)["trainer.strategy.pipeline_model_parallel_layout"] == "Et*3|t*5L"  # E, 3|5, L
-    assert bridge_overrides(plan)["model.pipeline_model_parallel_layout"] == "Et*3|t*5L"
+    assert nemo_overrides(plan)["trainer.strategy.pipeline_model_parallel_layout"] == "Et|t*3L"  # E, 1|3, L
+    assert bridge_overrides(plan)["model.pipeline_model_parallel_layout"] == "Et|t*3L"
 
 
 def test_fp8_and_tp_comm_overlap_reach_nemo_and_bridge(fp8_plan, plain_plan):

@@ -220,7 +220,6 @@ TWO = Devices(num_nodes=1, per_node=2, node_rank=0)
     ([], [*TINY, "--num-experts", "2", "--moe-router-topk", "4"], [], "--moe-router-topk (model.moe_router_topk)=4: allowed 1..2"),
     ([], TINY, ["mbs"], "pin mbs: the script arguments have no --micro-batch-size"),
     (["cluster.num_devices=4"], TINY, [], "cluster dgx_h100_superpod has 4 devices, but the launch starts 1 x 2 = 2"),
-    ([], [*TINY, "--pipeline-model-parallel-layout", "Et|tL"], ["vpp"], "--pipeline-model-parallel-layout cannot be pinned"),
 ])
 def test_bad_launch_input_is_one_line(overrides, argv, pins, message):
     with pytest.raises(NestError) as err:

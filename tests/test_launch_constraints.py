@@ -91,13 +91,22 @@ def model():
     (["--load=/c", "--use-distributed-optimizer", "--tensor-model-parallel-size", "4"], [],
      [["plan.zero=1", "plan.tp=4", "plan.pp=1", "plan.vpp=1", "plan.ep=1", "plan.etp=1"]]),
     (["--load=/c", "--use-distributed-optimizer", "--pipeline-model-parallel-size", "4"], [],  # and the even split
-     [["plan.zero=1", "plan.tp=1", "plan.pp=4", "plan.vpp=1", "plan.ep=1", "plan.etp=1", "solver.name=enumerate"]]),
+     [["plan.zero=1", "plan.tp=1", "plan.pp=4", "plan.vpp=1", "plan.ep=1", "plan.etp=1", "plan.layers_per_stage=[8,8,8,8]"]]),
     (["--load", "/c", "--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"], [], [["plan.zero=1"]]),
     (["--load", "/c", "--use-distributed-optimizer", "--no-load-optim"], [], [["solver.zero_stages=[0,1]"]]),
     (["--load", "/c", "--use-distributed-optimizer", "--finetune"], [], [["solver.zero_stages=[0,1]"]]),
     (["--ckpt-format", "fsdp_dtensor"], [], [["solver.zero_stages=[2,3]"]]),  # --save's format: the next resume's
     (["--load", "/c", "--ckpt-format", "torch", "--pipeline-model-parallel-size", "2"], [],
-     [["plan.tp=1", "plan.pp=2", "plan.vpp=1", "plan.ep=1", "plan.etp=1", "plan.zero=0", "solver.name=enumerate"]]),
+     [["plan.tp=1", "plan.pp=2", "plan.vpp=1", "plan.ep=1", "plan.etp=1", "plan.zero=0", "plan.layers_per_stage=[16,16]"]]),
+    # a split of the argv's own is kept as the same flags' plan.* keys
+    (["--load", "/c", "--ckpt-format", "torch", "--pipeline-model-parallel-size", "2",
+      "--decoder-first-pipeline-num-layers", "15"], [],
+     [["plan.tp=1", "plan.pp=2", "plan.vpp=1", "plan.ep=1", "plan.etp=1", "plan.zero=0",
+       "plan.decoder_first_pipeline_num_layers=15"]]),
+    (["--load", "/c", "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2",
+      "--pipeline-model-parallel-layout", "Et*15|t*17L"], [],
+     [["plan.zero=1", "plan.tp=1", "plan.pp=2", "plan.vpp=1", "plan.ep=1", "plan.etp=1",
+       "plan.pipeline_model_parallel_layout=Et*15|t*17L"]]),
     # the user's own overrides win: ZeRO by either key, a size by its plan.* key
     (["--load", "/c"], ["plan.zero=3"], []),
     (["--load", "/c"], ["solver.zero_stages=[0,1,2,3]"], []),
@@ -122,11 +131,6 @@ def test_what_the_argv_fixes(model, argv, user, expected):
      "--load with --ckpt-format fsdp_dtensor and --use-distributed-optimizer: only Megatron-FSDP"),
     (["--load", "/c", "--use-megatron-fsdp"], [], "--load with --ckpt-format torch_dist and --use-megatron-fsdp: "),
     (["--load", "/c", "--ckpt-format", "torch_dcp"], [], "--load with --ckpt-format torch_dcp: the checkpoint is torch FSDP2's"),
-    (["--load", "/c", "--ckpt-format", "torch", "--pipeline-model-parallel-size", "2",
-      "--decoder-first-pipeline-num-layers", "15"], [], "--load with --ckpt-format torch and --decoder-first-pipeline"),
-    (["--load", "/c", "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2",
-      "--pipeline-model-parallel-layout", "Et*15|t*17L"], [],
-     "--load with --ckpt-format torch_dist and --pipeline-model-parallel-layout: the checkpoint is laid out by"),
     (["--load", "/c", "--ckpt-format", "torch", "--tensor-model-parallel-size", "3"], [],
      "--load with --ckpt-format torch keeps the argv's sizes, but pinned --tensor-model-parallel-size 3: must divide"),
     (["--fp8-param-gather"], ["plan.zero=0"], "--fp8-param-gather needs a sharded optimizer (ZeRO 1-3: the distributed "

@@ -1,5 +1,6 @@
 """plan.layers_per_stage: an explicit (uneven) layer split, with or without virtual stages — validated, priced,
-searched under, emitted as Megatron's --pipeline-model-parallel-layout, and read back by megatron-core."""
+searched under, emitted as the simplest Megatron flags for it (tests/test_pipeline_layouts.py has every form), and
+built by megatron-core as given."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from megatron_core_split import megatron_core_chunks, split_fields, split_flags
 
 from nest_megatron import api
 from nest_megatron.config.load import load
@@ -30,21 +32,26 @@ def layout_of(args: list[str]) -> str | None:
     return args[args.index(flag) + 1] if flag in args else None
 
 
-# (layers, pp, vpp, the split as given, the layers per model chunk in Megatron's order, worked out by hand)
+# (layers, pp, vpp, the split as given, the layers per model chunk in Megatron's order, worked out by hand, the
+# simplest flags for it)
+ACCOUNT_BOTH = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
 SPLITS = [
     # Llama 3.1 405B: 126 layers at pp 8 vpp 8 = 64 chunks; the first and last chunk (embedding, loss) take
-    # one layer, the 62 others two: 1 + 62*2 + 1 = 126.
-    (126, 8, 8, (1, *[2] * 62, 1), (1, *[2] * 62, 1)),
+    # one layer, the 62 others two: 1 + 62*2 + 1 = 126. That is the embedding and loss counted: 128 = 64 x 2.
+    (126, 8, 8, (1, *[2] * 62, 1), (1, *[2] * 62, 1), [*ACCOUNT_BOTH, "--num-virtual-stages-per-pipeline-rank", "8"]),
     # Qwen3-235B: 94 layers at pp 8 vpp 4 = 32 chunks; first and last two layers, the 30 others three:
-    # 2 + 30*3 + 2 = 94.
-    (94, 8, 4, (2, *[3] * 30, 2), (2, *[3] * 30, 2)),
-    # pp only, uneven: 30 layers as 7 + 8 + 8 + 7.
-    (30, 4, 1, (7, 8, 8, 7), (7, 8, 8, 7)),
+    # 2 + 30*3 + 2 = 94 (96 = 32 x 3 with the embedding and loss counted).
+    (94, 8, 4, (2, *[3] * 30, 2), (2, *[3] * 30, 2), [*ACCOUNT_BOTH, "--num-virtual-stages-per-pipeline-rank", "4"]),
+    # pp only, uneven: 30 layers as 7 + 8 + 8 + 7 (32 = 4 x 8 with the embedding and loss counted).
+    (30, 4, 1, (7, 8, 8, 7), (7, 8, 8, 7), ACCOUNT_BOTH),
     # pp entries with vpp 2: each rank's layers split evenly over its two chunks; chunk c = k*pp + rank, so
-    # rank 0 holds chunks 0 and 4 (2 + 2), rank 1 chunks 1 and 5 (3 + 3): [2, 3, 3, 2, 2, 3, 3, 2].
-    (20, 4, 2, (4, 6, 6, 4), (2, 3, 3, 2, 2, 3, 3, 2)),
-    # an empty stage: Megatron's layout allows one ('E|t*4|t*4|L' style): 8 layers at pp 4.
-    (8, 4, 1, (0, 4, 4, 0), (0, 4, 4, 0)),
+    # rank 0 holds chunks 0 and 4 (2 + 2), rank 1 chunks 1 and 5 (3 + 3): [2, 3, 3, 2, 2, 3, 3, 2]; the first and
+    # last ranks hold 4, the middle ones 6.
+    (20, 4, 2, (4, 6, 6, 4), (2, 3, 3, 2, 2, 3, 3, 2),
+     ["--decoder-first-pipeline-num-layers", "4", "--decoder-last-pipeline-num-layers", "4",
+      "--num-virtual-stages-per-pipeline-rank", "2"]),
+    # an empty stage: Megatron's layout allows one: 8 layers at pp 4, no other form gives it.
+    (8, 4, 1, (0, 4, 4, 0), (0, 4, 4, 0), ["--pipeline-model-parallel-layout", "E|(t*4|)*2,L"]),
 ]
 
 
@@ -54,34 +61,14 @@ def _emitted(layers: int, pp: int, vpp: int, split: tuple[int, ...]) -> list[str
                          overlap_grad_reduce=False, overlap_param_gather=False, layers_per_stage=split)
 
 
-@pytest.mark.parametrize(("layers", "pp", "vpp", "split", "chunks"), SPLITS)
-def test_megatron_core_reads_the_emitted_layout_as_the_split(layers, pp, vpp, split, chunks):
-    from megatron.core import parallel_state
-    from megatron.core.transformer.enums import LayerType
-    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
-
+@pytest.mark.parametrize(("layers", "pp", "vpp", "split", "chunks", "flags"), SPLITS)
+def test_megatron_core_builds_the_emitted_split(layers, pp, vpp, split, chunks, flags):
     assert chunk_split(ParallelConfig(pp=pp, vpp=vpp), split) == chunks
     args = _emitted(layers, pp, vpp, split)
-    layout = layout_of(args)
-    assert layout is not None
-    # The layout sets vpp; Megatron refuses --num-virtual-stages-per-pipeline-rank next to it (arguments.py:928).
-    assert "--num-virtual-stages-per-pipeline-rank" not in args
-    parsed = PipelineParallelLayerLayout(layout, pp)
-    assert parsed.virtual_pipeline_model_parallel_size == vpp
-    # layout[rank][k] is chunk k*pp + rank
-    got = [parsed.layout[c % pp][c // pp].count(LayerType.decoder) for c in range(pp * vpp)]
-    assert tuple(got) == chunks
-    assert parsed.validate_layer_layout(num_layers=layers, mtp_num_layers=None) is False
-    # What each rank builds, as megatron-core asks it (it reads the virtual-stage count from parallel_state).
-    parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
-    try:
-        for rank in range(pp):
-            for k in range(vpp):
-                c = k * pp + rank
-                assert parsed.get_num_layers_to_build(vp_stage=k, pp_rank=rank) == chunks[c]
-                assert parsed.get_layer_offset(vp_stage=k, pp_rank=rank) == sum(chunks[:c])
-    finally:
-        parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+    assert split_flags(args) == flags
+    # What each rank builds, as megatron-core computes it from those flags (its offsets: the layers before).
+    built = megatron_core_chunks(layers, pp, **split_fields(args))
+    assert built == tuple((n, sum(chunks[:c])) for c, n in enumerate(chunks))
     # nest's own reading of the launch line agrees: no rule broken (world: pp ranks, 4 micro-batches per rank)
     argv = ["--num-layers", str(layers), "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--max-position-embeddings", "64", "--vocab-size", "128", *args]
@@ -105,7 +92,7 @@ def test_the_argv_reads_first_last_stage_sizes_with_virtual_stages():
     # 3 on the first rank cannot split over 2 virtual stages
     found = violations([*base, "--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeline-num-layers", "1"],
                        world_size=4)
-    assert found and "multiple of vpp" in " ".join(found)
+    assert found[0].startswith("--decoder-first-pipeline-num-layers=3: must be a multiple of virtual pipeline stages=2")
 
 
 def _priced(overrides: list[str]):
@@ -137,7 +124,8 @@ def test_an_explicit_even_split_prices_exactly_as_the_default(split):
 def test_the_plan_carries_the_split_and_its_layout():
     plan = api.evaluate([*BIG, "plan.layers_per_stage=[12,8,10,10,10,10,10,10]"])
     assert plan.layers_per_stage == [12, 8, 10, 10, 10, 10, 10, 10]
-    assert layout_of(plan.megatron_args) == "Et*12|t*8|t*10|t*10|t*10|t*10|t*10|t*10L"
+    # ranks 22, 18, 20, 20: neither the embedding / loss counted nor first / last counts give it
+    assert layout_of(plan.megatron_args) == "Et*12|t*8|(t*10|)*5,t*10L"
     assert "--num-virtual-stages-per-pipeline-rank" not in plan.megatron_args
     assert violations(plan.megatron_args, world_size=plan.world_size) == []
 
@@ -147,7 +135,7 @@ def test_plan_with_a_pinned_split_searches_only_its_pp_and_vpp():
     plan = api.plan([*SMALL, "plan.pp=2", f"plan.layers_per_stage={split}"])
     assert plan.parallel["pp"] == 2 and plan.parallel["vpp"] == 2
     assert plan.layers_per_stage == split
-    assert layout_of(plan.megatron_args) == "Et*1|t*0|t*1|t*2L"
+    assert layout_of(plan.megatron_args) == "Et||t|t*2L"
     plan = api.plan([*SMALL, "plan.pp=2", "plan.layers_per_stage=[1,3]", "solver.name=enumerate"])
     assert plan.parallel["pp"] == 2 and plan.layers_per_stage == [1, 3]
 
@@ -178,7 +166,7 @@ def test_cli_evaluate_with_a_split(tmp_path):
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(out.read_text())
     assert plan["layers_per_stage"] == [2, 0, 1, 1] and plan["parallel"]["vpp"] == 2
-    assert layout_of(plan["megatron_args"]) == "Et*2|t*0|t*1|t*1L"
+    assert layout_of(plan["megatron_args"]) == "Et*2||t|tL"
     bad = subprocess.run([sys.executable, "-m", "nest_megatron.cli", "evaluate", *SMALL,
                           "plan.layers_per_stage=[2,2]", f"out={out}"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)

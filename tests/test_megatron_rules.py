@@ -7,7 +7,8 @@ import pytest
 from paper_grid_plans import grid_plans
 
 from nest_megatron.errors import NestError
-from nest_megatron.launch.megatron_rules import check, layout_stages, violations
+from nest_megatron.launch.megatron_rules import check, violations
+from nest_megatron.parallel.layout import layout_stages
 
 # 8 layers, 8 heads in 4 query groups, sequence 128; micro-batch 1, global batch 64 unless a case sets it.
 BASE = ("--num-layers 8 --hidden-size 256 --num-attention-heads 8 --group-query-attention --num-query-groups 4 "
@@ -41,11 +42,66 @@ CASES = [
     ("a layout gives an uneven split (3 + 3 + 2 layers)",
      ("--pipeline-model-parallel-size 3 --pipeline-model-parallel-layout Et*3|t*3|t*2L", 6),
      ("--pipeline-model-parallel-size 3 --pipeline-model-parallel-layout Et*3|t*3|t*3L", 6),
-     "--pipeline-model-parallel-layout Et*3|t*3|t*3L: 9 transformer layers, but --num-layers is 8"),
+     "--pipeline-model-parallel-layout=Et*3|t*3|t*3L: 9 transformer layers (t), but num_layers=8"),
+    ("a layout's layers are E, t, L, m",
+     ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout E,t*2|(t|)*2,t*4L", 8),
+     ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*3|x*5L", 8),
+     "--pipeline-model-parallel-layout=Et*3|x*5L: ['x'] are no layers"),
+    ("MTP layers in a layout only with a model that has them",
+     ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*3|t*5L", 8),
+     ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*3|t*5mL", 8),
+     "--pipeline-model-parallel-layout=Et*3|t*5mL: 1 MTP layers (m), but the model has no multi-token prediction"),
+    ("a layout excludes the embedding / loss counted as layers",
+     ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*3|t*5L", 8),
+     ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*3|t*5L --account-for-loss-in-pipeline-split", 8),
+     "--pipeline-model-parallel-layout with --account-for-loss-in-pipeline-split: Megatron takes one way"),
+    ("a layout excludes first / last stage layers",
+     ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*3|t*5L", 8),
+     ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*3|t*5L --decoder-last-pipeline-num-layers 5", 8),
+     "--pipeline-model-parallel-layout with --decoder-last-pipeline-num-layers: Megatron takes one way"),
+    ("first / last stage layers exclude the embedding / loss counted as layers",
+     ("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 3", 8),
+     ("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 3 --account-for-embedding-in-pipeline-split", 8),
+     "--decoder-first-pipeline-num-layers with --account-for-embedding-in-pipeline-split: Megatron takes one way"),
+    ("the embedding and loss counted: pp divides the layers and them",
+     ("--pipeline-model-parallel-size 2 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split", 8),
+     ("--pipeline-model-parallel-size 4 --account-for-embedding-in-pipeline-split", 8),
+     "--account-for-embedding-in-pipeline-split=true: num_layers + 1 = 9 must be a multiple of "
+     "--pipeline-model-parallel-size=4"),
+    ("the embedding and loss counted: vpp divides each rank's share",
+     ("--pipeline-model-parallel-size 2 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
+      "--num-virtual-stages-per-pipeline-rank 5", 8),
+     ("--pipeline-model-parallel-size 2 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
+      "--num-virtual-stages-per-pipeline-rank 3", 8),
+     "--account-for-embedding-in-pipeline-split=true and --account-for-loss-in-pipeline-split=true: the 5 layers of "
+     "each pipeline rank"),
+    ("layers per virtual stage count the embedding and loss when asked",
+     ("--pipeline-model-parallel-size 2 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
+      "--num-layers-per-virtual-pipeline-stage 1", 8),
+     ("--pipeline-model-parallel-size 2 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
+      "--num-layers-per-virtual-pipeline-stage 2", 8),
+     "--num-layers-per-virtual-pipeline-stage 2: must divide num_layers/pp = 10/2"),
+    ("first / last stage layers leave an even split of the middle stages",
+     ("--pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 1", 8),
+     ("--pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 2", 8),
+     "--decoder-first-pipeline-num-layers=1, --decoder-last-pipeline-num-layers=2: the other 5 layers must split evenly "
+     "over 2 middle pipeline stages"),
+    ("first / last stage layers are at least 1",
+     ("--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 1", 8),
+     ("--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 0", 8),
+     "--decoder-last-pipeline-num-layers=0: must be at least 1"),
+    ("first / last stage layers with virtual stages are multiples of vpp",
+     ("--pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 2 "
+      "--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 64", 8),
+     ("--pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 3 "
+      "--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 64", 8),
+     "--decoder-first-pipeline-num-layers=1: must be a multiple of virtual pipeline stages=2"),
     ("virtual stages: pp x vpp divides the layers",
      ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2", 8),
      ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 3", 8),
-     "--pipeline-model-parallel-size=2 x virtual pipeline stages=3: must divide num_layers=8 for an even split"),
+     # 6 chunks of 8 layers: the planner's simplest is two empty end chunks (ranks 4 + 4)
+     "--pipeline-model-parallel-size=2 x virtual pipeline stages=3: must divide num_layers=8 for an even split; give "
+     "the split, e.g. --pipeline-model-parallel-layout='E|(t*2|)*4,L'"),
     ("layers per virtual stage divide the layers per stage",
      ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2", 8),
      ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3", 8),

@@ -42,6 +42,7 @@ from nest_megatron.hardware.hostlist import expand
 from nest_megatron.hardware.topology import BUILDERS, Topology, without_hosts
 from nest_megatron.model.spec import ATTENTION_BACKENDS, DTYPE_BYTES, ModelSpec, Numerics, OptimizerDtypes
 from nest_megatron.parallel.config import CP_COMM_TYPES, RANK_ORDERS, RECOMPUTE_KINDS, ZERO_STAGES
+from nest_megatron.parallel.layout import EXCLUSIONS, SplitForm, excluded_pair, form_vpp, layout_problem
 from nest_megatron.solver.registry import SOLVERS
 from nest_megatron.trace.source import resolve as resolve_model_source
 
@@ -143,7 +144,7 @@ def _compose(overrides: list[str]):
 
 
 # Keys whose value is a SLURM hostlist or a path: n[01-12],n20 is a string, not Hydra's list and sweep syntax.
-VERBATIM_KEYS = ("cluster.nodes", "cluster.failed_nodes", "cluster.topology_conf")
+VERBATIM_KEYS = ("cluster.nodes", "cluster.failed_nodes", "cluster.topology_conf", "plan.pipeline_model_parallel_layout")
 
 
 def quote_verbatim(item: str) -> str:
@@ -619,8 +620,30 @@ def _check_plan(p: PlanChoice, *, devices: int, layers: int, batch: int) -> None
 
 
 def _check_split(p: PlanChoice, layers: int) -> None:
-    """plan.layers_per_stage: pp entries (layers per pipeline rank) or pp*vpp (layers per model chunk), each >= 0
-    (Megatron's layout allows an empty stage), adding up to model.num_layers."""
+    """The layer split is given at most one way. plan.layers_per_stage: pp entries (layers per pipeline rank) or
+    pp*vpp (layers per model chunk), each >= 0 (Megatron's layout allows an empty stage), adding up to
+    model.num_layers. The first / last stage layers are 1..num_layers; a layout needs plan.pp and is one Megatron
+    reads with the model's layers (whether it fits each pp x vpp is parallel.rules')."""
+    form = SplitForm.from_fields(p)
+    for _, one, other, source in EXCLUSIONS:
+        pair = excluded_pair(form, one, other)
+        if pair:
+            raise NestError(f"plan.{pair[0]} with plan.{pair[1]}: Megatron takes one way to give the layer split "
+                            f"({source}); give one")
+    if p.layers_per_stage is not None and form.given:
+        raise NestError(f"plan.layers_per_stage with plan.{form.given[0]}: give the layer split one way")
+    for name, value in zip(("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"), form.first_last):
+        _integer(f"plan.{name}", value, 1, layers, "model.num_layers")
+    layout = p.pipeline_model_parallel_layout
+    if layout is not None:
+        key = f"plan.pipeline_model_parallel_layout={layout}"
+        if p.pp is None:
+            raise NestError(f"{key}: needs plan.pp pinned (its stages are pp*vpp model chunks)")
+        line = layout_problem(str(layout), pp=p.pp, num_layers=layers)  # the model has no MTP layers yet
+        if line is None and p.vpp is not None and form_vpp(form, pp=p.pp) != p.vpp:
+            line = f"{key}: its stages make plan.vpp={form_vpp(form, pp=p.pp)}, but plan.vpp={p.vpp} is given"
+        if line is not None:
+            raise NestError(line)
     split = p.layers_per_stage
     if split is None:
         return

@@ -217,11 +217,26 @@ class PlanChoice:
     recompute_num_layers: Optional[int] = None  # with full: the first n layers of each stage (null: all)
     order: Optional[str] = None  # tp-cp-ep-dp-pp | tp-cp-ep-pp-dp
     cp_comm_type: Optional[str] = None  # --cp-comm-type with CP > 1: p2p (Megatron's default) | a2a | all_gather
-    # The layer split (needs plan.pp): pp entries, the layers of each pipeline rank (with vpp > 1 each a
-    # multiple of vpp, split evenly over the rank's chunks), or pp*vpp entries, the layers of each model chunk
-    # in Megatron's order (chunk k*pp + rank is the rank's k-th; emitted as --pipeline-model-parallel-layout).
-    # Entries may be 0 (an empty stage, as Megatron's layout allows). None: `evaluate` splits evenly, `plan` chooses.
+    # The layer split, given one of five ways (at most one; none: `evaluate` splits evenly, `plan` chooses). The
+    # plan emits the simplest Megatron flags for the split it has, whichever way it was given.
+    # layers_per_stage (needs plan.pp): pp entries, the layers of each pipeline rank (with vpp > 1 each a multiple
+    # of vpp, split evenly over the rank's chunks), or pp*vpp entries, the layers of each model chunk in Megatron's
+    # order (chunk k*pp + rank is the rank's k-th). Entries may be 0 (an empty stage, as Megatron's layout allows).
     layers_per_stage: Optional[list[int]] = None
+    # --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split: the embedding / the loss
+    # counts as one layer, and the layers plus those split evenly over the pp*vpp chunks (the first chunk holds
+    # one layer less with the embedding, the last one less with the loss): Llama 3.1 405B's 126 + 2 = 8 x 8 x 2.
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+    # --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers: the first / last pipeline rank's
+    # layers (a multiple of vpp); the other ranks share the rest evenly, each rank evenly over its chunks.
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    # --pipeline-model-parallel-layout (needs plan.pp): Megatron's layout string, its stages the pp*vpp chunks split
+    # by '|': E the embedding, t a transformer layer, L the loss, m an MTP layer; 'X*n' and '(...)*n' repeat,
+    # commas are cosmetic: 'Et|(t*2|)*62,tL'. Its stages set plan.vpp (stages / pp). Quote it for Hydra when it
+    # has commas.
+    pipeline_model_parallel_layout: Optional[str] = None
 
 
 @dataclass

@@ -108,9 +108,10 @@ def stage_memory(
 ) -> StageMemory:
     """Memory of one device of a pipeline rank whose layers `sums` adds up (with the embedding if
     `first`, the output layer if `last`), holding `in_flight` chunks (`in_flight_chunks`); every
-    field is an array when `sums` holds arrays (the DP solver's candidate stages)."""
-    dense = sums.dense_params + (model.embedding_params(cfg.tp) if first else 0)
-    dense = dense + (model.output_params(tp=cfg.tp, pp=cfg.pp) if last else 0)
+    field is an array when `sums` holds arrays (the DP solver's candidate stages), and `first`, `last`,
+    `in_flight` may be arrays over ranks."""
+    dense = sums.dense_params + model.embedding_params(cfg.tp) * first
+    dense = dense + model.output_params(tp=cfg.tp, pp=cfg.pp) * last
     grad_bytes = model.numerics.grad_bytes
     optimizer_bytes = model.numerics.optimizer_state_bytes
     w, g, o = model_state_bytes(dense, zero=cfg.zero, shards=cfg.dp * cfg.cp, grad_bytes=grad_bytes,
@@ -129,7 +130,7 @@ def stage_memory(
         weights = weights + fp8.weight_copy_bytes(numerics.fp8_recipe, any_layout=numerics.fp8_any_layout) * local
     activations = (activation_bytes(sums, in_flight=in_flight, act_rebuilt=act_rebuilt)
                    + attention_buffer_bytes(model, mbs=cfg.mbs, tp=cfg.tp))
-    logits = logits_bytes(model, mbs=cfg.mbs, tp=cfg.tp, cp=cfg.cp) if last else 0.0
+    logits = logits_bytes(model, mbs=cfg.mbs, tp=cfg.tp, cp=cfg.cp) * last
     return StageMemory(weights, grads, optimizer, activations, logits, reserved_bytes)
 
 

@@ -22,6 +22,7 @@ from nest_megatron.cost.layer import LayerTime, layer_time
 from nest_megatron.cost.placement import Spans
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
+from nest_megatron.parallel.layout import as_chunks
 
 NO_TIME = LayerTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
@@ -145,26 +146,37 @@ def range_sums(c: LayerCosts, cfg: ParallelConfig, a, b) -> StageSums:
 
 
 def chunk_split(cfg: ParallelConfig, layers_per_stage: tuple[int, ...]) -> tuple[int, ...]:
-    """The layers of each of the pp*vpp model chunks, in Megatron's virtual-stage order (chunk
-    c = k*pp + rank holds the c-th slice of layers; megatron/core/transformer/
-    pipeline_parallel_layer_layout.py:49-55). `layers_per_stage` is either that (pp*vpp entries) or
-    pp entries, the layers of each pipeline rank, split evenly over its vpp chunks (the earlier chunks
-    take one more where vpp does not divide them; parallel.rules asks that it does)."""
-    p, v = cfg.pp, cfg.vpp
-    if len(layers_per_stage) == p * v:
-        return tuple(layers_per_stage)
-    if len(layers_per_stage) != p:
-        raise ValueError(f"layers_per_stage={list(layers_per_stage)}: pp={p} or pp*vpp={p * v} entries")
-    per_rank = [[n // v + (k < n % v) for k in range(v)] for n in layers_per_stage]
-    return tuple(per_rank[c % p][c // p] for c in range(p * v))
+    """The layers of each of the pp*vpp model chunks, in Megatron's virtual-stage order (chunk c = k*pp + rank
+    holds the c-th slice of layers): `layers_per_stage` as it is when it has pp*vpp entries, else its pp ranks'
+    layers split over their chunks (parallel.layout.as_chunks)."""
+    return as_chunks(tuple(layers_per_stage), pp=cfg.pp, vpp=cfg.vpp)
 
 
-def chunk_ranges(cfg: ParallelConfig, layers_per_stage: tuple[int, ...], stage: int) -> list[tuple[int, int]]:
-    """The layer ranges pipeline rank `stage` holds: its chunks stage, stage + p, ..., stage + (v-1) p
-    (`chunk_split`), which may differ in size."""
-    sizes = chunk_split(cfg, layers_per_stage)
-    starts = np.concatenate(([0], np.cumsum(sizes))).astype(int).tolist()
-    return [(starts[c], starts[c + 1]) for c in range(stage, len(sizes), cfg.pp)]
+def chunk_bounds(cfg: ParallelConfig, chunks) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) of every rank's chunks: arrays [..., rank, k] of the layer range of rank `rank`'s k-th chunk
+    (chunk k*pp + rank), for `chunks` of shape [..., pp*vpp] (one split, or many candidate splits at once)."""
+    chunks = np.asarray(chunks, dtype=np.int64)
+    bounds = np.concatenate((np.zeros((*chunks.shape[:-1], 1), dtype=np.int64), np.cumsum(chunks, axis=-1)), axis=-1)
+    shape = (*chunks.shape[:-1], cfg.vpp, cfg.pp)
+    starts = bounds[..., :-1].reshape(shape).swapaxes(-1, -2)
+    ends = bounds[..., 1:].reshape(shape).swapaxes(-1, -2)
+    return starts, ends
+
+
+def chunk_sums(c: LayerCosts, cfg: ParallelConfig, starts, ends) -> StageSums:
+    """Sums over the chunks [starts[..., k], ends[..., k]) along the last axis (the chunks of one pipeline rank):
+    their layers, work and parameters added up in chunk order, the activations of the largest chunk, and whether
+    any recomputes. One function for `estimate` (one rank) and the search (every rank of many splits at once)."""
+    parts = range_sums(c, cfg, np.asarray(starts), np.asarray(ends))
+
+    def added(values):
+        total = values[..., 0]
+        for k in range(1, values.shape[-1]):
+            total = total + values[..., k]
+        return total
+
+    fields = {name: added(value) for name, value in parts._asdict().items() if name not in ("act_per_chunk", "recomputes")}
+    return StageSums(**fields, act_per_chunk=np.max(parts.act_per_chunk, axis=-1), recomputes=np.any(parts.recomputes, axis=-1))
 
 
 def stage_sums(c: LayerCosts, cfg: ParallelConfig, layers_per_stage: tuple[int, ...], stage: int) -> StageSums:
@@ -177,8 +189,5 @@ def stage_sums(c: LayerCosts, cfg: ParallelConfig, layers_per_stage: tuple[int, 
 def _stage_sums(c: LayerCosts, pp: int, vpp: int, recompute: str, recompute_num_layers: int | None,
                 layers_per_stage: tuple[int, ...], stage: int) -> StageSums:
     cfg = ParallelConfig(pp=pp, vpp=vpp, recompute=recompute, recompute_num_layers=recompute_num_layers)
-    parts = [range_sums(c, cfg, a, b) for a, b in chunk_ranges(cfg, layers_per_stage, stage)]
-    total = StageSums(*(sum(values) for values in zip(*parts)))
-    return total._replace(
-        act_per_chunk=max(p.act_per_chunk for p in parts), recomputes=any(p.recomputes for p in parts)
-    )
+    starts, ends = chunk_bounds(cfg, chunk_split(cfg, layers_per_stage))
+    return chunk_sums(c, cfg, starts[stage], ends[stage])

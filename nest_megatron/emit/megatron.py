@@ -5,6 +5,7 @@ from __future__ import annotations
 from nest_megatron.cost.tables import chunk_split
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
+from nest_megatron.parallel.layout import ACCOUNT_FIELDS, EVEN, FIRST_LAST_FIELDS, flag_of, simplest_form
 
 # How each ZeRO stage is realised in Megatron-LM. ZeRO-3 builds the model on the meta device and lets
 # Megatron-FSDP materialise only each rank's shard (training.py get_model); else every rank first
@@ -120,12 +121,22 @@ def model_args(model: ModelSpec) -> list[str]:
     return args
 
 
-def pipeline_layout(layers_per_stage: tuple[int, ...]) -> str:
-    """Megatron's --pipeline-model-parallel-layout for an uneven split: stages (one per model chunk, in
-    chunk order: cost.tables.chunk_split) separated by '|', 't' a transformer layer, 'E' the embedding on
-    the first stage, 'L' the loss on the last. Megatron reads pp*vpp stages from it and sets vpp to their
-    number / pp (megatron/training/arguments.py:944-952); 't*0' is an empty stage, which the layout allows."""
-    return "|".join(f"t*{n}" for n in layers_per_stage).join(("E", "L"))
+def split_args(cfg: ParallelConfig, *, num_layers: int, layers_per_stage: tuple[int, ...] | None) -> list[str]:
+    """The simplest Megatron flags for the layer split (parallel.layout.simplest_form): none for the even split,
+    --account-for-embedding/loss-in-pipeline-split, --decoder-first/last-pipeline-num-layers, else
+    --pipeline-model-parallel-layout; --num-virtual-stages-per-pipeline-rank beside any but a layout, which sets
+    the virtual stages itself (Megatron takes no other virtual-stage flag with it: arguments.py:928-939)."""
+    chunks = chunk_split(cfg, layers_per_stage) if layers_per_stage else None
+    form = simplest_form(chunks, num_layers=num_layers, pp=cfg.pp) if chunks and cfg.pp > 1 else EVEN
+    if form.pipeline_model_parallel_layout is not None:
+        return ["--pipeline-model-parallel-layout", form.pipeline_model_parallel_layout]
+    args = [flag_of(name) for name in ACCOUNT_FIELDS if getattr(form, name)]
+    for name in FIRST_LAST_FIELDS:
+        if getattr(form, name) is not None:
+            args += [flag_of(name), str(getattr(form, name))]
+    if cfg.vpp > 1:
+        args += ["--num-virtual-stages-per-pipeline-rank", str(cfg.vpp)]
+    return args
 
 
 def parallel_args(
@@ -156,13 +167,7 @@ def parallel_args(
         args.append("--sequence-parallel")
         if tp_comm_overlap and cfg.tp > 1:  # only with sequence parallel (Megatron-LM arguments.py:1441-1442)
             args.append("--tp-comm-overlap")
-    chunks = chunk_split(cfg, layers_per_stage) if layers_per_stage else ()
-    if len(set(chunks)) > 1:
-        # The layout sets vpp itself; Megatron takes no --num-virtual-stages-per-pipeline-rank with it
-        # (megatron/training/arguments.py:928-939).
-        args += ["--pipeline-model-parallel-layout", pipeline_layout(chunks)]
-    elif cfg.vpp > 1:
-        args += ["--num-virtual-stages-per-pipeline-rank", str(cfg.vpp)]
+    args += split_args(cfg, num_layers=model.cfg.num_layers, layers_per_stage=layers_per_stage)
     if cfg.cp > 1 or cfg.cp_comm_type != "p2p":  # the exchange the cost model priced (Megatron's default: p2p)
         args += ["--cp-comm-type", cfg.cp_comm_type]
     if cfg.order == "tp-cp-ep-pp-dp":

@@ -42,6 +42,7 @@ from nest_megatron.integrations.overrides import (
     fp8_recipe,
     is_moe,
     precision_aware_optimizer,
+    uneven_layout,
 )
 from nest_megatron.plan import Plan
 
@@ -64,7 +65,7 @@ def bridge_overrides(plan: Plan) -> Overrides:
             out["model.moe_enable_deepep"] = True  # the spelling older megatron-core releases have too
     out |= {
         "model.sequence_parallel": bool(p["sp"]),
-        "model.pipeline_model_parallel_layout": flag_value(plan, "--pipeline-model-parallel-layout"),
+        "model.pipeline_model_parallel_layout": uneven_layout(plan),
         "model.recompute_granularity": rc["granularity"],
         "model.recompute_method": rc["method"],
         "model.recompute_num_layers": rc["num_layers"],

@@ -43,6 +43,7 @@ from nest_megatron.integrations.overrides import (
     fp8_recipe,
     is_moe,
     precision_aware_optimizer,
+    uneven_layout,
 )
 from nest_megatron.plan import Plan
 
@@ -91,7 +92,7 @@ def nemo_overrides(plan: Plan, devices_per_node: int | None = None) -> Overrides
             out["model.config.moe_enable_deepep"] = True
     out |= {
         f"{s}.sequence_parallel": bool(p["sp"]),
-        f"{s}.pipeline_model_parallel_layout": flag_value(plan, "--pipeline-model-parallel-layout"),
+        f"{s}.pipeline_model_parallel_layout": uneven_layout(plan),
         f"{s}.use_tp_pp_dp_mapping": "--use-tp-pp-dp-mapping" in plan.megatron_args,
         "data.micro_batch_size": plan.micro_batch_size,
         "data.global_batch_size": plan.global_batch_size,

@@ -11,6 +11,8 @@ import shlex
 from typing import Any
 
 from nest_megatron.errors import NestError
+from nest_megatron.launch.megatron_rules import argv_split
+from nest_megatron.parallel.layout import layout_string
 from nest_megatron.plan import Plan
 
 Overrides = dict[str, Any]  # dotted path -> value, in the order they are printed and applied
@@ -20,6 +22,14 @@ def flag_value(plan: Plan, flag: str) -> str | None:
     """The value the plan's Megatron argv gives a flag, so that every target says what that argv says."""
     args = plan.megatron_args
     return args[args.index(flag) + 1] if flag in args else None
+
+
+def uneven_layout(plan: Plan) -> str | None:
+    """The layer split the plan's argv gives, as a pipeline_model_parallel_layout (None: Megatron's even split). The
+    argv may say it with other flags (the embedding / loss counted, first / last stage layers); a layout says every
+    split, in the one field both targets have."""
+    chunks = argv_split(plan.megatron_args, world_size=plan.world_size)
+    return layout_string(chunks) if chunks is not None else None
 
 
 def is_moe(plan: Plan) -> bool:

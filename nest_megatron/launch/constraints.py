@@ -4,8 +4,11 @@ The planner owns the parallel flags (launch/rewrite.py), but some choices of the
 plan that changed them would not run: the checkpoint format and the optimizer sharding it was written with.
 Each becomes plan.* / solver.* overrides fed to the planner as --pin's are. (--tp-comm-overlap is no
 constraint: it becomes train.tp_comm_overlap=true (config/megatron_argv.train_overrides), under which the
-search has no TP > 1 plan without sequence parallel, and the plan emits the flag with TP > 1 only.) A key the user's own Hydra overrides set (plan.tp=..., plan.zero=..., or
-solver.zero_stages=... for the ZeRO family) is theirs: the user's word wins over the argv's.
+search has no TP > 1 plan without sequence parallel, and the plan emits the flag with TP > 1 only.) A resume laid out
+by pipeline stage keeps the argv's layer split, and so does --pin pp when the argv gives one (its flags become the
+plan.* keys of the same form). A key the user's own Hydra overrides set (plan.tp=..., plan.zero=..., or
+solver.zero_stages=... for the ZeRO family, any plan.* split key for the split) is theirs: the user's word wins over
+the argv's.
 
 Megatron-LM references are to main at d98e8a6.
 """
@@ -17,8 +20,10 @@ from dataclasses import dataclass
 from nest_megatron.config.megatron_argv import Scanned, scan
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.errors import NestError
+from nest_megatron.launch.megatron_rules import argv_form, argv_vpp
 from nest_megatron.launch.rewrite import pin_overrides
 from nest_megatron.parallel.config import CP_COMM_TYPES
+from nest_megatron.parallel.layout import ACCOUNT_FIELDS, EVEN, FIRST_LAST_FIELDS, LAYOUT_FIELD, flag_of
 
 # training/config/training_config.py:486 (choices and default: --load without --ckpt-format reads torch_dist)
 CKPT_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
@@ -32,6 +37,8 @@ BUCKET_SPACE_SIZES = ["tp", "pp", "vpp", "ep", "etp"]
 # that rank's slice of every chunk, and the distributed optimizer's own file beside it (:296, :741-750): it
 # does not reshard, and the optimizer stays what wrote it.
 LEGACY_SIZES = ["tp", "pp", "vpp", "ep", "etp", "zero"]
+# Every plan.* key that gives the layer split (parallel.layout's forms): the user's own one replaces the argv's.
+SPLIT_KEYS = {"plan.layers_per_stage", *(f"plan.{name}" for name in (*ACCOUNT_FIELDS, *FIRST_LAST_FIELDS, LAYOUT_FIELD))}
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,8 @@ def _theirs(override: str, user_keys: set[str]) -> bool:
     key = override.partition("=")[0]
     if key in ("plan.zero", "solver.zero_stages"):  # either one chooses the ZeRO stage
         return bool(user_keys & {"plan.zero", "solver.zero_stages"})
+    if key in SPLIT_KEYS:  # any one gives the layer split
+        return bool(user_keys & SPLIT_KEYS)
     return key in user_keys
 
 
@@ -86,7 +95,7 @@ def _resume(argv: list[str], s: Scanned, model: ModelConfig) -> Constraint | Non
         raise NestError(f"{why} and --use-megatron-fsdp: Megatron-FSDP reads and writes only --ckpt-format "
                         "fsdp_dtensor; give that, or resume with --use-distributed-optimizer")
     if fmt == "torch":
-        split = _even_split(s, why)
+        split = _kept_split(s, model, even=True)
         return Constraint(_pinned(argv, LEGACY_SIZES, model, why) + split, f"{why} (it does not reshard)")
     # torch_dist: the distributed optimizer's state is saved by DP-rank buckets, DDP's by model tensor
     # (distrib_optimizer.py:1535-1540 vs optimizer.py:1196-1200): neither reads the other's; keep the argv's.
@@ -96,7 +105,7 @@ def _resume(argv: list[str], s: Scanned, model: ModelConfig) -> Constraint | Non
         return Constraint(["plan.zero=0"], f"{why} (DDP)")
     if s.present("--dist-ckpt-optim-fully-reshardable"):  # saved fully_reshardable (checkpointing.py:550-553)
         return Constraint(["plan.zero=1"], f"{why} (the distributed optimizer, fully reshardable)")
-    split = _even_split(s, why)
+    split = _kept_split(s, model, even=True)
     return Constraint(_pinned(argv, ["zero", *BUCKET_SPACE_SIZES], model, why) + split,
                       f"{why} and --use-distributed-optimizer (its state is saved by bucket, for these sizes)")
 
@@ -128,18 +137,21 @@ def _sharded_optimizer(s: Scanned, user: list[str], resume: Constraint | None) -
     return Constraint([f"solver.zero_stages=[{','.join(map(str, stages))}]"], "--fp8-param-gather (a sharded optimizer)")
 
 
-def _even_split(s: Scanned, why: str) -> list[str]:
-    """A checkpoint laid out per stage (a legacy file's layers, a bucket's parameters) needs the stages to hold
-    the layers they held: Megatron's even split, the only one the enumerating solver plans. A split of the argv's
-    own is not one the planner keeps."""
-    if s.get("--pipeline-model-parallel-size", 1) == 1:
+def _kept_split(s: Scanned, model: ModelConfig, *, even: bool) -> list[str]:
+    """The argv's layer split as plan.* keys, for a launch that keeps it: its flags' keys (the embedding / loss
+    counted, first / last stage layers, a layout: parallel.layout's forms, which the plan emits again), or with
+    `even` (a checkpoint laid out per stage: a legacy file's layers, a bucket's parameters) Megatron's even split as
+    plan.layers_per_stage. Nothing with one stage."""
+    pp = s.get("--pipeline-model-parallel-size", 1)
+    form = argv_form(s)
+    if pp == 1:
         return []
-    split = [f for f in ("--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers",
-                         "--decoder-last-pipeline-num-layers") if s.has(f)]
-    if split:
-        raise NestError(f"{why} and {split[0]}: the checkpoint is laid out by pipeline stage and the planner keeps "
-                        "only Megatron's even split of the layers; launch it with torchrun as typed")
-    return ["solver.name=enumerate"]
+    if form != EVEN:
+        return [f"plan.{name}={'true' if name in ACCOUNT_FIELDS else getattr(form, name)}" for name in form.given]
+    vpp = argv_vpp(s, pp=pp, num_layers=model.num_layers)
+    if not even or model.num_layers % (pp * vpp):  # an argv Megatron refuses: its own rule says why
+        return []
+    return [f"plan.layers_per_stage=[{','.join([str(model.num_layers // pp)] * pp)}]"]
 
 
 def _cp_comm_type(s: Scanned, user_keys: set[str]) -> Constraint | None:
@@ -155,8 +167,9 @@ def _cp_comm_type(s: Scanned, user_keys: set[str]) -> Constraint | None:
     return Constraint([f"plan.cp_comm_type={given[0]}"], f"--cp-comm-type {given[0]}")
 
 
-def argv_constraints(argv: list[str], user: list[str], *, model: ModelConfig) -> list[Constraint]:
-    """The constraints the argv puts on the plan, less what the user's overrides (`user`) decide themselves."""
+def argv_constraints(argv: list[str], user: list[str], *, model: ModelConfig, pinned: list[str] = ()) -> list[Constraint]:
+    """The constraints the argv puts on the plan, less what the user's overrides (`user`) decide themselves. With
+    pp `pinned` (--pin pp), the argv's own split flags are kept too."""
     user_keys = _keys(user)
     out = []
     s = scan(argv)
@@ -167,4 +180,10 @@ def argv_constraints(argv: list[str], user: list[str], *, model: ModelConfig) ->
             out.append(Constraint(kept, resume.why))
     sharded = _sharded_optimizer(s, user, resume)  # within the user's own stages already
     exchange = _cp_comm_type(s, user_keys)
-    return out + [c for c in (sharded, exchange) if c is not None]
+    out += [c for c in (sharded, exchange) if c is not None]
+    decided = user_keys | _keys([item for c in out for item in c.overrides])
+    split = _kept_split(s, model, even=False) if "pp" in pinned and not decided & SPLIT_KEYS else []
+    if split:
+        flags = ", ".join(flag_of(name) for name in argv_form(s).given)
+        out.append(Constraint(split, f"pinned pp with the argv's layer split ({flags})"))
+    return out

@@ -13,7 +13,6 @@ Megatron-LM commit, check). `rules_doc()` writes both tables as docs/megatron_ru
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 from nest_megatron.config.megatron_argv import Scanned, model_values, scan
@@ -21,6 +20,19 @@ from nest_megatron.config.schema import ModelConfig
 from nest_megatron.errors import NestError
 from nest_megatron.model.spec import ModelSpec, Numerics
 from nest_megatron.parallel.config import CP_COMM_TYPES, ParallelConfig
+from nest_megatron.parallel.layout import (
+    ACCOUNT_FIELDS,
+    EVEN,
+    EXCLUSIONS,
+    FIRST_LAST_FIELDS,
+    LAYOUT_FIELD,
+    SplitForm,
+    chunk_layers,
+    excluded_pair,
+    flag_of,
+    form_problem,
+    form_vpp,
+)
 from nest_megatron.parallel.rules import (
     DPA,
     MEGATRON_LM_COMMIT,
@@ -40,6 +52,7 @@ FSDP_ZERO = {"optim_grads": 2, "optim_grads_params": 3, "no_shard": 2, "optim": 
 # parallel.rules names the configuration's fields; on an argv, name the flag that sets them.
 FLAG_OF_FIELD = {
     "plan.cp_comm_type": "--cp-comm-type",  # before plan.cp, which it begins with
+    **{f"plan.{name}": flag_of(name) for name in (*ACCOUNT_FIELDS, *FIRST_LAST_FIELDS, LAYOUT_FIELD)},
     "plan.tp": "--tensor-model-parallel-size",
     "plan.pp": "--pipeline-model-parallel-size",
     "plan.cp": "--context-parallel-size",
@@ -57,30 +70,6 @@ FLAG_OF_FIELD = {
 # Transformer Engine's context-parallel exchanges (context_parallel.py:4076-4110; Megatron-LM's help text at
 # training/arguments.py:3223 says "allgather", which TE refuses with a ValueError).
 TE_CP_COMM_TYPES = (*CP_COMM_TYPES, "a2a+p2p")
-
-
-def layout_stages(layout: str) -> list[str]:
-    """Megatron's --pipeline-model-parallel-layout unrolled into its stages ('E', 't', 'L', 'm' per layer),
-    as megatron-core's PipelineParallelLayerLayout.parse_str_to_list reads it."""
-    text = layout.replace(",", "")
-    text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
-    text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
-    return text.split("|")
-
-
-def _layout_problem(layout: str, *, pp: int, num_layers: int) -> str | None:
-    stages = layout_stages(layout)
-    flat = "".join(stages)
-    flag = f"--pipeline-model-parallel-layout {layout}"
-    if set(flat) - set("EtLm"):
-        return f"{flag}: layers are E (embedding), t (transformer), L (loss), m (MTP); found {sorted(set(flat) - set('EtLm'))}"
-    if len(stages) % pp:
-        return f"{flag}: {len(stages)} stages is not a multiple of --pipeline-model-parallel-size {pp}"
-    if not flat.startswith("E") or not flat.endswith("L") or flat.count("E") != 1 or flat.count("L") != 1:
-        return f"{flag}: the embedding E must come first and the loss L last, once each"
-    if flat.count("t") != num_layers:
-        return f"{flag}: {flat.count('t')} transformer layers, but --num-layers is {num_layers}"
-    return None
 
 
 def _zero(s: Scanned) -> int:
@@ -135,58 +124,52 @@ class Launch:
         return max(self.world_size // (self.tp * self.pp * self.cp), 1)
 
     @property
-    def first_last(self) -> tuple[int | None, int | None]:
-        return self.s.get("--decoder-first-pipeline-num-layers"), self.s.get("--decoder-last-pipeline-num-layers")
+    def form(self) -> SplitForm:
+        """How the argv gives the layer split (parallel.layout: the flags of each form)."""
+        return argv_form(self.s)
 
 
-def _vpp(launch: Launch) -> int:
-    """Virtual stages per pipeline rank as the flags set them (1 where they are broken; other rules say how)."""
-    s, pp, layers = launch.s, launch.pp, launch.model.num_layers
-    layout = s.get("--pipeline-model-parallel-layout")
-    if layout is not None:
-        return 1 if _layout_problem(layout, pp=pp, num_layers=layers) else len(layout_stages(layout)) // pp
-    if s.has("--num-layers-per-virtual-pipeline-stage"):
-        per_virtual = s.get("--num-layers-per-virtual-pipeline-stage")
-        if any(n is not None for n in launch.first_last) or layers % pp or (layers // pp) % per_virtual:
+def argv_form(s: Scanned) -> SplitForm:
+    """The split form the argv's flags spell."""
+    form = SplitForm(**{name: s.get(flag_of(name), False if name in ACCOUNT_FIELDS else None)
+                        for name in (*ACCOUNT_FIELDS, *FIRST_LAST_FIELDS, LAYOUT_FIELD)})
+    return EVEN if form == EVEN else form
+
+
+def argv_vpp(s: Scanned, *, pp: int, num_layers: int) -> int:
+    """Virtual stages per pipeline rank as Megatron-LM reads them from the flags (arguments.py:941-977: a layout's
+    stages / pp; layers per virtual stage as (num_layers + the embedding and loss counted) / pp / that number; or
+    the count itself); 1 where the flags are broken (other rules say how)."""
+    form = argv_form(s)
+    if form.pipeline_model_parallel_layout is not None:
+        vpp = form_vpp(form, pp=pp)
+        return vpp if vpp is not None else 1
+    per_virtual = s.get("--num-layers-per-virtual-pipeline-stage")
+    if per_virtual is not None:
+        counted = num_layers + sum(form.accounts)
+        if form.first_last != (None, None) or counted % pp or (counted // pp) % per_virtual:
             return 1
-        return layers // pp // per_virtual
+        return counted // pp // per_virtual
     return s.get("--num-virtual-stages-per-pipeline-rank", 1)
 
 
-def _first_last_rest(launch: Launch) -> tuple[int, int]:
-    """(middle stages, layers left for them) besides --decoder-first/last-pipeline-num-layers."""
-    first, last = launch.first_last
-    return launch.pp - (first is not None) - (last is not None), launch.model.num_layers - (first or 0) - (last or 0)
-
-
-def _layers_per_stage(launch: Launch) -> tuple[int, ...] | None:
-    """The split a layout or first/last stage sizes give, as plan.layers_per_stage takes it: a layout's layers
-    per model chunk (pp*vpp entries in its order; pp without virtual stages), first/last the layers per pipeline
-    rank (Megatron splits each evenly over its virtual stages: transformer_config.py:2306-2360); None for an
-    even split."""
-    layout = launch.s.get("--pipeline-model-parallel-layout")
-    if layout is not None:
-        if _layout_problem(layout, pp=launch.pp, num_layers=launch.model.num_layers):
-            return None
-        # Stage k of the layout runs on pipeline rank k % pp as its virtual stage k // pp.
-        return tuple(stage.count("t") for stage in layout_stages(layout))
-    first, last = launch.first_last
-    if (first is None and last is None) or _first_last_split(launch):
-        return None
-    middle, rest = _first_last_rest(launch)
-    middle_stages = [rest // middle] * middle if middle else []  # pp 2 with both ends given has no middle stage
-    return (*([first] if first is not None else []), *middle_stages, *([last] if last is not None else []))
+def _vpp(launch: Launch) -> int:
+    return argv_vpp(launch.s, pp=launch.pp, num_layers=launch.model.num_layers)
 
 
 def argv_split(argv: list[str], *, world_size: int, model: ModelConfig | None = None) -> tuple[int, ...] | None:
-    """The split a user's argv gives, as plan.layers_per_stage takes it: --pipeline-model-parallel-layout as the
-    layers of each of its stages (model chunks), --decoder-first/last-pipeline-num-layers as the layers of each
-    pipeline rank; None for Megatron's even split or flags that break a rule (`violations` says which)."""
+    """The split a user's argv gives, as the layers of each of its pp*vpp model chunks (parallel.layout.chunk_layers
+    reads every form: the embedding / loss counted, first / last stage layers, a layout); None for Megatron's even
+    split or flags that break a rule (`violations` says which)."""
     s = scan(argv)
     m = model or ModelConfig(**model_values(s, vocab_size=s.get("--vocab-size", 1)))
-    launch = Launch(s, world_size, m, tp=s.get("--tensor-model-parallel-size", 1),
-                    pp=s.get("--pipeline-model-parallel-size", 1), cp=s.get("--context-parallel-size", 1))
-    return _layers_per_stage(launch)
+    pp = s.get("--pipeline-model-parallel-size", 1)
+    form, vpp = argv_form(s), argv_vpp(s, pp=pp, num_layers=m.num_layers)
+    if form == EVEN or form_problem(form, num_layers=m.num_layers, pp=pp, vpp=vpp) is not None:
+        return None
+    if any(excluded_pair(form, one, other) for _, one, other, _ in EXCLUSIONS):
+        return None
+    return chunk_layers(form, num_layers=m.num_layers, pp=pp, vpp=vpp)
 
 
 def _world_divisible(launch: Launch):
@@ -202,45 +185,37 @@ def _virtual_flags(launch: Launch):
         return f"{' and '.join(given)}: at most one of {', '.join(VIRTUAL_FLAGS)}"
 
 
-def _layout(launch: Launch):
-    """A layout has E first, L last, the model's transformer layers, and a multiple of pp stages."""
-    layout = launch.s.get("--pipeline-model-parallel-layout")
-    if layout is not None:
-        return _layout_problem(layout, pp=launch.pp, num_layers=launch.model.num_layers)
+def _flags(names: tuple[str, ...]) -> str:
+    return " / ".join(flag_of(name) for name in names)
 
 
-def _layout_first_last(launch: Launch):
-    """A layout excludes --decoder-first/last-pipeline-num-layers."""
-    if launch.s.has("--pipeline-model-parallel-layout") and any(n is not None for n in launch.first_last):
-        return "--pipeline-model-parallel-layout with --decoder-first/last-pipeline-num-layers: choose one"
+def _exclusion(rule_id: str, one: tuple[str, ...], other: tuple[str, ...]):
+    """The check of one of parallel.layout.EXCLUSIONS: two ways to give the split together."""
+    def check(launch: Launch):
+        pair = excluded_pair(launch.form, one, other)
+        if pair:
+            return f"{flag_of(pair[0])} with {flag_of(pair[1])}: Megatron takes one way to give the layer split; choose one"
+    check.__doc__ = f"{_flags(one)} excludes {_flags(other)}."
+    check.__name__ = "_" + rule_id.replace("-", "_")
+    return check
 
 
 def _per_virtual_uneven(launch: Launch):
     """Layers per virtual stage only with an even split."""
     s = launch.s
     if (not s.has("--pipeline-model-parallel-layout") and s.has("--num-layers-per-virtual-pipeline-stage")
-            and any(n is not None for n in launch.first_last)):
+            and launch.form.first_last != (None, None)):
         return "--num-layers-per-virtual-pipeline-stage with an uneven split: use --num-virtual-stages-per-pipeline-rank"
 
 
 def _per_virtual_divides(launch: Launch):
-    """Layers per virtual stage divide the layers per stage."""
-    s, pp, layers = launch.s, launch.pp, launch.model.num_layers
+    """Layers per virtual stage divide the layers per stage (the embedding and loss counted as layers when asked)."""
+    s, pp = launch.s, launch.pp
     per_virtual = s.get("--num-layers-per-virtual-pipeline-stage")
+    counted = launch.model.num_layers + sum(launch.form.accounts)
     if (per_virtual is not None and not s.has("--pipeline-model-parallel-layout")
-            and all(n is None for n in launch.first_last) and (layers % pp or (layers // pp) % per_virtual)):
-        return f"--num-layers-per-virtual-pipeline-stage {per_virtual}: must divide num_layers/pp = {layers}/{pp}"
-
-
-def _first_last_split(launch: Launch):
-    """With first/last stage sizes, the other layers split evenly over the middle stages and virtual stages."""
-    if all(n is None for n in launch.first_last):
-        return None
-    middle, rest = _first_last_rest(launch)
-    vpp = _vpp(launch)
-    if rest < 0 or (middle == 0 and rest) or (middle > 0 and rest % (middle * vpp)):
-        return (f"--decoder-first/last-pipeline-num-layers: the other {rest} layers must split evenly over "
-                f"{middle} middle stages x {vpp} virtual stages")
+            and launch.form.first_last == (None, None) and (counted % pp or (counted // pp) % per_virtual)):
+        return f"--num-layers-per-virtual-pipeline-stage {per_virtual}: must divide num_layers/pp = {counted}/{pp}"
 
 
 def _vpp_p2p_overlap(launch: Launch):
@@ -413,11 +388,9 @@ ARGS = "megatron/training/arguments.py"
 ARGV_RULES = (
     Rule("world-divisible", f"{ARGS}:432", _world_divisible),
     Rule("virtual-flags", f"nest: {ARGS}:940-977 reads one and ignores the others", _virtual_flags),
-    Rule("layout", f"megatron/core/transformer/pipeline_parallel_layer_layout.py:41-107; {ARGS}:945", _layout),
-    Rule("layout-first-last", "megatron/core/transformer/transformer_config.py:2252", _layout_first_last),
-    Rule("per-virtual-uneven", f"{ARGS}:955", _per_virtual_uneven),
-    Rule("per-virtual-divides", f"{ARGS}:972", _per_virtual_divides),
-    Rule("first-last-split", "megatron/core/transformer/transformer_config.py:2296-2360", _first_last_split),
+    *(Rule(rule_id, source, _exclusion(rule_id, one, other)) for rule_id, one, other, source in EXCLUSIONS),
+    Rule("per-virtual-uneven", f"{ARGS}:954-956", _per_virtual_uneven),
+    Rule("per-virtual-divides", f"{ARGS}:957-975", _per_virtual_divides),
     Rule("vpp-p2p-overlap", f"{ARGS}:1006", _vpp_p2p_overlap),
     Rule("recompute-flags", f"{ARGS}:1426; megatron/core/transformer/transformer_config.py:1901-1931", _recompute_flags),
     Rule("micro-batch", f"{ARGS}:693", _micro_batch),
@@ -458,7 +431,7 @@ def violations(argv: list[str], *, world_size: int) -> list[str]:
     out = [line for rule in ARGV_RULES if (line := rule.check(launch)) is not None]
 
     kind, recomputed, _ = _recompute(s)
-    mbs, dp, vpp, layers_per_stage = s.get("--micro-batch-size", 1), launch.dp, _vpp(launch), _layers_per_stage(launch)
+    mbs, dp, vpp = s.get("--micro-batch-size", 1), launch.dp, _vpp(launch)
     gbs = s.get("--global-batch-size", mbs * dp)
     comm_types = set(_cp_comm_types(launch))
     cfg = ParallelConfig(
@@ -471,10 +444,11 @@ def violations(argv: list[str], *, world_size: int) -> list[str]:
         # a per-layer list of several exchanges is no configuration the planner prices (the rules name it)
         cp_comm_type=comm_types.pop() if len(comm_types) == 1 else " ".join(_cp_comm_types(launch)),
     )
-    # The FP8 recipe Transformer Engine's shape rules depend on (Megatron's default recipe: delayed).
+    # The split's own rules (parallel.rules: layout, account-split, first-last-split, even-split) on the form the
+    # flags spell. The FP8 recipe Transformer Engine's shape rules depend on (Megatron's default recipe: delayed).
     numerics = Numerics(fp8_recipe=s.get("--fp8-recipe", "delayed") if s.has("--fp8-format") else None)
     rule = violation(cfg, model=ModelSpec(m, numerics=numerics), num_devices=world_size, global_batch_size=gbs,
-                     layers_per_stage=layers_per_stage, tp_comm_overlap=s.present("--tp-comm-overlap"))
+                     tp_comm_overlap=s.present("--tp-comm-overlap"), form=launch.form)
     if rule and name_flags(rule) not in out:
         out.append(name_flags(rule))
     return out

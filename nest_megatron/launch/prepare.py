@@ -116,7 +116,7 @@ def prepare(*, overrides: list[str], script: str, script_args: list[str], device
         _check_topology(loaded, devices)
         model = loaded.config.model
         fixed = [Constraint(pin_overrides(script_args, names, model=model), f"pinned {','.join(names)}")] if names else []
-        fixed += argv_constraints(script_args, user, model=model)
+        fixed += argv_constraints(script_args, user, model=model, pinned=names)
         if fixed:
             loaded = load(problem + [item for c in fixed for item in c.overrides])
         plan = _plan(loaded, [c.why for c in fixed])

@@ -14,7 +14,7 @@ from dataclasses import replace
 from nest_megatron.config.megatron_argv import PLANNER_FLAGS, Scanned, scan
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.errors import NestError
-from nest_megatron.launch.megatron_rules import FSDP_ZERO, name_flags
+from nest_megatron.launch.megatron_rules import FSDP_ZERO, argv_form, argv_vpp, name_flags
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.rules import violation
@@ -55,15 +55,13 @@ def _pinned_value(s: Scanned, name: str, num_layers: int | None, moe: bool):
         return s.get(PIN_FLAGS[name], 1)
     if name == "etp":
         return s.get("--expert-tensor-parallel-size", s.get("--tensor-model-parallel-size", 1))
-    if name == "vpp":
-        if s.has("--pipeline-model-parallel-layout"):
-            raise NestError("--pipeline-model-parallel-layout cannot be pinned: pin pp (and vpp) and let the planner split")
+    if name == "vpp":  # as Megatron-LM reads it: a layout's stages / pp, layers per virtual stage, or the count
+        pp = s.get("--pipeline-model-parallel-size", 1)
         if s.has("--num-layers-per-virtual-pipeline-stage"):
-            pp, per = s.get("--pipeline-model-parallel-size", 1), s.get("--num-layers-per-virtual-pipeline-stage")
-            if num_layers is None or num_layers % (pp * per):
+            per = s.get("--num-layers-per-virtual-pipeline-stage")
+            if num_layers is None or (num_layers + sum(argv_form(s).accounts)) % (pp * per):
                 raise NestError(f"--num-layers-per-virtual-pipeline-stage {per}: must divide num_layers/pp to be pinned")
-            return num_layers // (pp * per)
-        return s.get("--num-virtual-stages-per-pipeline-rank", 1)
+        return argv_vpp(s, pp=pp, num_layers=num_layers or 0)
     if name == "sp":
         return s.has("--sequence-parallel")
     if name == "mbs":

@@ -16,6 +16,16 @@ from dataclasses import dataclass
 
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import CP_COMM_TYPES, RANK_ORDERS, RECOMPUTE_KINDS, ZERO_STAGES, ParallelConfig
+from nest_megatron.parallel.layout import (
+    EVEN,
+    SplitForm,
+    account_problem,
+    even_problem,
+    first_last_problem,
+    form_problem,
+    searched_splits,
+    split_hint,
+)
 
 # The Megatron-LM commit the sources below were read at (github.com/NVIDIA/Megatron-LM, 2026-08-22).
 MEGATRON_LM_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
@@ -43,6 +53,7 @@ class Case:
     layers_per_stage: tuple[int, ...] | None
     any_split: bool
     tp_comm_overlap: bool = False  # --tp-comm-overlap: Transformer Engine's userbuffers, with TP > 1 and SP
+    form: SplitForm = EVEN  # how Megatron is told the split (plan.account_for_*, plan.decoder_*, plan.pipeline_*)
 
 
 def num_microbatches(cfg: ParallelConfig, global_batch_size: int) -> int:
@@ -210,19 +221,51 @@ def _split_virtual(c: Case):
                 "(or give pp*vpp entries, one per model chunk)")
 
 
+def _given(c: Case) -> bool:
+    return c.layers_per_stage is not None or (c.form is not EVEN and c.form != EVEN)
+
+
+def _layout(c: Case):
+    """A layout: E first and L last once each, the model's t and m layers (m after every t, in one rank's last virtual stage), pp*vpp stages."""
+    if c.form.pipeline_model_parallel_layout is not None:
+        return form_problem(c.form, num_layers=c.model.cfg.num_layers, pp=c.cfg.pp, vpp=c.cfg.vpp)
+
+
+def _account_split(c: Case):
+    """The embedding / loss counted as layers: pp divides num_layers + them, vpp each rank's share, their chunks keep >= 0 layers."""
+    if c.form is EVEN:
+        return None
+    return account_problem(c.form, num_layers=c.model.cfg.num_layers, pp=c.cfg.pp, vpp=c.cfg.vpp)
+
+
+def _first_last_split(c: Case):
+    """First / last stage layers: positive multiples of vpp, the rest even over the middle stages and their virtual stages."""
+    if c.form is EVEN:
+        return None
+    return first_last_problem(c.form, num_layers=c.model.cfg.num_layers, pp=c.cfg.pp, vpp=c.cfg.vpp)
+
+
 def _uneven_stages(c: Case):
-    """An uneven split has at most one stage per layer."""
-    uneven = c.any_split and c.layers_per_stage is None and c.cfg.vpp == 1
+    """An uneven split the planner chooses has at most one stage per layer."""
+    uneven = c.any_split and not _given(c) and c.cfg.vpp == 1
     if uneven and c.cfg.pp > c.model.cfg.num_layers:
         return f"plan.pp={c.cfg.pp}: more stages than num_layers={c.model.cfg.num_layers}"
 
 
+def _virtual_split_family(c: Case):
+    """With virtual stages, a split the planner chooses is one of its family (parallel.layout.searched_splits)."""
+    searched = c.any_split and not _given(c) and c.cfg.vpp > 1 and c.cfg.pp > 1
+    if searched and not searched_splits(c.model.cfg.num_layers, c.cfg.pp, c.cfg.vpp):
+        return (f"plan.pp={c.cfg.pp} x plan.vpp={c.cfg.vpp}: no split of num_layers={c.model.cfg.num_layers} "
+                "into their chunks that the planner searches (middle chunks equal, the first and last at most as "
+                "large, or each rank's chunks equal)")
+
+
 def _even_split(c: Case):
-    """Without a layout, pp x vpp divides the layers."""
-    uneven = c.layers_per_stage is not None or (c.any_split and c.cfg.vpp == 1)
-    if not uneven and c.model.cfg.num_layers % (c.cfg.pp * c.cfg.vpp):
-        return (f"plan.pp={c.cfg.pp} x plan.vpp={c.cfg.vpp}: must divide num_layers={c.model.cfg.num_layers} "
-                "for an even split")
+    """Without a given split, pp x vpp divides the layers."""
+    if not _given(c) and not c.any_split:
+        line = even_problem(num_layers=c.model.cfg.num_layers, pp=c.cfg.pp, vpp=c.cfg.vpp)
+        return line and f"{line}; {split_hint(num_layers=c.model.cfg.num_layers, pp=c.cfg.pp, vpp=c.cfg.vpp)}"
 
 
 def _vpp_pp(c: Case):
@@ -467,8 +510,18 @@ RULES = (
     Rule("split", f"{MC}transformer/pipeline_parallel_layer_layout.py:41, 107 (pp*vpp stages, num_layers "
          "transformer layers; empty stages allowed); pp entries: nest", _split),
     Rule("split-virtual", f"nest: as {TC}:2306-2336 asks of --decoder-first/last-pipeline-num-layers", _split_virtual),
+    Rule("layout", f"{MC}transformer/pipeline_parallel_layer_layout.py:41-46, 86-140, 315-318; {TC}:2276-2285; "
+         f"{ARGS}:941-952", _layout),
+    Rule("account-split", f"{TC}:2370-2412; {MC}transformer/transformer_block.py:156-159, 194-201; {ARGS}:962-998",
+         _account_split),
+    Rule("first-last-split", f"{TC}:2295-2368; {MC}transformer/transformer_layer.py:158-165 (a division by the middle "
+         "stages); stricter with both at pp 1, where megatron-core builds the last count",
+         _first_last_split),
     Rule("uneven-stages", "nest: each stage of an uneven split the planner chooses holds a layer", _uneven_stages),
-    Rule("even-split", f"{ARGS}:969, 973, 998 (not with a layout: {ARGS}:941)", _even_split),
+    Rule("virtual-split-family", "nest: the virtual-stage splits the planner searches (solver/README.md)",
+         _virtual_split_family),
+    Rule("even-split", f"{ARGS}:969, 973, 998; {MC}transformer/transformer_block.py:156-159, 175-178 (not with a "
+         f"layout: {ARGS}:941)", _even_split),
     Rule("vpp-pp", f"{MC}parallel_state.py:830", _vpp_pp),
     Rule("global-batch", f"{MC}num_microbatches_calculator.py:381", _global_batch),
     Rule("fill-pipeline", "nest: 1F1B with fewer micro-batches than stages leaves stages idle", _fill_pipeline),
@@ -488,14 +541,15 @@ def violation(
     layers_per_stage: tuple[int, ...] | None = None,
     any_split: bool = False,
     tp_comm_overlap: bool = False,
+    form: SplitForm = EVEN,
 ) -> str | None:
     """The first Megatron rule `cfg` breaks, as one line, or None when it can launch.
 
-    The layers are split evenly unless `layers_per_stage` gives the split (Megatron's
-    --pipeline-model-parallel-layout); `any_split` asks whether some split can launch;
-    `tp_comm_overlap`: whether the launch overlaps TP communication (--tp-comm-overlap).
+    The layers are split evenly unless `layers_per_stage` (the layers of each pipeline rank or model chunk) or
+    `form` (Megatron's flags for a split: parallel.layout) gives the split; `any_split` asks whether some split the
+    planner searches can launch; `tp_comm_overlap`: whether the launch overlaps TP communication (--tp-comm-overlap).
     """
-    case = Case(cfg, model, num_devices, global_batch_size, layers_per_stage, any_split, tp_comm_overlap)
+    case = Case(cfg, model, num_devices, global_batch_size, layers_per_stage, any_split, tp_comm_overlap, form)
     for rule in RULES:
         line = rule.check(case)
         if line is not None:

@@ -40,18 +40,19 @@ from nest_megatron.cost.evaluate import (
     layer_options,
     pipeline_p2p,
     stage_body,
-    uniform_split,
 )
 from nest_megatron.cost.layer import layer_time, ordered_streams
 from nest_megatron.cost.memory import activation_bytes, in_flight_chunks, stage_memory
 from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.tables import range_sums
 from nest_megatron.parallel.config import ParallelConfig
+from nest_megatron.parallel.layout import EVEN, SplitForm, min_stage_layers, searched_splits
 from nest_megatron.parallel.ranks import decoder_sizes, host_placements, inside_units, rank_groups
 from nest_megatron.parallel.rules import num_microbatches
 from nest_megatron.solver.bounds import MemoryFloors, no_fit_reason
 from nest_megatron.solver.enumerate import SearchResult, row_key
-from nest_megatron.solver.space import candidates, empty_space_reason, min_stage_layers, pinned_split, searched_worlds
+from nest_megatron.solver.space import candidates, empty_space_reason, pinned_chunks, searched_worlds
+from nest_megatron.solver.virtual import best_virtual_split, family, family_fits, family_sums
 from nest_megatron.solver.visit import Progress, default_jobs, visit
 
 FRONT_CAPACITY = 64  # Pareto points kept per state; exceeding it is an error, never a silent cut
@@ -308,9 +309,17 @@ def balanced_split(num_layers: int, stages: int) -> tuple[int, ...]:
     return tuple(base + (i < extra) for i in range(stages))
 
 
-def lower_bound(problem: Problem, cfg: ParallelConfig) -> float:
+def lower_bound(problem: Problem, cfg: ParallelConfig, *, work: float | None = None) -> float:
     """A step time no split can beat: the slowest stage is at least the mean of the stages, and a
-    stage is at least its layers' computation, recomputation and communication."""
+    stage is at least its layers' computation, recomputation and communication. `work`: `layers_work(problem,
+    cfg)`, which neither ZeRO nor the virtual stages change, when already known."""
+    per_microbatch = layers_work(problem, cfg) if work is None else work
+    factor = num_microbatches(cfg, problem.global_batch_size) + (cfg.pp - 1) / cfg.vpp
+    return factor * per_microbatch / cfg.pp
+
+
+def layers_work(problem: Problem, cfg: ParallelConfig) -> float:
+    """Every layer's computation, recomputation and communication of one micro-batch, s."""
     spans, net = groups_and_network(problem, cfg, None)
     compute = problem.compute_model
     kinds = problem.model.layer_is_moe
@@ -324,8 +333,7 @@ def lower_bound(problem: Problem, cfg: ParallelConfig) -> float:
         elif cfg.recompute == "full" and cfg.recompute_num_layers is None:
             work += lt.fwd
         per_microbatch += kinds.count(moe) * work
-    factor = num_microbatches(cfg, problem.global_batch_size) + (cfg.pp - 1) / cfg.vpp
-    return factor * per_microbatch / cfg.pp
+    return per_microbatch
 
 
 def context_bound(ctx: Context) -> float:
@@ -349,13 +357,19 @@ def context_bound(ctx: Context) -> float:
     return ctx.pipeline_factor * slowest
 
 
-def best_for(ctx: Context, *, cutoff: float = np.inf, memory: tuple | None = None) -> tuple[tuple[int, ...], float] | None:
-    """The best split of `ctx`'s configuration and its step time (the even split with virtual
-    stages), or None when nothing fits or beats `cutoff`."""
+def best_for(ctx: Context, *, cutoff: float = np.inf, memory=None) -> tuple[tuple[int, ...], float] | None:
+    """The best split of `ctx`'s configuration and its step time, or None when nothing fits or beats `cutoff`:
+    the DP over every split without virtual stages (`memory`: its memory_tables), the best of the searched family
+    with them (solver/virtual.py; `memory`: which of the family fit)."""
     if ctx.cfg.vpp == 1:
         return best_split(ctx, cutoff=cutoff, memory=memory)
-    est = estimate_in(ctx, uniform_split(ctx.costs.num_layers, ctx.cfg.pp))
-    return (est.layers_per_stage, est.step_time) if est.fits and est.step_time < cutoff else None
+    return best_virtual_split(ctx, cutoff=cutoff, fitting=memory)
+
+
+def default_split(cfg: ParallelConfig, num_layers: int) -> tuple[int, ...]:
+    """A split to show a configuration by when none was chosen: the most even, or the simplest of the family."""
+    family = searched_splits(num_layers, cfg.pp, cfg.vpp) if cfg.vpp > 1 else ()
+    return family[0] if family else balanced_split(num_layers, cfg.pp)
 
 
 def placements(problem: Problem, cfg: ParallelConfig) -> list[np.ndarray | None]:
@@ -418,11 +432,14 @@ def solve_config(problem: Problem, cfg: ParallelConfig, cutoff: float, floors: M
     for i, mapping in enumerate(placements(problem, cfg)):
         ctx = shared_context(problem, cfg, mapping, i, contexts)
         if i == 0:
-            if cfg.vpp == 1 and cfg.pp > 1:
+            if cfg.vpp > 1:  # which of the searched family fit
+                memory = family_fits(ctx, family_sums(ctx, family(ctx)))
+                fits = memory.any()
+            elif cfg.pp > 1:
                 memory = memory_tables(ctx)
                 fits = split_fits(memory)
-            else:  # one stage, or the even split of virtual stages
-                fits = fits_in(ctx, uniform_split(ctx.costs.num_layers, cfg.pp))
+            else:
+                fits = fits_in(ctx, (ctx.costs.num_layers,))
             if not fits:
                 return NO_FIT
         beat = min(admit, best[0])  # a later placement must be strictly faster than an earlier one
@@ -477,13 +494,13 @@ class Kept:
 
 def visiting_order(problem: Problem, space: list[ParallelConfig]) -> list[tuple[float, ParallelConfig]]:
     """The configurations by increasing lower bound (ties: their order in the space)."""
-    bounds: dict[tuple, float] = {}  # ZeRO does not change the bound
+    works: dict[tuple, float] = {}  # neither ZeRO nor the virtual stages change the layers' work
     pending = []
     for i, cfg in enumerate(space):
-        key = fields_but(cfg, "zero")
-        if key not in bounds:
-            bounds[key] = lower_bound(problem, cfg)
-        pending.append((bounds[key], i, cfg))
+        key = fields_but(cfg, "zero", "vpp")
+        if key not in works:
+            works[key] = layers_work(problem, cfg)
+        pending.append((lower_bound(problem, cfg, work=works[key]), i, cfg))
     pending.sort(key=lambda item: item[:2])
     return [(bound, cfg) for bound, _, cfg in pending]
 
@@ -510,10 +527,15 @@ def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_bat
     kept = Kept(solver.top_k)
     contexts: dict = {}
 
-    pinned = pinned_split(pins)
+    layers = problem.model.cfg.num_layers
+    split_given = pins.layers_per_stage is not None or SplitForm.from_fields(pins) is not EVEN
+
+    def split_for(cfg: ParallelConfig) -> tuple[int, ...] | None:  # the pinned split at cfg's pp x vpp
+        return pinned_chunks(pins, cfg, num_layers=layers) if split_given else None
 
     def solve_at(position: int, cutoff: float) -> Outcome:
-        return solve_config(problem, pending[position][1], cutoff, floors, contexts, pinned)
+        cfg = pending[position][1]
+        return solve_config(problem, cfg, cutoff, floors, contexts, split_for(cfg))
 
     def accept(position: int, outcome: Outcome) -> float:
         kept.add(row_key(pending[position][1]), position, outcome)
@@ -529,13 +551,13 @@ def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_bat
     # been faster), the first three by bound: the plan lists them after its runners-up.
     best_time = kept.best_time()
     too_big: dict[tuple, Estimate] = {}
-    layers = problem.model.cfg.num_layers
     for position, outcome in sorted(outcomes.items()):
         bound, cfg = pending[position]
         row = row_key(cfg)
         if (not outcome.fits and bound < best_time and row not in kept.rows and row not in too_big
                 and len(too_big) < 3):
-            too_big[row] = estimate_in(context(problem, cfg), pinned or balanced_split(layers, cfg.pp))
+            split = split_for(cfg) or default_split(cfg, layers)
+            too_big[row] = estimate_in(context(problem, cfg), split)
     ranked = []
     for _, position, placement, split in sorted(kept.rows.values(), key=lambda item: item[:3]):
         cfg = pending[position][1]

@@ -13,7 +13,7 @@ from nest_megatron.cost.tables import layer_costs, stage_sums
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.rules import num_microbatches
 from nest_megatron.solver.bounds import MemoryFloors, no_fit_reason
-from nest_megatron.solver.space import candidates, empty_space_reason, pinned_split, searched_worlds
+from nest_megatron.solver.space import candidates, empty_space_reason, pinned_chunks, searched_worlds
 from nest_megatron.solver.visit import Progress
 
 
@@ -58,8 +58,9 @@ def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_bat
     fastest: dict[tuple, tuple[float, int, Estimate]] = {}  # row -> its fastest plan that fits, in order found
     too_big: dict[tuple, Estimate] = {}
     evaluated, best_time = 0, float("inf")
-    split = pinned_split(pins)  # plan.layers_per_stage, else the even split
+    layers = problem.model.cfg.num_layers
     for i, cfg in enumerate(space):
+        split = pinned_chunks(pins, cfg, num_layers=layers)  # the plan.* keys' split, else the even split
         evaluated += 1
         if progress is not None:
             progress(evaluated, len(space), best_time)

@@ -11,6 +11,7 @@ from nest_megatron.config.schema import PlanChoice, SolverConfig
 from nest_megatron.cost.problem import Problem
 from nest_megatron.errors import NestError
 from nest_megatron.parallel.config import CP_COMM_TYPES, ParallelConfig
+from nest_megatron.parallel.layout import EVEN, MIN_STAGE_LAYERS, SplitForm, chunk_layers, form_vpp
 from nest_megatron.parallel.rules import violation
 
 
@@ -51,20 +52,35 @@ def choice_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | No
 
 
 def split_vpp(choice: PlanChoice) -> int:
-    """The virtual stages a pinned split of pp*vpp entries implies (Megatron's layout sets vpp so); 1 otherwise."""
+    """The virtual stages a pinned split of pp*vpp entries or a layout implies (Megatron's layout sets vpp so); 1
+    otherwise."""
     split, pp = choice.layers_per_stage, choice.pp
+    if choice.pipeline_model_parallel_layout is not None and pp:
+        return form_vpp(SplitForm.from_fields(choice), pp=pp) or 1
     return len(split) // pp if split and pp and len(split) % pp == 0 else 1
 
 
 def pinned_split(choice: PlanChoice) -> tuple[int, ...] | None:
+    """plan.layers_per_stage as given (pp or pp*vpp entries), None when not given."""
     return tuple(choice.layers_per_stage) if choice.layers_per_stage is not None else None
+
+
+def pinned_chunks(choice: PlanChoice, cfg: ParallelConfig, *, num_layers: int) -> tuple[int, ...] | None:
+    """The split the plan.* keys fix for `cfg` (which satisfies parallel.rules with them): plan.layers_per_stage,
+    or the model chunks Megatron builds for the form the keys give at cfg's pp x vpp; None when the split is free
+    (`plan`) or Megatron's even one (`evaluate`)."""
+    form = SplitForm.from_fields(choice)
+    if choice.layers_per_stage is not None or form == EVEN:
+        return pinned_split(choice)
+    return chunk_layers(form, num_layers=num_layers, pp=cfg.pp, vpp=cfg.vpp)
 
 
 def evaluate_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | None) -> ParallelConfig:
     """The one configuration `evaluate` scores: the user's choice, Megatron's defaults elsewhere."""
     cfg = choice_config(problem, choice, default_mbs=default_mbs)
     problem_line = violation(cfg, model=problem.model, num_devices=problem.num_devices, global_batch_size=problem.global_batch_size,
-                             layers_per_stage=pinned_split(choice), tp_comm_overlap=problem.tp_comm_overlap)
+                             layers_per_stage=pinned_split(choice), tp_comm_overlap=problem.tp_comm_overlap,
+                             form=SplitForm.from_fields(choice))
     if problem_line:
         raise NestError(f"invalid configuration: {problem_line}")
     line = train_rule_line(problem, cfg)
@@ -177,7 +193,8 @@ def empty_space_reason(
         comm_types = [cfg.cp_comm_type] if pins.cp_comm_type or cfg.cp == 1 else list(CP_COMM_TYPES)
         lines = [violation(replace(cfg, cp_comm_type=t), model=problem.model, num_devices=problem.num_devices,
                            global_batch_size=problem.global_batch_size, any_split=any_split,
-                           layers_per_stage=pinned_split(pins), tp_comm_overlap=problem.tp_comm_overlap)
+                           layers_per_stage=pinned_split(pins), tp_comm_overlap=problem.tp_comm_overlap,
+                           form=SplitForm.from_fields(pins))
                  for t in comm_types]
         line = None if None in lines else lines[0]
         if line is None:
@@ -226,17 +243,6 @@ def stage_counts(num_layers: int, devices: int, *, any_split: bool) -> list[int]
     return [p for p in sizes if p == 1 or p * MIN_STAGE_LAYERS <= num_layers]
 
 
-# A stage of one layer spends as much on its pipeline transfers as on a layer's work; a planner that
-# picks it (the first and last stages lighten so, beside the embedding and the loss) is trading a
-# model artefact for a plan nobody would run. Pinned sizes may still ask for it.
-MIN_STAGE_LAYERS = 2
-
-
-def min_stage_layers(num_layers: int, pp: int) -> int:
-    """The fewest layers a searched split gives a stage: MIN_STAGE_LAYERS when the layers allow it."""
-    return MIN_STAGE_LAYERS if num_layers >= MIN_STAGE_LAYERS * pp else 1
-
-
 def _configurations(
     problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_batch_size: int | None, any_split: bool,
     world: int | None = None,
@@ -244,6 +250,7 @@ def _configurations(
     """The search space within the pins on `world` devices (None: all): (cfg, None) for each configuration
     Megatron launches, (cfg or None, the rule's line) for each it does not."""
     model, devices = problem.model, world or problem.num_devices
+    form = SplitForm.from_fields(pins)  # once: every configuration is judged with it
 
     def axis(pinned, values):
         return [pinned] if pinned is not None else values
@@ -265,8 +272,8 @@ def _configurations(
         etps = axis(pins.etp, sorted({1, tp}) if model.is_moe else [1])
         sps = axis(pins.sp, [tp > 1])
         vpps = axis(pins.vpp, [v for v in range(1, solver.max_virtual_stages + 1) if v == 1 or pp > 1])
-        if pins.vpp is None and pins.layers_per_stage is not None and split_vpp(pins) > 1:
-            vpps = [split_vpp(pins)]  # a split of pp*vpp entries fixes vpp
+        if pins.vpp is None and split_vpp(pins) > 1:
+            vpps = [split_vpp(pins)]  # a split of pp*vpp entries or a layout fixes vpp
         # With one pipeline stage or one replica both Megatron orders build the same groups.
         orders = axis(pins.order, list(solver.rank_orders) if pp > 1 and dp > 1 else solver.rank_orders[:1])
         # Transformer Engine's CP exchange: without CP there is none to choose (Megatron's default stands); with CP,
@@ -282,19 +289,20 @@ def _configurations(
                 if train_line is not None:
                     yield None, train_line
                     continue
-                found = _judged(problem, pins, sizes, comm_types, any_split=any_split)
+                found = _judged(problem, pins, sizes, comm_types, any_split=any_split, form=form)
                 if fallback and all(line is not None for _, line in found):
-                    found += _judged(problem, pins, sizes, fallback, any_split=any_split)
+                    found += _judged(problem, pins, sizes, fallback, any_split=any_split, form=form)
                 yield from found
 
 
 def _judged(problem: Problem, pins: PlanChoice, sizes: dict, comm_types: list[str], *,
-            any_split: bool) -> list[tuple[ParallelConfig, str | None]]:
+            any_split: bool, form: SplitForm) -> list[tuple[ParallelConfig, str | None]]:
     """The configuration of `sizes` with each CP exchange of `comm_types`, and the rule it breaks (None: it launches)."""
     out = []
     for comm_type in comm_types:
         cfg = ParallelConfig(**sizes, cp_comm_type=comm_type)
         out.append((cfg, violation(cfg, model=problem.model, num_devices=problem.num_devices,
                                    global_batch_size=problem.global_batch_size, any_split=any_split,
-                                   layers_per_stage=pinned_split(pins), tp_comm_overlap=problem.tp_comm_overlap)))
+                                   layers_per_stage=pinned_split(pins), tp_comm_overlap=problem.tp_comm_overlap,
+                                   form=form)))
     return out
