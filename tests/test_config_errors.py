@@ -93,6 +93,11 @@ MODEL_KEYS = {
     "moe_shared_expert_intermediate_size": ("2048", 2048), "moe_layer_freq": ("2", 2),
     "squared_relu": ("true", True), "qk_layernorm": ("true", True), "window_size": ("512", 512),
     "window_attn_skip_freq": ("4", 4), "moe_load_imbalance": ("1.2", 1.2),
+    "moe_router_num_groups": ("2", 2), "moe_router_group_topk": ("1", 1), "kv_lora_rank": ("64", 64),
+    "qk_head_dim": ("64", 64), "qk_pos_emb_head_dim": ("32", 32), "v_head_dim": ("64", 64),
+    "mtp_num_layers": ("1", 1), "mtp_loss_scaling_factor": ("0.3", 0.3), "transformer_impl": ("local", "local"),
+    # MLA excludes the query groups set above: tests/test_layer_kinds.py loads MLA models
+    "multi_latent_attention": ("false", False), "q_lora_rank": ("null", None),
     # model.source and its paths: tests/test_trace.py loads the traced sources and their errors.
     "source": ("analytic", "analytic"), "hf_config": ("null", None), "module": ("null", None),
 }

@@ -19,7 +19,6 @@ from nest_megatron.cost.collectives import Network, all_gather_time, reduce_scat
 from nest_megatron.cost.compute import RooflineCompute, head_dim_factor
 from nest_megatron.cost.evaluate import CROSS_ENTROPY_BYTES_PER_LOGIT, adam_step_bytes, context, estimate, pipeline_sends
 from nest_megatron.cost.layer import (
-    dispatch_copies,
     elementwise_bytes,
     layer_time,
     permutation_elements,
@@ -28,12 +27,16 @@ from nest_megatron.cost.layer import (
 from nest_megatron.cost.memory import model_state_bytes
 from nest_megatron.cost.placement import compute_spans
 from nest_megatron.cost.problem import Problem
+from nest_megatron.cost.routing import dispatch_copies
 from nest_megatron.cost.tables import stage_sums
 from nest_megatron.fidelity.published import OPTIMIZERS
 from nest_megatron.hardware.topology import Level, Topology
+from nest_megatron.model.kinds import LayerKind
 from nest_megatron.model.spec import Gemm, Numerics
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.ranks import GroupShape, identity_placement
+
+DENSE, MOE = LayerKind(mlp="dense"), LayerKind(mlp="moe")
 
 
 def with_numerics(m, **kw):
@@ -75,7 +78,7 @@ def test_layer_prices_flash_backward_at_2_5_x():
     cfg = ParallelConfig()
     topo = Topology("one", (Level("node", 1, 100e9, 1e-6),))
     spans = compute_spans(cfg, topo, identity_placement(1))
-    lt = layer_time(m, cfg=cfg, moe=False, spans=spans, net=Network.for_topology(topo), compute=AttentionOnly())
+    lt = layer_time(m, cfg=cfg, kind=DENSE, spans=spans, net=Network.for_topology(topo), compute=AttentionOnly())
     # causal attention of the 64-wide model at s 32, b 1: 4 x 32 x 32 x 64 x 1/2 = 131,072 FLOP
     assert lt.fwd_compute == close(131_072 / 1e12)
     assert lt.bwd_compute == close(2.5 * 131_072 / 1e12)
@@ -118,8 +121,8 @@ def test_fp8_quantisation_bytes_per_recipe():
 
 def test_fp8_linears_keep_their_inputs_in_one_byte():
     m = model(hidden_dropout=0.0, attention_dropout=0.0)
-    bf16 = layer_activation_terms(m, mbs=1, tp=1, sp=False, cp=1, moe=False)
-    fp8 = layer_activation_terms(with_numerics(m, fp8_recipe="delayed"), mbs=1, tp=1, sp=False, cp=1, moe=False)
+    bf16 = layer_activation_terms(m, mbs=1, tp=1, sp=False, cp=1, kind=DENSE)
+    fp8 = layer_activation_terms(with_numerics(m, fp8_recipe="delayed"), mbs=1, tp=1, sp=False, cp=1, kind=DENSE)
     # the inputs of QKV, the projection, FC1 and FC2 halve: 2 x 32 x 64 -> 32 x 64 (and FC2's 32 x 256)
     for term in ("qkv_input", "proj_input", "fc1_input", "fc2_input"):
         assert fp8[term] == bf16[term] / 2
@@ -196,7 +199,7 @@ def _tp_layer(overlap: bool, bandwidth: float, zero: int = 1):
     topo = Topology("pair", (Level("node", 2, bandwidth, 0.0),))
     spans = compute_spans(cfg, topo, identity_placement(2))
     net = Network.for_topology(topo)
-    lt = layer_time(m, cfg=cfg, moe=False, spans=spans, net=net, compute=GemmOnly(), tp_comm_overlap=overlap)
+    lt = layer_time(m, cfg=cfg, kind=DENSE, spans=spans, net=net, compute=GemmOnly(), tp_comm_overlap=overlap)
     # the [32, 64] bf16 activation = 4,096 B; an all-gather or reduce-scatter over the pair: 1/2 x 4,096 / B
     collective = 0.5 * 4096 / bandwidth
     assert all_gather_time(GroupShape((2.0,)), 4096, net) == close(collective)
@@ -239,20 +242,20 @@ def test_tp_comm_overlap_hides_all_but_a_chunk_behind_a_longer_gemm():
 
 def test_experts_are_a_grouped_gemm_of_the_local_experts():
     m = model(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128, swiglu=True)
-    gemms = {g.name: g for g in m.layer_gemms(tokens=32, tp=1, ep=2, etp=1, moe=True)}
+    gemms = {g.name: g for g in m.layer_gemms(tokens=32, tp=1, ep=2, etp=1, kind=MOE)}
     # 32 tokens x top-2 = 64 routed rows on this rank's 8 / 2 = 4 experts: 16 rows each
     assert (gemms["expert_fc1"].m, gemms["expert_fc1"].n, gemms["expert_fc1"].k, gemms["expert_fc1"].count) == (16, 256, 64, 4)
     assert (gemms["expert_fc2"].m, gemms["expert_fc2"].n, gemms["expert_fc2"].k, gemms["expert_fc2"].count) == (16, 64, 128, 4)
     # a router that sends the busiest rank 1.5 x the mean: 24 rows per expert
     skewed = model(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128, swiglu=True, moe_load_imbalance=1.5)
-    assert {g.name: g for g in skewed.layer_gemms(tokens=32, tp=1, ep=2, moe=True)}["expert_fc1"].m == 24
+    assert {g.name: g for g in skewed.layer_gemms(tokens=32, tp=1, ep=2, kind=MOE)}["expert_fc1"].m == 24
 
 
 def test_moe_permutation_bytes_by_dispatcher_and_fusion():
     dense_like = model(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=256, hidden_dropout=0.0)
     cfg = ParallelConfig()
-    moe = elementwise_bytes(dense_like, tokens=32, cfg=cfg, moe=True)
-    dense = elementwise_bytes(dense_like, tokens=32, cfg=cfg, moe=False)
+    moe = elementwise_bytes(dense_like, tokens=32, cfg=cfg, kind=MOE)
+    dense = elementwise_bytes(dense_like, tokens=32, cfg=cfg, kind=DENSE)
     # the MoE layer's FC1 / FC2 traffic is on 64 routed rows instead of 32 tokens: + 32 x 256 x 2 elements.
     # Megatron's alltoall, unfused, R = 64 copies of T = 32 tokens, 8 local experts, h = 64: permute 2R,
     # unpermute 3R + 3T, the chunks sorted by expert and back 4R: 128 + 288 + 256 = 672 rows of 64; bf16
@@ -280,8 +283,8 @@ def test_allgather_dispatcher_gathers_the_group_s_tokens():
     topo = Topology("four", (Level("node", 4, 1e9, 0.0),))
     spans = compute_spans(cfg, topo, identity_placement(4))
     net = Network.for_topology(topo)
-    alltoall = layer_time(m, cfg=cfg, moe=True, spans=spans, net=net, compute=GemmOnly())
-    allgather = layer_time(m, cfg=cfg, moe=True, spans=spans, net=net, compute=GemmOnly(), dispatcher="allgather")
+    alltoall = layer_time(m, cfg=cfg, kind=MOE, spans=spans, net=net, compute=GemmOnly())
+    allgather = layer_time(m, cfg=cfg, kind=MOE, spans=spans, net=net, compute=GemmOnly(), dispatcher="allgather")
     # alltoall: 32 tokens x 2 copies x 64 x 2 B = 8,192 B, 3/4 of it to the three peers at 1 GB/s = 6.144 us,
     # dispatch and combine, forward and backward: 4 x 6.144 us
     assert alltoall.ep_comm == close(4 * 6.144e-6)
@@ -318,8 +321,8 @@ def test_ep_all_to_all_carries_the_dispatched_copies():
     topo = Topology("pair", (Level("node", 2, 1e9, 0.0),))
     spans = compute_spans(cfg, topo, identity_placement(2))
     net = Network.for_topology(topo)
-    topk = layer_time(m, cfg=cfg, moe=True, spans=spans, net=net, compute=GemmOnly())
-    once = layer_time(m, cfg=cfg, moe=True, spans=spans, net=net, compute=GemmOnly(), ep_copies=1.0)
+    topk = layer_time(m, cfg=cfg, kind=MOE, spans=spans, net=net, compute=GemmOnly())
+    once = layer_time(m, cfg=cfg, kind=MOE, spans=spans, net=net, compute=GemmOnly(), ep_copies=1.0)
     # 32 tokens x 2 copies x 64 x 2 B = 8,192 B a device; half of it to the other rank at 1 GB/s: 4.096 us a
     # dispatch, as long a combine, in each of the forward and the backward: 4 x 4.096 us
     assert topk.ep_comm == close(4 * 4096 / 1e9)

@@ -32,9 +32,12 @@ from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.tables import layer_costs, range_sums
 from nest_megatron.hardware.accelerator import Accelerator
 from nest_megatron.hardware.topology import Level, Topology
+from nest_megatron.model.kinds import LayerKind
 from nest_megatron.model.spec import Gemm, ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.ranks import GroupShape, group_shapes, identity_placement, rank_groups
+
+DENSE, MOE = LayerKind(mlp="dense"), LayerKind(mlp="moe")
 
 REL = 1e-12
 
@@ -429,7 +432,7 @@ SBH = S * B * H  # 4096
 
 def test_korthikanti_gpt_tp1():
     m = korthikanti_gpt()  # learned absolute positions, as their GPT
-    terms = layer_activation_terms(m, mbs=B, tp=1, sp=False, cp=1, moe=False)
+    terms = layer_activation_terms(m, mbs=B, tp=1, sp=False, cp=1, kind=DENSE)
     # Korthikanti et al. eq. 1: s b h (34 + 5 a s / h) = 4096 * (34 + 5*4*32/64) = 4096 * 44 = 180,224
     assert sum(terms.values()) == close(SBH * (34 + 5 * A * S / H))
     assert sum(terms.values()) == close(180_224)
@@ -442,7 +445,7 @@ def test_korthikanti_gpt_tp1():
 
 def test_rope_adds_the_new_q_and_k():
     m = korthikanti_gpt(position_embedding_type="rope")
-    terms = layer_activation_terms(m, mbs=B, tp=1, sp=False, cp=1, moe=False)
+    terms = layer_activation_terms(m, mbs=B, tp=1, sp=False, cp=1, kind=DENSE)
     # Q and K after RoPE are new tensors, 2 s b h each, beside the 6 s b h QKV output:
     # s b h (38 + 5 a s / h) = 4096 * 48 = 196,608
     assert terms["qkv"] == close(10 * SBH)
@@ -453,7 +456,7 @@ def test_korthikanti_gpt_tp_with_sequence_parallel_is_one_tth():
     m = korthikanti_gpt()
     full = SBH * (34 + 5 * A * S / H)
     for t in (2, 4):
-        terms = layer_activation_terms(m, mbs=B, tp=t, sp=True, cp=1, moe=False)
+        terms = layer_activation_terms(m, mbs=B, tp=t, sp=True, cp=1, kind=DENSE)
         assert sum(terms.values()) == close(full / t)
 
 
@@ -466,29 +469,29 @@ def test_korthikanti_gpt_tp_without_sequence_parallel():
     t = 4
     expected = SBH * (10 + 24 / t + 5 * A * S / (H * t))
     assert expected == 75_776  # 4096 * (10 + 6 + 2.5)
-    terms = layer_activation_terms(m, mbs=B, tp=t, sp=False, cp=1, moe=False)
+    terms = layer_activation_terms(m, mbs=B, tp=t, sp=False, cp=1, kind=DENSE)
     assert sum(terms.values()) == close(expected)
 
 
 def test_selective_and_full_recompute():
     m = korthikanti_gpt()
-    by_kind = layer_activation_bytes(m, mbs=B, tp=1, sp=False, cp=1, moe=False)
+    by_kind = layer_activation_bytes(m, mbs=B, tp=1, sp=False, cp=1, kind=DENSE)
     # selective drops exactly 5 a s^2 b = 5*4*32*32*2 = 40,960 (Korthikanti: 34 s b h remain)
     assert by_kind["none"] - by_kind["selective"] == close(5 * A * S * S * B)
     assert by_kind["selective"] == close(34 * SBH)
     # full keeps the layer input: 2 s b h = 8192
     assert by_kind["full"] == close(2 * SBH)
     # with SP over 4: everything / 4, the checkpoint too
-    sp = layer_activation_bytes(m, mbs=B, tp=4, sp=True, cp=1, moe=False)
+    sp = layer_activation_bytes(m, mbs=B, tp=4, sp=True, cp=1, kind=DENSE)
     assert sp["selective"] == close(34 * SBH / 4)
     assert sp["full"] == close(2 * SBH / 4)
     # without SP, the checkpoint is whole
-    assert layer_activation_bytes(m, mbs=B, tp=4, sp=False, cp=1, moe=False)["full"] == close(2 * SBH)
+    assert layer_activation_bytes(m, mbs=B, tp=4, sp=False, cp=1, kind=DENSE)["full"] == close(2 * SBH)
 
 
 def test_flash_attention_has_no_square_term():
     m = model()  # flash backend
-    terms = layer_activation_terms(m, mbs=B, tp=1, sp=False, cp=1, moe=False)
+    terms = layer_activation_terms(m, mbs=B, tp=1, sp=False, cp=1, kind=DENSE)
     assert "softmax" not in terms and "attention_dropout" not in terms
     # fp32 log-sum-exp per head and token: 4 * a * s * b = 4*4*32*2 = 1024
     assert terms["softmax_lse"] == close(4 * A * S * B)
@@ -500,10 +503,10 @@ def test_unfused_gqa_keeps_repeated_k_and_v():
     # 8 heads of 8, 2 groups: q = 64, kv = 16. Unfused GQA repeats K and V to every head:
     # 3 x 2 T q = 6 T q = 6 * 64 tokens * 64 = 24,576 bytes (T = s b = 64)
     m = korthikanti_gpt(num_attention_heads=8, num_query_groups=2)
-    terms = layer_activation_terms(m, mbs=B, tp=1, sp=False, cp=1, moe=False)
+    terms = layer_activation_terms(m, mbs=B, tp=1, sp=False, cp=1, kind=DENSE)
     assert terms["qkv"] == close(6 * 64 * 64)
     # selective keeps them un-repeated: 2 T ((q + kv) + (q + 2 kv)) = 2*64*(80 + 96) = 22,528
-    sel = layer_activation_terms(m, mbs=B, tp=1, sp=False, cp=1, moe=False, selective=True)
+    sel = layer_activation_terms(m, mbs=B, tp=1, sp=False, cp=1, kind=DENSE, selective=True)
     assert sel["qkv"] == close(2 * 64 * (80 + 96))
 
 
@@ -772,7 +775,7 @@ def test_backward_includes_the_weight_gradient_gemm():
     m = model()
     cfg = ParallelConfig()
     spans = compute_spans(cfg, SLOW, identity_placement(1))
-    lt = layer_time(m, cfg=cfg, moe=False, spans=spans, net=Network.for_topology(SLOW), compute=GemmOnly())
+    lt = layer_time(m, cfg=cfg, kind=DENSE, spans=spans, net=Network.for_topology(SLOW), compute=GemmOnly())
     # forward GEMMs on 32 tokens: 786,432 + 262,144 + 2 * 1,048,576 = 3,145,728 FLOP at 1e12
     assert lt.fwd_compute == close(3.145728e-6)
     assert lt.bwd_compute == close(2 * 3.145728e-6)

@@ -60,14 +60,22 @@ def trees(draw, levels):
 @st.composite
 def problems(draw):
     moe = draw(st.booleans())
+    mla = draw(st.booleans())  # multi-head latent attention: no query groups
     heads = draw(st.sampled_from([2, 4]))
+    layers = draw(st.integers(2, 8))
+    # dense and MoE layers mixed: every N-th, or any pattern with a MoE layer (first-k-dense and others)
+    pattern = st.lists(st.sampled_from([0, 1]), min_size=layers, max_size=layers).filter(lambda x: 1 in x)
     model = ModelSpec(ModelConfig(
         name="random",
-        num_layers=draw(st.integers(2, 8)),
+        num_layers=layers,
         hidden_size=heads * 16,
         ffn_hidden_size=draw(st.sampled_from([64, 128, 256])),
         num_attention_heads=heads,
-        num_query_groups=draw(st.sampled_from([1, heads])),
+        num_query_groups=None if mla else draw(st.sampled_from([1, heads])),
+        multi_latent_attention=mla, q_lora_rank=draw(st.sampled_from([None, 32])) if mla else None, kv_lora_rank=16,
+        qk_head_dim=16,
+        qk_pos_emb_head_dim=8, v_head_dim=16,
+        mtp_num_layers=draw(st.sampled_from([None, 1, 2])),  # fixed costs of the last stage
         seq_length=draw(st.sampled_from([32, 64])),
         vocab_size=draw(st.integers(100, 3000)),
         swiglu=draw(st.booleans()),
@@ -75,7 +83,7 @@ def problems(draw):
         position_embedding_type=draw(st.sampled_from(["rope", "learned_absolute"])),
         attention_backend=draw(st.sampled_from(["flash", "unfused"])),
         num_experts=4 if moe else None,
-        moe_layer_freq=draw(st.integers(1, 3)),  # dense and MoE layers mixed
+        moe_layer_freq=draw(st.one_of(st.integers(1, 3), pattern)) if moe else 1,
     ))
     num_levels = draw(st.integers(2, 4))
     levels = tuple(

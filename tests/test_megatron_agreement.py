@@ -46,9 +46,12 @@ from nest_megatron.cost.activations import (  # noqa: E402
 )
 from nest_megatron.cost.memory import model_state_bytes, stage_memory  # noqa: E402
 from nest_megatron.cost.tables import layer_costs, range_sums  # noqa: E402
+from nest_megatron.model.kinds import LayerKind  # noqa: E402
 from nest_megatron.model.spec import ModelSpec  # noqa: E402
 from nest_megatron.parallel.config import RANK_ORDERS, ParallelConfig  # noqa: E402
 from nest_megatron.parallel.ranks import decoder_sizes, expert_sizes, rank_groups  # noqa: E402
+
+DENSE, MOE = LayerKind(mlp="dense"), LayerKind(mlp="moe")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -346,8 +349,8 @@ def test_layer_activations_match_megatron(measure, shape_name, pos, recompute):
     measured_gpu = measured - correction
 
     spec = ModelSpec(_model_config(shape, pos))
-    model = layer_activation_bytes(spec, mbs=B, tp=1, sp=False, cp=1, moe=False)[recompute]
-    terms = layer_activation_terms(spec, mbs=B, tp=1, sp=False, cp=1, moe=False, selective=recompute == "selective")
+    model = layer_activation_bytes(spec, mbs=B, tp=1, sp=False, cp=1, kind=DENSE)[recompute]
+    terms = layer_activation_terms(spec, mbs=B, tp=1, sp=False, cp=1, kind=DENSE, selective=recompute == "selective")
     measured_by_module = {k: v["bytes"] for k, v in result["breakdown"].items()}
     message = (
         f"{shape_name} {pos} recompute={recompute}: measured {measured} B on CPU, "

@@ -320,3 +320,136 @@ def test_first_and_last_stage_sizes_without_a_middle_stage():
                     "--decoder-last-pipeline-num-layers 5", world=2) == []
     assert problems("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 3 "
                     "--decoder-last-pipeline-num-layers 4", world=2) != []
+
+
+# ------------------------------------------------------------------------------------------------
+# The rules layer kinds bring: group-limited routing, MoE layer patterns, MLA (parallel/rules.py MODEL_RULES, RULES)
+# ------------------------------------------------------------------------------------------------
+def _moe_model(**overrides):
+    from nest_megatron.config.schema import ModelConfig
+
+    fields = dict(name="m", num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, seq_length=16,
+                  vocab_size=128, num_experts=8, moe_router_topk=2, add_bias_linear=False)
+    return ModelConfig(**{**fields, **overrides})
+
+
+def _megatron_core_refusal(model) -> str | None:
+    """What megatron-core's TransformerConfig.__post_init__ says of the model's router (None: it accepts it)."""
+    from nest_megatron.trace.transformer_config import transformer_config
+
+    try:
+        transformer_config(model)
+    except (AssertionError, ValueError) as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("groups, group_topk, rule, megatron_says", [
+    (4, 2, None, None),
+    (None, 2, "group-topk-needs-groups", "moe_router_num_groups must be specified"),
+    (3, 2, "groups-divide-experts", "should be divisible by moe_router_num_groups"),
+    (4, 5, "group-topk-groups", "should be smaller than moe_router_num_groups"),
+])
+def test_group_limited_routing_rules_as_megatron_core_decides(groups, group_topk, rule, megatron_says):
+    """transformer_config.py:2677, 2682, 2686 (0.16.1: 1649-1661): our rule fires exactly where megatron-core's
+    TransformerConfig refuses, with the allowed case passing both."""
+    pytest.importorskip("megatron.core")
+    from nest_megatron.parallel.rules import MODEL_RULES, model_violation
+
+    model = _moe_model(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
+    refusal = _megatron_core_refusal(model)
+    line = model_violation(model)
+    assert (refusal is None) == (line is None) == (rule is None), (refusal, line)
+    if rule:
+        assert megatron_says in refusal
+        assert line == next(r for r in MODEL_RULES if r.id == rule).check(model)
+
+
+@pytest.mark.parametrize("topk, fits", [(2, True), (4, True), (5, False), (1, False)])
+def test_topk_in_groups_as_megatron_cores_router_computes(topk, fits):
+    """Megatron asserts nothing, but its group_limited_topk (moe_utils.py) scores a group by its top topk // K
+    experts and takes the top-k of the masked scores: 8 experts in 4 groups, 2 groups a token leaves room for 4
+    experts. With topk 5 its fifth pick is a masked expert (-inf score, outside the chosen groups); with topk 1 < K
+    the groups are scored by no expert (all 0, the choice arbitrary). Our rule refuses exactly those."""
+    pytest.importorskip("megatron.core")
+    import torch
+    from megatron.core.transformer.moe.moe_utils import group_limited_topk
+
+    from nest_megatron.parallel.rules import model_violation
+
+    scores = torch.softmax(torch.arange(16, dtype=torch.float32).reshape(2, 8), dim=-1)
+    probs, experts = group_limited_topk(scores, topk=topk, num_tokens=2, num_experts=8, num_groups=4, group_topk=2)
+    scored = scores.view(2, 4, 2).topk(topk // 2, dim=-1)[0].sum(-1)
+    well_defined = bool(torch.isfinite(probs).all()) and bool((scored > 0).all())
+    assert well_defined == fits
+    line = model_violation(_moe_model(moe_router_topk=topk, moe_router_num_groups=4, moe_router_group_topk=2))
+    assert (line is None) == fits, line
+    if line:
+        assert line.startswith(f"model.moe_router_topk={topk} with 2 of 4 expert groups: allowed 2..4")
+
+
+@pytest.mark.parametrize("pattern, megatron_says", [
+    ([0, 1, 1, 1], None),
+    ([0, 1, 1], "Invalid length of moe_layer_pattern"),
+    ([0, 2, 1, 1], "Invalid layer pattern"),
+])
+def test_moe_layer_pattern_rule_as_megatron_core_decides(pattern, megatron_says):
+    """gpt_layer_specs.py get_gpt_decoder_layer_specs (d98e8a6 :653, :671) asserts one 0/1 entry per layer."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from nest_megatron.parallel.rules import model_violation
+    from nest_megatron.trace.meta import as_rank
+    from nest_megatron.trace.transformer_config import transformer_config
+
+    model = _moe_model(moe_layer_freq=pattern)
+    with as_rank(0, 1):
+        try:
+            get_gpt_decoder_block_spec(transformer_config(model), use_transformer_engine=False)
+            refusal = None
+        except (AssertionError, ValueError) as err:
+            refusal = str(err)
+    line = model_violation(model)
+    assert (refusal is None) == (line is None), (refusal, line)
+    if megatron_says:
+        assert megatron_says in refusal and line.startswith("model.moe_layer_freq")
+
+
+def test_mla_excludes_query_groups():
+    """Megatron-LM arguments.py:1974 asserts --group-query-attention is not given with --multi-latent-attention
+    (megatron-core's MLATransformerConfig does not check it)."""
+    from nest_megatron.parallel.rules import model_violation
+
+    mla = _moe_model(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16)
+    assert model_violation(mla) is None
+    line = model_violation(_moe_model(multi_latent_attention=True, num_query_groups=2))
+    assert line.startswith("model.num_query_groups=2 with model.multi_latent_attention=true: MLA has no query groups")
+
+
+@pytest.mark.parametrize("q_lora_rank, builds", [(32, True), (33, False)])
+def test_mla_local_spec_tp_rule_as_megatron_core_decides(q_lora_rank, builds):
+    """megatron-core's local spec makes MLA's down projections column-parallel: ColumnParallelLinear divides their
+    output over TP (tensor_parallel/layers.py:1038). Building the model at TP 2 on the meta device fails exactly
+    where our rule refuses; Transformer Engine's spec (duplicated down projections) takes either."""
+    pytest.importorskip("megatron.core")
+    from dataclasses import replace
+
+    from nest_megatron.model.spec import ModelSpec
+    from nest_megatron.parallel.config import ParallelConfig
+    from nest_megatron.parallel.rules import violation
+    from nest_megatron.trace.meta import trace_megatron
+
+    model = _moe_model(num_experts=None, multi_latent_attention=True, q_lora_rank=q_lora_rank, kv_lora_rank=16,
+                       qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8, position_embedding_type="rope",
+                       normalization="RMSNorm", num_layers=1)
+    try:
+        trace_megatron(model, tp=2)
+        built = True
+    except NestError as err:
+        built = False
+        assert "megatron-core cannot build" in str(err)
+    assert built == builds
+    cfg = ParallelConfig(tp=2, dp=1, sp=True)
+    local = violation(cfg, model=ModelSpec(replace(model, transformer_impl="local")), num_devices=2, global_batch_size=2)
+    assert (local is None) == builds, local
+    assert violation(cfg, model=ModelSpec(model), num_devices=2, global_batch_size=2) is None

@@ -20,6 +20,7 @@ from nest_megatron.cost.compute import RooflineCompute
 from nest_megatron.cost.evaluate import estimate, groups_and_network
 from nest_megatron.cost.layer import layer_time
 from nest_megatron.errors import NestError
+from nest_megatron.model.kinds import LayerKind
 from nest_megatron.model.spec import Gemm
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.profile import for_plan
@@ -31,6 +32,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from nest_megatron.profile.runner import Strategy, layer_work  # noqa: E402
+
+DENSE, MOE = LayerKind(mlp="dense"), LayerKind(mlp="moe")
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,10 +82,10 @@ def synthetic_entries(problem, compute: FittedCompute) -> list[Entry]:
         for mbs in (1, 2):
             cfg = ParallelConfig(tp=tp, dp=8 // tp, mbs=mbs)
             spans, net = groups_and_network(problem, cfg, None)
-            lt = layer_time(model, cfg=cfg, moe=False, spans=spans, net=net, compute=compute)
+            lt = layer_time(model, cfg=cfg, kind=DENSE, spans=spans, net=net, compute=compute)
             strategy = Strategy(tp=tp, mbs=mbs)
             entries.append(entry("dense", lt.fwd_compute + lt.bwd_compute, strategy=dataclasses.asdict(strategy),
-                                 work=layer_work(model.cfg, strategy, moe=False)))
+                                 work=layer_work(model.cfg, strategy, kind=DENSE)))
     return entries
 
 

@@ -424,11 +424,12 @@ def test_a_launch_keeps_the_users_exchange(capsys):
 def test_the_exchange_is_priced_as_te_runs_it(comm_type, exposed_s):
     from nest_megatron.cost.evaluate import groups_and_network
     from nest_megatron.cost.layer import layer_time
+    from nest_megatron.model.kinds import LayerKind
 
     problem = load(["model=llama3_8b", "cluster=dgx_h100_superpod", "cluster.num_devices=8"]).problem
     cfg = ParallelConfig(cp=2, dp=4, cp_comm_type=comm_type)
     spans, net = groups_and_network(problem, cfg, None)
-    lt = layer_time(problem.model, cfg=cfg, moe=False, spans=spans, net=net, compute=problem.compute_model)
+    lt = layer_time(problem.model, cfg=cfg, kind=LayerKind(), spans=spans, net=net, compute=problem.compute_model)
     assert lt.cp_comm == pytest.approx(exposed_s, rel=1e-9)
     assert lt.fwd_comm + lt.bwd_comm == pytest.approx(exposed_s, rel=1e-9)  # TP 1, no experts: all of it is CP's
 

@@ -28,13 +28,20 @@ from megatron_helpers import load_model_config  # noqa: E402
 from nest_megatron.config.load import load  # noqa: E402
 from nest_megatron.cost.activations import layer_activation_bytes, layer_activation_terms  # noqa: E402
 from nest_megatron.errors import NestError  # noqa: E402
+from nest_megatron.model.kinds import LayerKind  # noqa: E402
 from nest_megatron.model.layer_graph import LayerGraph  # noqa: E402
 from nest_megatron.model.spec import ModelSpec  # noqa: E402
 from nest_megatron.trace.hf_config import model_config_from_hf  # noqa: E402
-from nest_megatron.trace.meta import teardown_distributed, trace_for_cost, trace_megatron  # noqa: E402
+from nest_megatron.trace.meta import (  # noqa: E402
+    representative_layers,
+    teardown_distributed,
+    trace_for_cost,
+    trace_megatron,
+)
 from nest_megatron.trace.module import trace_module  # noqa: E402
 from nest_megatron.trace.source import local_spec_kernels  # noqa: E402
 
+DENSE, MOE = LayerKind(mlp="dense"), LayerKind(mlp="moe")
 SHIPPED = ["tiny_gpt", "tiny_moe", "llama3_8b", "llama3_70b", "mixtral_8x7b", "gpt3_175b"]
 BF16 = 2
 
@@ -45,7 +52,7 @@ def _leave_no_process_group():
     teardown_distributed()
 
 
-def cpu_and_small_terms(cfg, *, tp: int, etp: int, sp: bool, moe: bool) -> dict[str, float]:
+def cpu_and_small_terms(cfg, *, tp: int, etp: int, sp: bool, moe: bool, mtp: bool = False) -> dict[str, float]:
     """Bytes one traced layer saves (one sequence, T = s tokens, T_sp = T / tp with sequence
     parallel) that the analytic model does not count, each worked out by hand from what the op saves:
 
@@ -64,6 +71,12 @@ def cpu_and_small_terms(cfg, *, tp: int, etp: int, sp: bool, moe: bool) -> dict[
       12 B x T_sp x topk; the permutation keeps two int64 index vectors, 16 B per row the experts
       compute (ModelSpec.routed_rows); each expert keeps the bf16 routing weight of its rows, 2 B
       per row.
+    - MLA (model.multi_latent_attention): RoPE runs on the qk_pos_emb_head_dim dims only (the cos/sin
+      above at that width); with --qk-layernorm the latent norms are RMSNorms too, upcast the same
+      way: the query latent's (q_lora wide) 8 B per element instead of its bf16 input, the KV
+      latent's fp32 copy of its kv_lora-wide view (8 B per element) instead of the bf16 storage of
+      the whole down projection output (kv_lora + rope wide) a fused GPU norm keeps; 4 B per token each.
+    - multi-token prediction: its three RMSNorms (enorm, hnorm, final_layernorm), upcast as above.
     """
     s, h = cfg.seq_length, cfg.hidden_size
     tokens, heads, d = s, cfg.num_attention_heads // tp, cfg.kv_channels or h // cfg.num_attention_heads
@@ -75,10 +88,16 @@ def cpu_and_small_terms(cfg, *, tp: int, etp: int, sp: bool, moe: bool) -> dict[
     if cfg.attention_dropout > 0:
         terms["attention_dropout_noise"] = heads * tokens * s
     if cfg.position_embedding_type == "rope":
-        terms["rope_cos_sin"] = 4 * BF16 * s * d
+        terms["rope_cos_sin"] = 4 * BF16 * s * (cfg.qk_pos_emb_head_dim if cfg.multi_latent_attention else d)
+    if cfg.multi_latent_attention and cfg.qk_layernorm:
+        q, kv, rope = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim
+        terms["latent_norms"] = ((8 - 2) * q * tokens_sp + 4 * tokens_sp
+                                 + 8 * kv * tokens_sp - 2 * (kv + rope) * tokens_sp + 4 * tokens_sp)
     if moe:
         rows = ModelSpec(cfg).routed_rows(tokens=tokens, tp=tp, etp=etp)
         terms["routing"] = 12 * tokens_sp * cfg.moe_router_topk + 18 * rows
+    if mtp:
+        terms["mtp_norms"] = 3 * norm
     return terms
 
 
@@ -89,10 +108,11 @@ def _check_layer_agreement(cfg, graph: LayerGraph, *, tp: int, ep: int = 1, etp:
     kinds = {layer.kind for layer in graph.layers[1:-1]}
     assert kinds == ({"moe"} if cfg.num_experts else {"dense"})
     for layer in graph.layers[1:-1]:
-        moe = layer.kind == "moe"
+        kind = LayerKind.from_label(layer.kind)
+        moe = kind.is_moe
         where = f"{cfg.name} tp={tp} ep={ep} etp={etp} {layer.kind}"
-        assert (layer.dense_params, layer.expert_params) == spec.layer_params(tp=tp, ep=ep, etp=etp, moe=moe), where
-        gemms = spec.layer_gemms(tokens=s, tp=tp, etp=etp, moe=moe)
+        assert (layer.dense_params, layer.expert_params) == spec.layer_params(tp=tp, ep=ep, etp=etp, kind=kind), where
+        gemms = spec.layer_gemms(tokens=s, tp=tp, sp=sp, etp=etp, kind=kind)
         assert layer.gemm_flops == sum(g.flops for g in gemms), where
         assert layer.attention_flops == 2 * spec.attention_flops(micro_batch=1, tp=tp, cp=1), where
         assert layer.boundary_bytes == BF16 * s * h / (tp if sp else 1), where
@@ -101,7 +121,7 @@ def _check_layer_agreement(cfg, graph: LayerGraph, *, tp: int, ep: int = 1, etp:
         # expert-TP x EP group instead (cost/layer.py prices it as EP).
         if not moe:
             assert layer.communication_bytes == (4 * BF16 * s * h if tp > 1 else 0), where
-        analytic = sum(layer_activation_terms(spec, mbs=1, tp=tp, sp=sp, cp=1, moe=moe, etp=etp).values())
+        analytic = sum(layer_activation_terms(spec, mbs=1, tp=tp, sp=sp, cp=1, kind=kind, etp=etp).values())
         extra = cpu_and_small_terms(cfg, tp=tp, etp=etp, sp=sp, moe=moe)
         assert layer.saved_bytes == pytest.approx(analytic + sum(extra.values()), rel=1e-3), (where, extra)
     embedding, output = graph.layers[0], graph.layers[-1]
@@ -136,7 +156,7 @@ def test_whole_model_trace_and_json_round_trip(tmp_path):
     kinds = [layer.kind for layer in graph.layers]
     assert kinds == ["embedding", "moe", "dense", "moe", "dense", "output"]  # i % moe_layer_freq == 0 is MoE
     spec = ModelSpec(cfg)
-    total = sum(sum(spec.layer_params(tp=1, moe=moe)) for moe in spec.layer_is_moe)
+    total = sum(sum(spec.layer_params(tp=1, kind=kind)) for kind in spec.layer_kinds)
     total += spec.embedding_params(1) + spec.output_params(tp=1, pp=1)
     assert sum(layer.params for layer in graph.layers) == total
     # Layers of one kind trace the same (the layer index changes nothing but the name).
@@ -194,6 +214,75 @@ def test_module_source_traces_any_nn_module():
     batch2 = trace_module("trace_factories:tiny_torch_gpt_batch2", seq_length=999)
     assert (batch2.micro_batch_size, batch2.seq_length) == (2, f.SEQ)  # taken from the example input
     assert batch2.layers[1].gemm_flops == 2 * block.gemm_flops
+
+
+# ------------------------------------------------------------------------------------------------
+# Layer kinds: MLA, a MoE layer pattern, multi-token prediction
+# ------------------------------------------------------------------------------------------------
+# tiny_moe with MLA (query latent 64, KV latent 32, per head qk 32 + RoPE 16, v 24, --qk-layernorm), its first
+# layer dense, a shared expert of 128, one MTP depth.
+KINDS_MODEL = dict(multi_latent_attention=True, num_query_groups=None, q_lora_rank=64, kv_lora_rank=32, qk_head_dim=32,
+                   qk_pos_emb_head_dim=16, v_head_dim=24, qk_layernorm=True, moe_layer_freq=[0, 1, 1, 1],
+                   moe_shared_expert_intermediate_size=128, mtp_num_layers=1)
+
+
+@pytest.mark.parametrize("extra, tp, ep", [({}, 1, 1), ({}, 2, 1), ({}, 1, 2), ({"q_lora_rank": None}, 2, 1)])
+def test_layer_kinds_trace_like_the_analytic_model(extra, tp, ep):
+    """megatron-core's GPTModel with MLATransformerConfig, the local spec's MLA layers (TP 2: its down projections
+    column-parallel, model.transformer_impl=local), the MoE pattern and the MTP block (get_gpt_mtp_block_spec), on
+    the meta device: per layer kind, the parameters and forward GEMM FLOPs the analytic model gives (exactly,
+    within the 1 % asked), the attention FLOPs twice its causal half (the local kernel's full square); the output
+    layer runs once per head (the model's and the depth's)."""
+    cfg = load_model_config("tiny_moe", **{**KINDS_MODEL, **extra})
+    graph = trace_megatron(representative_layers(cfg), tp=tp, ep=ep)
+    spec = ModelSpec(local_spec_kernels(cfg))
+    s, h, sp = cfg.seq_length, cfg.hidden_size, graph.sequence_parallel
+    assert [layer.kind for layer in graph.layers] == ["embedding", "mla+dense", "mla+moe", "mtp:mla+moe", "output"]
+    for layer in graph.layers[1:-1]:
+        kind = LayerKind.from_label(layer.kind)
+        where = f"{layer.kind} tp={tp} ep={ep} {extra}"
+        assert (layer.dense_params, layer.expert_params) == spec.layer_params(tp=tp, ep=ep, kind=kind), where
+        analytic = sum(g.flops for g in spec.layer_gemms(tokens=s, tp=tp, sp=sp, ep=ep, kind=kind))
+        assert layer.gemm_flops == pytest.approx(analytic, rel=1e-2) and layer.gemm_flops == analytic, where
+        assert layer.attention_flops == 2 * spec.attention_flops(micro_batch=1, tp=tp, cp=1, kind=kind), where
+    output = graph.layers[-1]
+    assert output.gemm_flops == 2 * (2 * s * h * spec.padded_vocab(tp) / tp)
+    assert graph.layers[0].params == spec.embedding_params(tp)
+
+
+def test_layer_kinds_saved_bytes_trace_like_the_analytic_terms():
+    """What each kind's traced layer saves (TP 1, one sequence) is the analytic terms for the local spec's kernels
+    plus the CPU terms `cpu_and_small_terms` works out by hand, within 0.1 %: MLA's latents and Q, K, V, the
+    shared expert's activations, the MTP depth's norms' and eh_proj's inputs and its shifted token ids."""
+    cfg = load_model_config("tiny_moe", **KINDS_MODEL)
+    graph = trace_megatron(representative_layers(cfg), tp=1)
+    spec = ModelSpec(local_spec_kernels(cfg))
+    for layer in graph.layers[1:-1]:
+        kind = LayerKind.from_label(layer.kind)
+        analytic = sum(layer_activation_terms(spec, mbs=1, tp=1, sp=False, cp=1, kind=kind).values())
+        extra = cpu_and_small_terms(cfg, tp=1, etp=1, sp=False, moe=kind.is_moe, mtp=kind.mtp)
+        assert layer.saved_bytes == pytest.approx(analytic + sum(extra.values()), rel=1e-3), (layer.kind, extra)
+
+
+def test_megatron_source_plans_with_layer_kinds():
+    """model.source=megatron on the layer-kinds model: the cost model reads each kind's traced layer (MLA dense,
+    MLA MoE, the MTP depth) and `plan` finds a plan; its argv names the kinds' flags and the local spec."""
+    from nest_megatron import api
+
+    keys = [f"model.{k}={v if v is not None else 'null'}".replace("False", "false").replace("True", "true")
+            .replace(" ", "") for k, v in KINDS_MODEL.items()]
+    loaded = load(["model=tiny_moe", *keys, "model.source=megatron", *SMALL])
+    spec = loaded.problem.model
+    assert spec.cfg.transformer_impl == "local"  # the traced model is the local spec
+    graph = trace_for_cost(spec.cfg, tp=1, ep=2, etp=1)
+    for layer in graph.layers[1:-1]:
+        kind = LayerKind.from_label(layer.kind)
+        assert spec.layer_params(tp=1, ep=2, kind=kind) == (layer.dense_params, layer.expert_params)
+    plan = api.plan(["model=tiny_moe", *keys, "model.source=megatron", *SMALL, "solver.jobs=1"])
+    argv = plan.megatron_args
+    for flag in ("--multi-latent-attention", "--mtp-num-layers", "--moe-layer-freq", "--transformer-impl"):
+        assert flag in argv, flag
+    assert argv[argv.index("--moe-layer-freq") + 1] == "([0]*1+[1]*3)"
 
 
 def test_megatron_refusing_a_shape_is_one_line():
@@ -307,12 +396,12 @@ def test_traced_numbers_replace_the_analytic_ones_in_the_cost_model():
     # What does not grow with the micro-batch: the [s, s] bool causal mask, 128 x 128 bytes (tiny_gpt
     # has learned positions: no RoPE cos/sin).
     assert layer.fixed_saved_bytes == 128 * 128
-    act = layer_activation_bytes(spec, mbs=4, tp=2, sp=True, cp=1, moe=False)
+    act = layer_activation_bytes(spec, mbs=4, tp=2, sp=True, cp=1, kind=DENSE)
     assert act["none"] == 4 * (layer.saved_bytes - 128 * 128) + 128 * 128 and act["full"] == 4 * layer.boundary_bytes
-    plain = layer_activation_bytes(analytic, mbs=4, tp=2, sp=True, cp=1, moe=False)
+    plain = layer_activation_bytes(analytic, mbs=4, tp=2, sp=True, cp=1, kind=DENSE)
     assert act["none"] - act["selective"] == plain["none"] - plain["selective"]
-    no_sp = layer_activation_bytes(spec, mbs=4, tp=2, sp=False, cp=1, moe=False)
-    plain_no_sp = layer_activation_bytes(analytic, mbs=4, tp=2, sp=False, cp=1, moe=False)
+    no_sp = layer_activation_bytes(spec, mbs=4, tp=2, sp=False, cp=1, kind=DENSE)
+    plain_no_sp = layer_activation_bytes(analytic, mbs=4, tp=2, sp=False, cp=1, kind=DENSE)
     assert no_sp["none"] - act["none"] == pytest.approx(plain_no_sp["none"] - plain["none"])
     assert no_sp["full"] == 4 * layer.boundary_bytes * 2
 
@@ -324,9 +413,9 @@ def test_mixed_dense_and_moe_layers_each_get_their_own_trace():
     graph = trace_for_cost(spec.cfg, tp=1, ep=2, etp=1)
     assert [layer.kind for layer in graph.layers] == ["embedding", "moe", "dense", "output"]
     for layer in graph.layers[1:3]:
-        moe = layer.kind == "moe"
-        assert spec.layer_params(tp=1, ep=2, etp=1, moe=moe) == (layer.dense_params, layer.expert_params)
-        assert spec.layer_params(tp=1, ep=2, etp=1, moe=moe) == ModelSpec(spec.cfg).layer_params(tp=1, ep=2, etp=1, moe=moe)
+        kind = LayerKind.from_label(layer.kind)
+        assert spec.layer_params(tp=1, ep=2, etp=1, kind=kind) == (layer.dense_params, layer.expert_params)
+        assert spec.layer_params(tp=1, ep=2, etp=1, kind=kind) == ModelSpec(spec.cfg).layer_params(tp=1, ep=2, etp=1, kind=kind)
 
 
 @pytest.mark.slow

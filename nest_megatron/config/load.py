@@ -43,6 +43,7 @@ from nest_megatron.hardware.topology import BUILDERS, Topology, without_hosts
 from nest_megatron.model.spec import ATTENTION_BACKENDS, DTYPE_BYTES, ModelSpec, Numerics, OptimizerDtypes
 from nest_megatron.parallel.config import CP_COMM_TYPES, RANK_ORDERS, RECOMPUTE_KINDS, ZERO_STAGES
 from nest_megatron.parallel.layout import EXCLUSIONS, SplitForm, excluded_pair, form_vpp, layout_problem
+from nest_megatron.parallel.rules import model_violation
 from nest_megatron.solver.registry import SOLVERS
 from nest_megatron.trace.source import resolve as resolve_model_source
 
@@ -344,7 +345,11 @@ def _check_model(m: ModelConfig) -> None:
                      ("num_attention_heads", MAX_HEADS), ("kv_channels", MAX_KV_CHANNELS), ("seq_length", MAX_SEQ),
                      ("vocab_size", MAX_VOCAB), ("make_vocab_size_divisible_by", MAX_VOCAB),
                      ("num_experts", MAX_EXPERTS), ("moe_ffn_hidden_size", MAX_FFN),
-                     ("moe_shared_expert_intermediate_size", MAX_FFN), ("moe_layer_freq", MAX_LAYERS)):
+                     ("moe_shared_expert_intermediate_size", MAX_FFN), ("q_lora_rank", MAX_HIDDEN),
+                     ("kv_lora_rank", MAX_HIDDEN), ("qk_head_dim", MAX_KV_CHANNELS),
+                     ("qk_pos_emb_head_dim", MAX_KV_CHANNELS), ("v_head_dim", MAX_KV_CHANNELS),
+                     ("mtp_num_layers", MAX_LAYERS), ("moe_router_num_groups", MAX_EXPERTS),
+                     ("moe_router_group_topk", MAX_EXPERTS)):
         _integer(f"model.{key}", getattr(m, key), 1, cap)
     _integer("model.num_query_groups", m.num_query_groups, 1, m.num_attention_heads, "model.num_attention_heads")
     if m.num_experts:
@@ -367,6 +372,16 @@ def _check_model(m: ModelConfig) -> None:
         if not 0 <= getattr(m, key) < 1:
             raise NestError(f"model.{key}={getattr(m, key)}: must be in [0, 1)")
     _real("model.moe_load_imbalance", m.moe_load_imbalance, 1)
+    if isinstance(m.moe_layer_freq, int) and not isinstance(m.moe_layer_freq, bool):
+        _integer("model.moe_layer_freq", m.moe_layer_freq, 1, MAX_LAYERS)
+    _real("model.mtp_loss_scaling_factor", m.mtp_loss_scaling_factor, 0)
+    _one_of("model.transformer_impl", m.transformer_impl, ("transformer_engine", "local"))
+    if m.q_lora_rank is not None and not m.multi_latent_attention:
+        raise NestError(f"model.q_lora_rank={m.q_lora_rank} without model.multi_latent_attention=true: only MLA has a "
+                        "query latent; set multi_latent_attention or drop q_lora_rank")
+    line = model_violation(m)  # parallel/rules.py MODEL_RULES: the MoE pattern, MLA, group-limited routing
+    if line:
+        raise NestError(line)
     if m.squared_relu and m.swiglu:  # Megatron-LM megatron/training/argument_utils.py:320-321 asserts it
         raise NestError("model.squared_relu=true and model.swiglu=true: one MLP activation; choose one")
     _integer("model.window_size", m.window_size, 1, m.seq_length - 1, "model.seq_length - 1: a window of the whole "

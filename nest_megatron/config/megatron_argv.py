@@ -19,6 +19,7 @@ one NestError line naming the flag.
 
 from __future__ import annotations
 
+import ast
 import difflib
 import json
 from dataclasses import dataclass, field
@@ -52,8 +53,27 @@ MODEL_FLAGS: dict[str, tuple[str, str, object]] = {
     "--num-experts": ("num_experts", "int", None),
     "--moe-router-topk": ("moe_router_topk", "int", 2),
     "--moe-ffn-hidden-size": ("moe_ffn_hidden_size", "int", None),
+    # arguments.py:327 moe_freq_type: an integer N, or a Python list expression of 0/1 per layer ("([0]*3+[1]*58)")
     "--moe-layer-freq": ("moe_layer_freq", "str", "1"),
     "--moe-shared-expert-intermediate-size": ("moe_shared_expert_intermediate_size", "int", None),
+    # group-limited routing: TransformerConfig.moe_router_num_groups / moe_router_group_topk (transformer_config.py:
+    # 780, 796), generated flags
+    "--moe-router-num-groups": ("moe_router_num_groups", "int", None),
+    "--moe-router-group-topk": ("moe_router_group_topk", "int", None),
+    # multi-head latent attention: TransformerConfig.multi_latent_attention (transformer_config.py:288, a generated
+    # store_true flag) and arguments.py:3548-3557 _add_mla_args (their defaults)
+    "--multi-latent-attention": ("multi_latent_attention", "true", False),
+    "--q-lora-rank": ("q_lora_rank", "int", None),
+    "--kv-lora-rank": ("kv_lora_rank", "int", 32),
+    "--qk-head-dim": ("qk_head_dim", "int", 128),
+    "--qk-pos-emb-head-dim": ("qk_pos_emb_head_dim", "int", 64),
+    "--v-head-dim": ("v_head_dim", "int", 128),
+    # multi-token prediction: TransformerConfig.mtp_num_layers / mtp_loss_scaling_factor (transformer_config.py:68,
+    # 75), generated flags
+    "--mtp-num-layers": ("mtp_num_layers", "int", None),
+    "--mtp-loss-scaling-factor": ("mtp_loss_scaling_factor", "float", 0.1),
+    # arguments.py: local | transformer_engine (the default) | inference_optimized; local runs the unfused attention
+    "--transformer-impl": ("transformer_impl", "str", "transformer_engine"),
     # Megatron-LM arguments.py:2448 (store_true; argument_utils.py:320-321 asserts it is not with --swiglu)
     "--squared-relu": ("squared_relu", "true", False),
     # TransformerConfig.qk_layernorm (core/transformer/transformer_config.py:259), a generated store_true flag
@@ -77,7 +97,6 @@ HINT_FLAGS: dict[str, str] = {
     "--fp16": "true",
     "--no-overlap-p2p-communication": "true",  # read by launch/megatron_rules.py (interleaved schedule, pp 2)
     "--hierarchical-context-parallel-sizes": "list",  # what --cp-comm-type a2a+p2p needs (launch/megatron_rules.py)
-    "--transformer-impl": "str",  # local: megatron-core's local spec, whose attention is unfused
     # FP8 (train_overrides): TransformerConfig.fp8 is the flag --fp8-format {e4m3,hybrid}, default None (no FP8), and
     # fp8_recipe --fp8-recipe {tensorwise,delayed,mxfp8,blockwise,custom}, default delayed (Megatron-LM d98e8a6
     # megatron/core/transformer/transformer_config.py:587-599; arguments.py:2373-2374 generates both from it)
@@ -145,9 +164,9 @@ KNOWN_FLAGS: dict[str, str] = {
 
 # What the planner cannot price, each with why: these stop the launch instead of a silently wrong plan.
 UNPLANNABLE: dict[str, str] = {
-    "--multi-latent-attention": "multi-latent attention is not in the cost model",
     "--hybrid-layer-pattern": "hybrid (Mamba) layer patterns are not in the cost model",
-    "--mtp-num-layers": "multi-token-prediction layers are not in the cost model",
+    # transformer_config.py:2690-2696: deprecated, read as group-limited routing with one group per EP rank
+    "--moe-router-topk-limited-devices": "deprecated in Megatron; give --moe-router-num-groups and --moe-router-group-topk",
     "--encoder-num-layers": "encoder-decoder models are not in the cost model; use --num-layers",
     "--decoder-num-layers": "encoder-decoder models are not in the cost model; use --num-layers",
 }
@@ -294,13 +313,50 @@ def _vocab_size(s: Scanned) -> int | None:
     return None
 
 
-def _moe_layer_freq(text: str) -> int:
+MAX_PATTERN = 2**14  # entries of a --moe-layer-freq list: config/load.py's MAX_LAYERS
+
+
+def _moe_layer_freq(text: str) -> int | list[int]:
+    """--moe-layer-freq as Megatron's moe_freq_type reads it (arguments.py:327): an integer N, or, when it has a
+    '[', a Python list expression of lists, '+' and '*' ("([0]*3+[1]*58)"), which Megatron evaluates with eval
+    after allowing only digits, commas, brackets, parentheses, '+' and '*' (arguments.py:245-253). Evaluated
+    here without eval: only those operations, and at most MAX_PATTERN entries."""
+    if "[" not in text:
+        try:
+            return int(text)
+        except ValueError:
+            raise NestError(f"--moe-layer-freq {text}: an integer N, or a list expression such as ([0]*3+[1]*58)") from None
     try:
-        return int(text)
-    except ValueError:
-        raise NestError(
-            f"--moe-layer-freq {text}: the planner models a MoE layer every k layers; give an integer k"
-        ) from None
+        value = _pattern(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError) as err:
+        raise NestError(f"--moe-layer-freq {text}: {err if isinstance(err, ValueError) else 'not a list expression'}; "
+                        "e.g. ([0]*3+[1]*58)") from None
+    if not isinstance(value, list):
+        raise NestError(f"--moe-layer-freq {text}: a list expression, e.g. ([0]*3+[1]*58)")
+    return value
+
+
+def _pattern(node):
+    """The value of a list expression of integer literals, lists, '+' and '*'."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_pattern(e) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _pattern(node.left), _pattern(node.right)
+        if isinstance(node.op, ast.Add) and type(left) is type(right):
+            value = left + right
+        elif isinstance(node.op, ast.Mult) and {type(left), type(right)} == {list, int}:
+            lst, n = (left, right) if isinstance(left, list) else (right, left)
+            if len(lst) * max(n, 0) > MAX_PATTERN:
+                raise ValueError(f"more than {MAX_PATTERN} entries")
+            value = lst * n
+        else:
+            raise ValueError("only lists of integers joined by + and repeated by *")
+        if isinstance(value, list) and len(value) > MAX_PATTERN:
+            raise ValueError(f"more than {MAX_PATTERN} entries")
+        return value
+    raise ValueError("only lists of integers joined by + and repeated by *")
 
 
 def _window(s: Scanned) -> tuple[int | None, int | None]:
@@ -375,10 +431,20 @@ def model_values(argv: list[str] | Scanned, *, name: str = "megatron_argv", fami
         raise NestError(f"--attention-backend {backend}: allowed are flash, fused, unfused, local, auto")
     # Kept as Megatron names it (flash / fused / auto run a fused kernel that keeps no s^2 tensor; unfused / local
     # keep it), but the local layer spec's DotProductAttention is the unfused one whatever the backend says.
-    if s.get("--transformer-impl") == "local" and backend not in ("unfused", "local"):
+    impl = values["transformer_impl"]
+    if impl not in ("transformer_engine", "local"):
+        raise NestError(f"--transformer-impl {impl}: the planner prices transformer_engine and local")
+    if impl == "local" and backend not in ("unfused", "local"):
         values["attention_backend"] = "unfused"
 
     values["moe_layer_freq"] = _moe_layer_freq(str(values["moe_layer_freq"]))
+    if values["multi_latent_attention"] and gqa:  # Megatron-LM arguments.py:1974 asserts it
+        raise NestError("--multi-latent-attention and --group-query-attention: MLA has no query groups (Megatron "
+                        "asserts they exclude each other); drop --group-query-attention")
+    if not values["multi_latent_attention"]:
+        for flag in ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim"):
+            if s.has(flag):
+                raise NestError(f"{flag} without --multi-latent-attention: only MLA reads it")
     values["window_size"], values["window_attn_skip_freq"] = _window(s)
     if values["squared_relu"] and values["swiglu"]:  # Megatron-LM training/argument_utils.py:320-321
         raise NestError("--squared-relu and --swiglu: one MLP activation; Megatron asserts it, choose one")
@@ -486,4 +552,6 @@ def _hydra(value) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ",".join(map(_hydra, value)) + "]"
     return str(value)

@@ -10,7 +10,7 @@ bytes/s) once, in ``config/load.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import MISSING
 
@@ -47,13 +47,34 @@ class ModelConfig:
     num_experts: Optional[int] = None  # None: dense MLP in every layer
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
-    moe_layer_freq: int = 1  # layer i has a MoE MLP when i % moe_layer_freq == 0, a dense one otherwise
+    # which layers have a MoE MLP: an integer N (layer i when i % N == 0) or a list of 0/1, one per layer (1: MoE),
+    # e.g. [0, 0, 0, 1, ...] for DeepSeek-V3's first three dense layers
+    moe_layer_freq: Any = 1
     moe_shared_expert_intermediate_size: Optional[int] = None
+    # group-limited routing: the experts split into this many equal groups of consecutive experts
+    moe_router_num_groups: Optional[int] = None
+    # group-limited routing: a token's experts come from at most this many of the groups (None: no limit)
+    moe_router_group_topk: Optional[int] = None
     # The busiest expert-parallel rank's routed tokens over the mean (>= 1): 1 for a balanced router
     # (aux-loss-free or forced balance); what the expert GEMMs and the all-to-all wait for.
     moe_load_imbalance: float = 1.0
     squared_relu: bool = False  # relu(x)^2 MLP activation (Nemotron); not with swiglu
     qk_layernorm: bool = False  # normalization of each head's query and key
+    # multi-head latent attention (megatron-core MLASelfAttention) instead of standard attention; the defaults
+    # of its widths below are Megatron-LM's (arguments.py _add_mla_args)
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None  # MLA: the query latent's width (None: queries projected from the hidden state)
+    kv_lora_rank: int = 32  # MLA: the key/value latent's width
+    qk_head_dim: int = 128  # MLA: a query's and a key's width per head without RoPE
+    qk_pos_emb_head_dim: int = 64  # MLA: the decoupled RoPE part of a query and key per head (one key for all heads)
+    v_head_dim: int = 128  # MLA: a value's width per head
+    # multi-token prediction depths after the decoder, each a layer of the decoder's last kind with its own norms
+    # and 2h -> h projection, on the last pipeline stage (None: none)
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1  # the weight of the depths' loss (it changes no cost)
+    # transformer_engine (its layer spec: MLA's down projections duplicated on every TP rank) | local (megatron-core's
+    # own modules, as a traced model runs: MLA's down projections split over TP)
+    transformer_impl: str = "transformer_engine"
     # sliding-window attention over this many past tokens (Megatron's "left,right" = N,0); None: full
     window_size: Optional[int] = None
     # N: every N-th layer keeps full attention, the others slide (None: every layer slides)

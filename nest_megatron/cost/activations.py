@@ -23,10 +23,16 @@ size are sequence-sharded) and T without it; q and kv are the query and key/valu
   fc1_output                 2 T f'/t          kept by the activation (f' = 2f with SwiGLU); an
                              unfused SwiGLU also keeps silu(gate) and a copy of up: + 4 T f/t
   fc2_input                  2 T f/t
-  hidden_dropout_masks       2 x 1 h T_sp      after attention and after the MLP (p > 0)
+  hidden_dropout_masks       1 h T_sp a block  after attention and after the MLP (p > 0)
+  shared_fc1_output, ...     a MoE layer's shared expert: its FC1 output, unfused SwiGLU and FC2
+                             input over every token, as the dense MLP's at its width / t
 
-With fp8 GEMMs (model.numerics) the inputs of the linears (qkv_input, proj_input, fc1_input,
-fc2_input, expert_input) are kept as Transformer Engine's 1-byte fp8 copies.
+The terms are kept per block of the layer's kind (model/kinds.py): the mixer's (standard attention
+above; MLA's latents and Q, K, V: `_mla_terms`), the MLP's (dense or MoE), a multi-token-prediction
+depth's own (`_mtp_terms`); a block that is "none" keeps nothing.
+
+With fp8 GEMMs (model.numerics) the inputs of the linears (FP8_SAVED_INPUTS) are kept as
+Transformer Engine's 1-byte fp8 copies.
 
 For Korthikanti's GPT (learned positions, bf16 softmax) these terms add up to exactly their
 34 s b h + 5 a s^2 b; RoPE adds the new Q and K, 4 s b h. Selective recompute ("core_attn") drops the softmax and dropout terms and
@@ -36,14 +42,17 @@ keeps Q, K, V un-repeated as the checkpoint's inputs; full recompute keeps the l
 from __future__ import annotations
 
 from nest_megatron.cost import fp8
+from nest_megatron.model.kinds import LayerKind
 from nest_megatron.model.spec import ModelSpec
 
-BF16, FP32, MASK = 2, 4, 1
+BF16, FP32, MASK, INT64 = 2, 4, 1, 8
 
 # Terms that selective recompute (core attention) does not keep.
 CORE_ATTENTION_TERMS = ("softmax", "attention_dropout", "softmax_lse")
-# The inputs of the linears (QKV, projection, FC1, FC2, the experts' FC1): kept in fp8 with fp8 GEMMs.
-FP8_SAVED_INPUTS = ("qkv_input", "proj_input", "fc1_input", "fc2_input", "expert_input")
+# The inputs of the linears (QKV, projection, FC1, FC2, the experts' FC1, the shared expert's FC2, MLA's down and
+# up projections, MTP's eh_proj): kept in fp8 with fp8 GEMMs.
+FP8_SAVED_INPUTS = ("qkv_input", "proj_input", "fc1_input", "fc2_input", "expert_input", "shared_fc2_input",
+                    "mla_down_input", "q_latent_norm", "kv_latent_norm", "eh_proj_input")
 
 
 def _qkv_bytes(model: ModelSpec, *, tokens: float, tp: int, selective: bool) -> float:
@@ -60,44 +69,22 @@ def _qkv_bytes(model: ModelSpec, *, tokens: float, tp: int, selective: bool) -> 
 
 
 def layer_activation_terms(
-    model: ModelSpec, *, mbs: int, tp: int, sp: bool, cp: int, moe: bool, etp: int = 1, selective: bool = False
+    model: ModelSpec, *, mbs: int, tp: int, sp: bool, cp: int, kind: LayerKind, etp: int = 1, selective: bool = False
 ) -> dict[str, float]:
+    """The named bytes one layer of `kind` keeps for its backward (the module docstring's terms): its mixer
+    block's, its MLP block's and, for a multi-token-prediction depth, that depth's own. Selective recompute
+    ("core_attn") drops CORE_ATTENTION_TERMS."""
     m = model.cfg
-    h, s = model.h, m.seq_length
-    tokens = mbs * s // cp
+    tokens = mbs * m.seq_length // cp
     tokens_sp = tokens / tp if sp else tokens
-    heads = model.heads / tp
-    terms = {
-        "norm1_input": BF16 * h * tokens_sp,
-        "qkv_input": BF16 * h * tokens_sp,
-        "qkv": _qkv_bytes(model, tokens=tokens, tp=tp, selective=selective),
-        "proj_input": BF16 * tokens * model.q_size / tp,
-        "norm2_input": BF16 * h * tokens_sp,
-        "fc1_input": BF16 * h * tokens_sp,
-    }
-    if model.fused_attention:
-        terms["softmax_lse"] = FP32 * heads * tokens
-    else:
-        terms["softmax"] = (FP32 if m.attention_softmax_in_fp32 else BF16) * heads * tokens * s
-        # What attention-over-values keeps: the dropped probabilities and the 1-byte mask; without
-        # dropout, the bf16 cast of an fp32 softmax, or nothing more (the softmax output itself).
-        dropped = MASK + BF16 if m.attention_dropout > 0 else BF16 if m.attention_softmax_in_fp32 else 0
-        if dropped:
-            terms["attention_dropout"] = dropped * heads * tokens * s
+    terms = {}
+    if kind.mtp:
+        terms |= _mtp_terms(model, tokens=tokens, tokens_sp=tokens_sp)
+    terms |= _mixer_terms(model, kind, tokens=tokens, tokens_sp=tokens_sp, tp=tp, selective=selective)
+    terms |= _mlp_terms(model, kind, tokens=tokens, tokens_sp=tokens_sp, tp=tp, etp=etp)
     if m.hidden_dropout > 0:
-        terms["hidden_dropout_masks"] = 2 * MASK * h * tokens_sp
-    if moe:
-        # Each routed copy of a token goes through its expert's FC1, activation and FC2.
-        rows, f, width = model.routed_rows(tokens=tokens, tp=tp, etp=etp), model.moe_ffn, etp
-        terms["expert_input"] = BF16 * h * rows
-    else:
-        rows, f, width = tokens, m.ffn_hidden_size, tp
-    terms["fc1_output"] = BF16 * rows * f * model.fc1_factor / width
-    if m.swiglu and not m.bias_swiglu_fusion:
-        terms["swiglu_unfused"] = 2 * BF16 * rows * f / width
-        if moe:  # the routing weights multiply the activation's output, which that product keeps
-            terms["expert_probs_input"] = BF16 * rows * f / width
-    terms["fc2_input"] = BF16 * rows * f / width
+        blocks = (kind.mixer != "none") + (kind.mlp != "none")
+        terms["hidden_dropout_masks"] = blocks * MASK * model.h * tokens_sp
     if model.numerics.fp8_recipe is not None:
         # Transformer Engine's fp8 linears keep their input as the fp8 copy the weight-gradient GEMM
         # reads (1 byte per element and its scales: cost/fp8.py saved_input_bytes), not in bf16.
@@ -111,10 +98,111 @@ def layer_activation_terms(
     return terms
 
 
+def _mixer_terms(model: ModelSpec, kind: LayerKind, *, tokens: float, tokens_sp: float, tp: int,
+                 selective: bool) -> dict[str, float]:
+    m, h = model.cfg, model.h
+    if kind.mixer == "none":
+        return {}
+    terms = {"norm1_input": BF16 * h * tokens_sp}
+    if kind.mixer == "attention":
+        terms |= {"qkv_input": BF16 * h * tokens_sp,
+                  "qkv": _qkv_bytes(model, tokens=tokens, tp=tp, selective=selective),
+                  "proj_input": BF16 * tokens * model.q_size / tp}
+    elif kind.mixer == "mla":
+        terms |= _mla_terms(model, tokens=tokens, tokens_sp=tokens_sp, tp=tp)
+    heads = model.heads / tp
+    if model.fused_attention:
+        terms["softmax_lse"] = FP32 * heads * tokens
+    else:
+        s = m.seq_length
+        terms["softmax"] = (FP32 if m.attention_softmax_in_fp32 else BF16) * heads * tokens * s
+        # What attention-over-values keeps: the dropped probabilities and the 1-byte mask; without
+        # dropout, the bf16 cast of an fp32 softmax, or nothing more (the softmax output itself).
+        dropped = MASK + BF16 if m.attention_dropout > 0 else BF16 if m.attention_softmax_in_fp32 else 0
+        if dropped:
+            terms["attention_dropout"] = dropped * heads * tokens * s
+    return terms
+
+
+def _mla_terms(model: ModelSpec, *, tokens: float, tokens_sp: float, tp: int) -> dict[str, float]:
+    """What MLASelfAttention keeps (megatron/core/transformer/multi_latent_attention.py), heads H, q = qk_head_dim
+    + qk_pos_emb_head_dim, v = v_head_dim:
+      mla_down_input   2 h T_sp        the normed hidden state, input of the down projections (and of
+                                       linear_q_proj without a query latent)
+      q_latent         2 q_lora T_sp   linear_q_up_proj's input (q_layernorm's, with --qk-layernorm)
+      q_latent_norm    2 q_lora T_sp   with --qk-layernorm: the normed latent the up projection reads
+      kv_latent        2 (kv_lora + rope) T_sp   linear_kv_down_proj's output, kept whole by the KV latent's
+                                       view (kv_layernorm's or linear_kv_up_proj's input)
+      kv_latent_norm   2 kv_lora T_sp  with --qk-layernorm
+      qkv              2 T H (2 q + v) / t   the query, key and value the attention kernel keeps: new
+                                       tensors (the RoPE parts concatenated on; V made contiguous)
+      proj_input       2 T H v / t     the attention output
+    The up projections' outputs are split and concatenated into Q, K, V and not kept."""
+    m, h = model.cfg, model.h
+    terms = {"mla_down_input": BF16 * h * tokens_sp}
+    if m.q_lora_rank is not None:
+        terms["q_latent"] = BF16 * m.q_lora_rank * tokens_sp
+        if m.qk_layernorm:
+            terms["q_latent_norm"] = BF16 * m.q_lora_rank * tokens_sp
+    terms["kv_latent"] = BF16 * model.mla_kv_down_width * tokens_sp
+    if m.qk_layernorm:
+        terms["kv_latent_norm"] = BF16 * m.kv_lora_rank * tokens_sp
+    qk, v = model.attention_widths(LayerKind("mla"))
+    terms["qkv"] = BF16 * tokens * (2 * qk + v) / tp
+    terms["proj_input"] = BF16 * tokens * v / tp
+    return terms
+
+
+def _mlp_terms(model: ModelSpec, kind: LayerKind, *, tokens: float, tokens_sp: float, tp: int,
+               etp: int) -> dict[str, float]:
+    m, h = model.cfg, model.h
+    if kind.mlp == "none":
+        return {}
+    terms = {"norm2_input": BF16 * h * tokens_sp, "fc1_input": BF16 * h * tokens_sp}
+    moe = kind.mlp == "moe"
+    if moe:
+        # Each routed copy of a token goes through its expert's FC1, activation and FC2.
+        rows, f, width = model.routed_rows(tokens=tokens, tp=tp, etp=etp), model.moe_ffn, etp
+        terms["expert_input"] = BF16 * h * rows
+    else:
+        rows, f, width = tokens, m.ffn_hidden_size, tp
+    terms["fc1_output"] = BF16 * rows * f * model.fc1_factor / width
+    if m.swiglu and not m.bias_swiglu_fusion:
+        terms["swiglu_unfused"] = 2 * BF16 * rows * f / width
+        if moe:  # the routing weights multiply the activation's output, which that product keeps
+            terms["expert_probs_input"] = BF16 * rows * f / width
+    terms["fc2_input"] = BF16 * rows * f / width
+    shared = m.moe_shared_expert_intermediate_size if moe else None
+    if shared:  # the shared expert: an MLP over every token, split over TP, reading fc1_input's tensor
+        terms["shared_fc1_output"] = BF16 * tokens * shared * model.fc1_factor / tp
+        if m.swiglu and not m.bias_swiglu_fusion:
+            terms["shared_swiglu_unfused"] = 2 * BF16 * tokens * shared / tp
+        terms["shared_fc2_input"] = BF16 * tokens * shared / tp
+    return terms
+
+
+def _mtp_terms(model: ModelSpec, *, tokens: float, tokens_sp: float) -> dict[str, float]:
+    """A multi-token-prediction depth's own (megatron-core MultiTokenPredictionLayer): the shifted token ids its
+    embedding lookup keeps (int64), enorm's input (their embedding), hnorm's (the hidden state), eh_proj's (the
+    two normed, concatenated: 2h wide) and final_layernorm's, each on this rank's sequence shard."""
+    h = model.h
+    return {"mtp_token_ids": INT64 * tokens, "mtp_enorm_input": BF16 * h * tokens_sp,
+            "mtp_hnorm_input": BF16 * h * tokens_sp, "eh_proj_input": BF16 * 2 * h * tokens_sp,
+            "mtp_final_norm_input": BF16 * h * tokens_sp}
+
+
+def layer_input_bytes(model: ModelSpec, *, mbs: int, tp: int, sp: bool, cp: int, kind: LayerKind) -> float:
+    """What a fully recomputed layer keeps: its input, [b s / cp (/ tp with SP), h] in bf16; a multi-token-
+    prediction depth checkpoints two, the hidden state and the shifted tokens' embedding
+    (MultiTokenPredictionLayer._checkpointed_forward)."""
+    tokens_sp = mbs * model.cfg.seq_length // cp / (tp if sp else 1)
+    return (2 if kind.mtp else 1) * BF16 * model.h * tokens_sp
+
+
 def layer_activation_bytes(
-    model: ModelSpec, *, mbs: int, tp: int, sp: bool, cp: int, moe: bool, etp: int = 1
+    model: ModelSpec, *, mbs: int, tp: int, sp: bool, cp: int, kind: LayerKind, etp: int = 1
 ) -> dict[str, float]:
-    """Bytes kept per layer and micro-batch under each recompute setting.
+    """Bytes kept per layer of `kind` and micro-batch under each recompute setting.
 
     none / selective: what the layer keeps; full: the checkpointed layer input only.
 
@@ -124,11 +212,12 @@ def layer_activation_bytes(
     What differs between sequence parallel on and off (when the trace's setting is not `sp`), and
     what selective recompute drops, come from the analytic terms.
     """
-    args = dict(mbs=mbs, tp=tp, sp=sp, cp=cp, moe=moe, etp=etp)
+    args = dict(mbs=mbs, tp=tp, sp=sp, cp=cp, kind=kind, etp=etp)
     none = layer_activation_terms(model, **args)
     selective = layer_activation_terms(model, **args, selective=True)
-    analytic = {"none": sum(none.values()), "selective": sum(selective.values()), "full": none["norm1_input"]}
-    traced = model.traced_layer(tp=tp, etp=etp, moe=moe)
+    full = layer_input_bytes(model, mbs=mbs, tp=tp, sp=sp, cp=cp, kind=kind)
+    analytic = {"none": sum(none.values()), "selective": sum(selective.values()), "full": full}
+    traced = model.traced_layer(tp=tp, etp=etp, kind=kind)
     if not traced:
         return analytic
     graph, layer = traced
@@ -153,7 +242,8 @@ def attention_buffer_bytes(model: ModelSpec, *, mbs: int, tp: int) -> float:
 def logits_bytes(model: ModelSpec, *, mbs: int, tp: int, cp: int) -> float:
     """The last stage's output: bf16 logits and the fp32 softmax the vocab-parallel cross
     entropy keeps (megatron-core tensor_parallel/cross_entropy.py), for one micro-batch; the fused
-    cross entropy keeps only the logits' bf16 gradient, written over them."""
+    cross entropy keeps only the logits' bf16 gradient, written over them. Each multi-token-prediction depth
+    has logits and a loss of its own, all kept until the backward (gpt_model.py _postprocess)."""
     tokens = mbs * model.cfg.seq_length // cp
     per_logit = BF16 if model.numerics.cross_entropy_fusion else BF16 + FP32
-    return per_logit * tokens * model.padded_vocab(tp) / tp
+    return (1 + model.mtp_depths) * per_logit * tokens * model.padded_vocab(tp) / tp

@@ -71,20 +71,29 @@ def all_to_all_time(shape: GroupShape, nbytes, net: Network):
     """All-to-all where each device holds `nbytes`, 1/n of it for each member (itself included).
 
     The share for peers first met at level l (inside its level-l unit, outside its level-(l-1)
-    unit) crosses level l; the levels' links work in parallel, so the slowest level sets the time,
-    plus one latency per level crossed.
+    unit) crosses level l (`routed_all_to_all_time`).
     """
     n = shape.size
     if n <= 1:
         return when_sent(nbytes, 0.0)
-    slowest, latency, inside = 0.0, 0.0, 1.0
+    level_bytes, inside = [], 1.0
+    for fan in shape.fan_in:
+        peers = inside * fan - inside
+        level_bytes.append(nbytes * peers / n)
+        inside *= fan
+    return when_sent(nbytes, routed_all_to_all_time(shape, tuple(level_bytes), net))
+
+
+def routed_all_to_all_time(shape: GroupShape, level_bytes: tuple, net: Network):
+    """An all-to-all in which each device sends `level_bytes[l]` to peers first met at level l (a MoE dispatch
+    whose routing decides the shares: cost/routing.py). The levels' links work in parallel, so the slowest
+    level sets the time, plus one latency per level the group crosses."""
+    slowest, latency = 0.0, 0.0
     for level, fan in enumerate(shape.fan_in):
         if fan > 1.0 + 1e-9:
-            peers = inside * fan - inside
-            slowest = np.maximum(slowest, nbytes * peers / n / net.bandwidth[level])
+            slowest = np.maximum(slowest, level_bytes[level] / net.bandwidth[level])
             latency += net.latency[level]
-            inside *= fan
-    return when_sent(nbytes, slowest + latency)
+    return when_sent(sum(level_bytes), slowest + latency)
 
 
 def p2p_time(level: int, nbytes, net: Network):

@@ -23,10 +23,10 @@ from nest_megatron.cost.collectives import (
 )
 from nest_megatron.cost.compute import BF16, ComputeModel
 from nest_megatron.cost.flops import megatron_model_flops
-from nest_megatron.cost.layer import dispatch_copies
-from nest_megatron.cost.memory import StageMemory, memory_of_rank, memory_per_stage
+from nest_megatron.cost.memory import StageMemory, memory_of_rank, memory_per_stage, mtp_memory
 from nest_megatron.cost.placement import Spans, spans_for
 from nest_megatron.cost.problem import Problem
+from nest_megatron.cost.routing import dispatch_copies
 from nest_megatron.cost.tables import LayerCosts, StageSums, layer_costs, stage_sums
 from nest_megatron.model.spec import Gemm
 from nest_megatron.parallel.config import ParallelConfig
@@ -123,7 +123,7 @@ def layer_options(problem: Problem, cfg: ParallelConfig) -> dict:
     copies = (dispatch_copies(problem.model, cfg.ep, dispatcher=problem.moe_dispatcher, router=problem.moe_router)
               if problem.model.is_moe else None)
     return {"tp_comm_overlap": problem.tp_comm_overlap, "ep_copies": copies, "dispatcher": problem.moe_dispatcher,
-            "permute_fusion": problem.moe_permute_fusion}
+            "router": problem.moe_router, "permute_fusion": problem.moe_permute_fusion}
 
 
 def uniform_split(num_layers: int, pp: int) -> tuple[int, ...]:
@@ -245,29 +245,39 @@ def pipeline_sends(ctx: Context, *, stage: int, sums: StageSums | None = None) -
 
 def stage_body(ctx: Context, sums: StageSums, *, first: bool, last: bool) -> dict:
     """Seconds one micro-batch spends on a rank's layers (with the embedding if `first`, the
-    output layer if `last`), everything but the pipeline transfers."""
+    output layer and the multi-token-prediction depths if `last`), everything but the pipeline transfers."""
     model, cfg, spans, net = ctx.problem.model, ctx.cfg, ctx.spans, ctx.net
     tokens = cfg.mbs * model.cfg.seq_length // cfg.cp
-    compute_s = sums.compute
+    compute_s, recompute, tp_comm, cp_comm, ep_comm = sums.compute, sums.recompute, sums.tp_comm, sums.cp_comm, sums.ep_comm
+    heads = 1 + model.mtp_depths  # the output layer runs once more per multi-token-prediction depth
     if last:
         # Output layer: logits GEMM forward and its two backward GEMMs (bf16: Megatron keeps the
         # output layer out of fp8), and the cross entropy.
         logits = Gemm("output", tokens, model.padded_vocab(cfg.tp) // cfg.tp, model.h)
         bf16 = ctx.compute.with_bf16_gemms()
-        compute_s = (compute_s + sum(bf16.gemm_time(g) for g in (logits, logits.dgrad, logits.wgrad))
-                     + ctx.compute.memory_time(cross_entropy_bytes(model) * tokens * logits.n))
+        compute_s = (compute_s + heads * (sum(bf16.gemm_time(g) for g in (logits, logits.dgrad, logits.wgrad))
+                                          + ctx.compute.memory_time(cross_entropy_bytes(model) * tokens * logits.n)))
+        mtp, depths = ctx.costs.mtp, ctx.costs.mtp_depths
+        if depths:  # each depth a layer (LayerCosts.mtp), recomputed as memory.mtp_memory says
+            compute_s = compute_s + depths * (mtp.fwd_compute + mtp.bwd_compute)
+            if cfg.recompute == "selective":
+                recompute = recompute + depths * mtp.core_attention_fwd
+            elif cfg.recompute == "full" and cfg.recompute_num_layers is None:
+                recompute = recompute + depths * mtp.fwd
+            tp_comm, cp_comm, ep_comm = (tp_comm + depths * mtp.tp_comm, cp_comm + depths * mtp.cp_comm,
+                                         ep_comm + depths * mtp.ep_comm)
     head_tp = 0.0
     if cfg.tp > 1 and (first or last):
         # The vocab-parallel embedding all-reduces (reduce-scatters with SP) its output, the
         # output layer all-gathers its input with SP; each has its mirror in backward.
         op = reduce_scatter_time if cfg.sp else all_reduce_time
-        head_tp = 2 * worst(op, spans.tp, BF16 * tokens * model.h, net) * (first + last)
+        head_tp = 2 * worst(op, spans.tp, BF16 * tokens * model.h, net) * (first + heads * last)
     return {
         "compute": compute_s,
-        "recompute": sums.recompute,
-        "tp_comm": sums.tp_comm + head_tp,
-        "cp_comm": sums.cp_comm,
-        "ep_comm": sums.ep_comm,
+        "recompute": recompute,
+        "tp_comm": tp_comm + head_tp,
+        "cp_comm": cp_comm,
+        "ep_comm": ep_comm,
         "zero_comm": _sharded_dp_per_microbatch(ctx, sums, first=first, last=last),
     }
 
@@ -277,9 +287,13 @@ def _stage_params(ctx: Context, sums: StageSums, *, first: bool, last: bool):
     dense = sums.dense_params
     if first:
         dense = dense + model.embedding_params(cfg.tp)
+    expert = sums.expert_params
     if last:
         dense = dense + model.output_params(tp=cfg.tp, pp=cfg.pp)
-    return dense, sums.expert_params
+        if model.mtp_depths:
+            mtp_dense, mtp_expert, _ = mtp_memory(model, cfg)
+            dense, expert = dense + mtp_dense, expert + mtp_expert
+    return dense, expert
 
 
 def _sharded_dp_traffic(ctx: Context, sums: StageSums, *, first: bool, last: bool):
@@ -343,11 +357,19 @@ def after_pipeline(ctx: Context, sums: StageSums, *, first: bool, last: bool) ->
         if cfg.zero == 3:
             param = param + gather / layers
     tied = 0.0
-    if cfg.pp > 1 and not model.cfg.untie_embeddings_and_output_weights and (first or last):
+    if model.has_shared_embedding(cfg.pp) and (first or last):
         # The first and last stages all-reduce the gradient of the shared word embedding.
         words = grad_bytes * model.padded_vocab(cfg.tp) * model.h / cfg.tp
         tied = p2p_time(max(spans.pp_boundary_level), words, net)
+    replicated = 0.0
+    if cfg.sp and cfg.tp > 1 and model.cfg.multi_latent_attention:
+        # Weights duplicated over TP (MLA's down projections) see each rank's own tokens under sequence
+        # parallel: Megatron all-reduces their gradients over TP after the backward (exposed).
+        mtp_kind = model.mtp_kind
+        params = sums.tp_replicated_params + (model.mtp_depths * model.mla_replicated_params(mtp_kind, cfg.tp)
+                                              if last and mtp_kind else 0)
+        replicated = worst(all_reduce_time, spans.tp, grad_bytes * params, net)
     shards = cfg.dp * cfg.cp if cfg.zero >= 1 else 1
     expert_shards = cfg.expert_dp if cfg.zero >= 1 else 1
     optimizer = ctx.compute.memory_time(adam_step_bytes(problem.model.numerics.optimizer_state_bytes) * (dense / shards + expert / expert_shards))
-    return {"dp_grad_sync": grad + tied, "dp_param_gather": param, "optimizer": optimizer}
+    return {"dp_grad_sync": grad + tied + replicated, "dp_param_gather": param, "optimizer": optimizer}

@@ -1,27 +1,58 @@
 """Megatron-LM's model FLOPs per iteration, the numerator of its TFLOP/s and MFU.
 
-A transcription of `num_floating_point_operations` in megatron/training/training.py (Megatron-LM
-main, 2025-): 12 = 3 (forward, dgrad, wgrad) x 2 (two GEMMs of a size per block) x 2 (FLOPs per
-multiply-add), with half of the attention square counted for a causal mask.
+A transcription of `num_floating_point_operations` (transformer_flops) in megatron/training/training.py
+at d98e8a6: every GEMM counted 3 times (forward, dgrad, wgrad) x 2 FLOPs per multiply-add, per token;
+the attention square per sequence with half of it for a causal mask. Per decoder layer of each kind
+(model/kinds.py): the mixer's projections (standard attention's QKV and output; MLA's latent, up and output
+projections with Megatron's "+1" per latent for its norm), the dense MLP or the routed experts (topk of them)
+and the shared expert; the multi-token-prediction depths count as layers of the decoder's last kind, with
+their norms and eh_proj, and one more pass of the output layer each.
 """
 
 from __future__ import annotations
 
+from nest_megatron.model.kinds import LayerKind
 from nest_megatron.model.spec import ModelSpec
+
+GEMM_PASSES = 3 * 2  # forward, dgrad, wgrad; 2 FLOPs per multiply-add
 
 
 def megatron_model_flops(model: ModelSpec, *, batch_size: int, tp: int) -> float:
     m = model.cfg
-    h, s, layers = m.hidden_size, m.seq_length, m.num_layers
-    glu = 1.5 if m.swiglu else 1.0
-    causal_ratio = 0.5 if m.family == "gpt" else 1.0
-    if model.is_moe:
-        mlp = model.moe_ffn * m.moe_router_topk * glu + (m.moe_shared_expert_intermediate_size or 0) * glu
+    h, s = m.hidden_size, m.seq_length
+    causal = 0.5 if m.family == "gpt" else 1.0
+    depths = model.mtp_depths
+    layers = {**model.kind_counts, **({model.mtp_kind: depths} if depths else {})}  # kind -> layers of it
+    per_token = sum(n * (_mixer_linear(model, kind) + _mlp(model, kind)) for kind, n in layers.items())
+    per_sequence_square = sum(n * GEMM_PASSES * causal * sum(model.attention_widths(kind)) for kind, n in layers.items())
+    per_token += GEMM_PASSES * depths * (3 * h + 2 * h * h)  # the depths' enorm, hnorm, final norm; eh_proj
+    per_token += GEMM_PASSES * h * model.padded_vocab(tp) * (1 + depths)  # the logits, once per depth more
+    return batch_size * s * per_token + batch_size * s * s * per_sequence_square
+
+
+def _mixer_linear(model: ModelSpec, kind: LayerKind) -> float:
+    """The mixer's projection FLOPs per token."""
+    m, h = model.cfg, model.cfg.hidden_size
+    if kind.mixer == "attention":
+        return GEMM_PASSES * (h * (model.q_size + 2 * model.kv_size) + model.q_size * h)
+    if kind.mixer != "mla":
+        return 0.0
+    heads, q_head = m.num_attention_heads, model.mla_qk_head_dim
+    if m.q_lora_rank is None:
+        q = h * heads * q_head
     else:
-        mlp = m.ffn_hidden_size * glu
-    attention = (1 + model.query_groups / model.heads + s / h * causal_ratio) * (model.q_size / h)
-    return (
-        batch_size
-        * s
-        * (12 * layers * h * mlp + 12 * layers * h * h * attention + 6 * h * model.padded_vocab(tp))
-    )
+        q = m.q_lora_rank * (h + heads * q_head + 1)
+    kv = m.kv_lora_rank * (h + heads * (m.qk_head_dim + m.v_head_dim) + 1) + h * m.qk_pos_emb_head_dim
+    return GEMM_PASSES * (q + kv + heads * m.v_head_dim * h)
+
+
+def _mlp(model: ModelSpec, kind: LayerKind) -> float:
+    """The MLP's FLOPs per token: the dense MLP, or topk routed experts and the shared expert."""
+    m, h = model.cfg, model.cfg.hidden_size
+    ffn_factor = 3 if m.swiglu else 2  # h -> 2f and f -> h GEMMs with SwiGLU, h -> f and f -> h without
+    if kind.mlp == "dense":
+        return GEMM_PASSES * h * m.ffn_hidden_size * ffn_factor
+    if kind.mlp != "moe":
+        return 0.0
+    shared = m.moe_shared_expert_intermediate_size or 0
+    return GEMM_PASSES * h * (model.moe_ffn * m.moe_router_topk + shared) * ffn_factor

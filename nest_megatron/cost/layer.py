@@ -26,7 +26,6 @@ Communication inside the layer, and what Megatron overlaps it with (`tp_exposed`
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -38,10 +37,13 @@ from nest_megatron.cost.collectives import (
     all_to_all_time,
     p2p_time,
     reduce_scatter_time,
+    routed_all_to_all_time,
     worst,
 )
 from nest_megatron.cost.compute import ATTENTION_BACKWARD_FACTOR, BF16, ComputeModel
 from nest_megatron.cost.placement import Spans
+from nest_megatron.cost.routing import deepep_level_copies
+from nest_megatron.model.kinds import LayerKind
 from nest_megatron.model.spec import Gemm, ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 
@@ -56,6 +58,8 @@ class LayerTime:
     tp_comm: float  # exposed, forward + backward, for the breakdown
     cp_comm: float
     ep_comm: float
+    # The forward computation by part (GEMM roles, core_attention, memory-bound terms): `forward_parts`.
+    fwd_parts: tuple[tuple[str, float], ...] = ()
 
     @property
     def fwd(self) -> float:
@@ -95,35 +99,74 @@ def permutation_elements(model: ModelSpec, *, tokens_sp: float, rows: float, loc
     return h * (2 * rows + unpermute + sort)
 
 
-def elementwise_bytes(model: ModelSpec, *, tokens: int, cfg: ParallelConfig, moe: bool, dispatcher: str = "alltoall",
-                      copies: float | None = None, permute_fusion: bool = False) -> float:
-    """HBM bytes read + written by the memory-bound ops of one layer's forward pass.
+def elementwise_terms(model: ModelSpec, *, tokens: int, cfg: ParallelConfig, kind: LayerKind,
+                      dispatcher: str = "alltoall", copies: float | None = None,
+                      permute_fusion: bool = False) -> dict[str, float]:
+    """HBM bytes read + written by the memory-bound ops of one layer's forward pass, by name and block.
 
-    Two norms, two residual adds, RoPE on q and k, the activation function, dropouts where p > 0,
-    the softmax when attention is not fused, and in a MoE layer the token permutation before the
-    experts and the unpermutation (weighted by the router's probabilities) after them
-    (`permutation_elements`, for the dispatcher, its `copies` and whether the permutation is fused).
+    Each block (mixer, MLP) has its norm and its residual add (and a hidden dropout where p > 0). Standard
+    attention: RoPE (and QK-norm) on q and k, the softmax when attention is not fused. MLA: its latent norms
+    (with --qk-layernorm) and the assembly of Q, K, V from the up projections' outputs and the RoPE parts
+    (`mla_assembly`). The MLP: the activation function, and in a MoE layer the token permutation before the
+    experts and the unpermutation after them (`permutation_elements`, for the dispatcher, its `copies` and
+    whether the permutation is fused). A multi-token-prediction depth: its three norms, the concatenation
+    and the shifted tokens' embedding.
     """
     m = model.cfg
     h, t = model.h, cfg.tp
     tokens_sp = tokens / t if cfg.sp else tokens
-    nbytes = 2 * (2 * h * tokens_sp)  # norms: read and write
-    nbytes += 2 * (3 * h * tokens_sp)  # residual adds: two reads, one write
-    if m.position_embedding_type == "rope":
-        nbytes += 2 * tokens * (model.q_size + model.kv_size) / t
+    elements = {}
+    if kind.mtp:
+        elements |= {"mtp_norms": 3 * 2 * h * tokens_sp, "mtp_concat": 2 * 2 * h * tokens_sp,
+                     "mtp_embedding": 2 * h * tokens_sp}
+    if kind.mixer != "none":
+        elements |= {"norm1": 2 * h * tokens_sp, "residual1": 3 * h * tokens_sp}
+        if kind.mixer == "attention":
+            if m.position_embedding_type == "rope":
+                elements["rope"] = 2 * tokens * (model.q_size + model.kv_size) / t
+            if m.qk_layernorm:
+                elements["qk_norm"] = 2 * tokens * (model.q_size + model.kv_size) / t
+        elif kind.mixer == "mla":
+            elements |= _mla_elements(model, tokens=tokens, tokens_sp=tokens_sp, tp=t)
+        if m.hidden_dropout > 0:
+            elements["dropout1"] = 2 * h * tokens_sp
+        if not model.fused_attention:
+            elements["softmax"] = 2 * (model.heads / t) * tokens * m.seq_length * (2 if m.attention_dropout > 0 else 1)
+    if kind.mlp != "none":
+        elements |= {"norm2": 2 * h * tokens_sp, "residual2": 3 * h * tokens_sp}
+        moe = kind.mlp == "moe"
+        rows, f, width = ((model.routed_rows(tokens=tokens, tp=t, etp=cfg.etp), model.moe_ffn, cfg.etp) if moe
+                          else (tokens, m.ffn_hidden_size, t))
+        elements["mlp_act"] = rows * f / width * (model.fc1_factor + 1)  # read FC1's output, write FC2's input
+        if moe:
+            elements["permutation"] = permutation_elements(
+                model, tokens_sp=tokens_sp, rows=rows, local_experts=max(1, model.cfg.num_experts // cfg.ep),
+                dispatcher=dispatcher, copies=copies, fused=permute_fusion)
+        if m.hidden_dropout > 0:
+            elements["dropout2"] = 2 * h * tokens_sp
+    return {name: BF16 * n for name, n in elements.items()}
+
+
+def _mla_elements(model: ModelSpec, *, tokens: float, tokens_sp: float, tp: int) -> dict[str, float]:
+    """MLA's memory-bound work, in elements: the query and KV latent norms (read and write) with --qk-layernorm;
+    the queries [T, H (qk + rope) / t] read and written whole (RoPE on their last rope dims and the concatenation,
+    or Megatron's fused MLA RoPE kernel, which does the same in one pass), the KV up projection's output read
+    with the shared RoPE key and written as keys [T, H (qk + rope) / t] and values [T, H v / t]."""
+    m = model.cfg
+    elements = {}
     if m.qk_layernorm:
-        nbytes += 2 * tokens * (model.q_size + model.kv_size) / t
-    rows, f, width = (model.routed_rows(tokens=tokens, tp=t, etp=cfg.etp), model.moe_ffn, cfg.etp) if moe else (tokens, m.ffn_hidden_size, t)
-    nbytes += rows * f / width * (model.fc1_factor + 1)  # read FC1's output, write FC2's input
-    if moe:
-        nbytes += permutation_elements(model, tokens_sp=tokens_sp, rows=rows,
-                                       local_experts=max(1, model.cfg.num_experts // cfg.ep), dispatcher=dispatcher,
-                                       copies=copies, fused=permute_fusion)
-    if m.hidden_dropout > 0:
-        nbytes += 2 * (2 * h * tokens_sp)
-    if not model.fused_attention:
-        nbytes += 2 * (model.heads / t) * tokens * m.seq_length * (2 if m.attention_dropout > 0 else 1)
-    return BF16 * nbytes
+        elements["mla_latent_norms"] = 2 * tokens_sp * ((m.q_lora_rank or 0) + m.kv_lora_rank)
+    qk, v = model.attention_widths(LayerKind("mla"))
+    kv_up = model.heads * (m.qk_head_dim + m.v_head_dim)
+    elements["mla_assembly"] = tokens * (2 * qk + kv_up + qk + v) / tp + tokens * m.qk_pos_emb_head_dim
+    return elements
+
+
+def elementwise_bytes(model: ModelSpec, *, tokens: int, cfg: ParallelConfig, kind: LayerKind,
+                      dispatcher: str = "alltoall", copies: float | None = None, permute_fusion: bool = False) -> float:
+    """HBM bytes read + written by the memory-bound ops of one layer's forward pass (`elementwise_terms`)."""
+    return sum(elementwise_terms(model, tokens=tokens, cfg=cfg, kind=kind, dispatcher=dispatcher, copies=copies,
+                                 permute_fusion=permute_fusion).values())
 
 
 def quantisation_bytes(model: ModelSpec, gemms: list[Gemm]) -> tuple[float, float]:
@@ -139,45 +182,20 @@ def quantisation_bytes(model: ModelSpec, gemms: list[Gemm]) -> tuple[float, floa
     return per_element * fwd, per_element * bwd
 
 
-def dispatch_copies(model: ModelSpec, ep: int, *, dispatcher: str = "alltoall", router: str = "learned") -> float:
-    """Copies of each token the EP dispatch all-to-all carries (and the combine brings back).
-
-    alltoall: Megatron's MoEAlltoAllTokenDispatcher permutes a copy per routed expert before the
-    exchange (megatron/core/transformer/moe/token_dispatcher.py): topk copies.
-    deepep: DeepEP's dispatch (Megatron's flex dispatcher, NeMo AutoModel's) sends a token once to
-    each rank holding one of its experts (deep_ep Buffer.get_dispatch_layout, is_token_in_rank), and
-    the receiving rank expands it to its local experts. How many ranks that is depends on the router:
-      learned: taken as uniform, k distinct of E experts, E/ep a rank: ep (1 - C(E - E/ep, k) / C(E, k));
-      fake_balanced: AutoModel's FakeBalancedGate sends token i to experts ik, ..., ik + k - 1 (mod E)
-        (nemo_automodel/components/moe/layers.py, FakeBalancedGate.forward): the ranks of those
-        consecutive experts, averaged over the starts ik mod E.
-    """
-    k, experts = model.cfg.moe_router_topk, model.cfg.num_experts
-    if dispatcher in ("alltoall", "allgather") or ep <= 1:  # allgather: exchanges whole tokens (layer_time)
-        return float(k)
-    if dispatcher != "deepep":
-        raise ValueError(f"unknown MoE dispatcher {dispatcher!r}: alltoall | allgather | deepep")
-    local = experts // ep
-    if router == "learned":
-        return ep * (1 - math.comb(experts - local, k) / math.comb(experts, k))
-    if router == "fake_balanced":
-        starts = range(0, experts, math.gcd(k, experts))
-        return sum(len({((s + j) % experts) // local for j in range(k)}) for s in starts) / len(starts)
-    raise ValueError(f"unknown MoE router {router!r}: learned | fake_balanced")
-
-
 def layer_time(
-    model: ModelSpec, *, cfg: ParallelConfig, moe: bool, spans: Spans, net: Network, compute: ComputeModel,
+    model: ModelSpec, *, cfg: ParallelConfig, kind: LayerKind, spans: Spans, net: Network, compute: ComputeModel,
     tp_comm_overlap: bool = False, ep_copies: float | None = None, dispatcher: str = "alltoall",
-    permute_fusion: bool = False,
+    router: str = "learned", permute_fusion: bool = False,
 ) -> LayerTime:
-    """One layer's times; configurations that differ only in what a layer does not see (ZeRO,
-    recompute, pipeline depth, ...) share one computation. `ep_copies`: the copies of a token the EP
-    all-to-alls carry (`dispatch_copies`; None: topk, Megatron's alltoall dispatcher); `dispatcher` and
-    `permute_fusion` set the permutation's bytes (`permutation_elements`)."""
+    """One layer's times for a layer of `kind`; configurations that differ only in what a layer does not see
+    (ZeRO, recompute, pipeline depth, ...) share one computation. `ep_copies`: the copies of a token the EP
+    all-to-alls carry (`routing.dispatch_copies`; None: topk, Megatron's alltoall dispatcher); `dispatcher` and
+    `permute_fusion` set the permutation's bytes (`permutation_elements`); `router` where DeepEP's copies go
+    (`routing.deepep_level_copies`)."""
     copies = float(model.cfg.moe_router_topk) if ep_copies is None else ep_copies
-    return _layer_time(model, cfg.tp, cfg.sp, cfg.cp, cfg.ep, cfg.etp, cfg.mbs, moe, spans.tp, spans.cp, spans.ep, net,
-                       compute, tp_comm_overlap, ordered_streams(cfg), copies, dispatcher, permute_fusion, cfg.cp_comm_type)
+    return _layer_time(model, cfg.tp, cfg.sp, cfg.cp, cfg.ep, cfg.etp, cfg.mbs, kind, spans.tp, spans.cp, spans.ep, net,
+                       compute, tp_comm_overlap, ordered_streams(cfg), copies, dispatcher, router, permute_fusion,
+                       cfg.cp_comm_type)
 
 
 def ordered_streams(cfg: ParallelConfig) -> bool:
@@ -194,22 +212,25 @@ def _exposed(comm: float, gemm: float, chunks: int) -> float:
 
 
 @lru_cache(maxsize=65536)
-def _layer_time(model, tp, sp, cp, ep, etp, mbs, moe, tp_shapes, cp_shapes, ep_shapes, net, compute,
-                tp_comm_overlap, ordered, ep_copies, dispatcher, permute_fusion, cp_comm_type) -> LayerTime:
+def _layer_time(model, tp, sp, cp, ep, etp, mbs, kind, tp_shapes, cp_shapes, ep_shapes, net, compute,
+                tp_comm_overlap, ordered, ep_copies, dispatcher, router, permute_fusion, cp_comm_type) -> LayerTime:
     cfg = ParallelConfig(tp=tp, sp=sp, cp=cp, ep=ep, etp=etp, mbs=mbs)
     tokens = cfg.mbs * model.cfg.seq_length // cfg.cp
-    gemms = model.layer_gemms(tokens=tokens, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe)
+    gemms = model.layer_gemms(tokens=tokens, tp=cfg.tp, sp=cfg.sp, ep=cfg.ep, etp=cfg.etp, kind=kind)
     timed = gemm_times(compute, gemms)
-    memory = elementwise_bytes(model, tokens=tokens, cfg=cfg, moe=moe, dispatcher=dispatcher, copies=ep_copies,
+    memory = elementwise_terms(model, tokens=tokens, cfg=cfg, kind=kind, dispatcher=dispatcher, copies=ep_copies,
                                permute_fusion=permute_fusion)
-    passes = pass_times(compute, timed, attention_flops=model.attention_flops(micro_batch=cfg.mbs, tp=cfg.tp, cp=cfg.cp),
-                        head_dim=model.head_dim, cp=cfg.cp, memory_bytes=memory, quantise_bytes=quantisation_bytes(model, gemms))
+    quantise = quantisation_bytes(model, gemms)
+    passes = pass_times(compute, timed,
+                        attention_flops=model.attention_flops(micro_batch=cfg.mbs, tp=cfg.tp, cp=cfg.cp, kind=kind),
+                        head_dim=model.attention_head_dim(kind), cp=cfg.cp, memory_bytes=sum(memory.values()),
+                        quantise_bytes=quantise)
     fwd_compute, bwd_compute, attention, attention_bwd = passes
 
     fwd_gemm = {name: forward for name, forward, _, _ in timed}
     dgrad = {name: input_gradient for name, _, input_gradient, _ in timed}
     wgrad = {name: weight_gradient for name, _, _, weight_gradient in timed}
-    tp_fwd, tp_bwd = tp_exposed(model, cfg, moe=moe, shapes=tp_shapes, net=net, gemm=fwd_gemm, dgrad=dgrad,
+    tp_fwd, tp_bwd = tp_exposed(model, cfg, kind=kind, shapes=tp_shapes, net=net, gemm=fwd_gemm, dgrad=dgrad,
                                 wgrad=wgrad, overlap=tp_comm_overlap, ordered=ordered)
 
     # CP (Transformer Engine's attention/dot_product_attention/context_parallel.py at v2.12), by cp_comm_type:
@@ -219,37 +240,45 @@ def _layer_time(model, tp, sp, cp, ep, etp, mbs, moe, tp_shapes, cp_shapes, ep_s
     #   attention and the output back after it; backward the output gradient in, dQ, dK, dV out. Exposed.
     # all_gather (AttnFuncWithCPAndKVAllGather, :2759): K and V all-gathered before attention ("exposed", its
     #   docstring); backward gathers them again and reduce-scatters dK, dV.
+    # The widths are the mixer's (`attention_widths`, `cp_kv_width`): MLA's K is as wide as its Q, its V and the
+    # output as wide as the values.
     cp_fwd = cp_bwd = 0.0
-    if cfg.cp > 1:
-        q_chunk = BF16 * tokens * model.q_size / cfg.tp  # this rank's queries, and its output
-        kv_chunk = 2 * BF16 * tokens * model.kv_size / cfg.tp  # its keys and values
+    if cfg.cp > 1 and kind.mixer != "none":
+        qk_width, v_width = model.attention_widths(kind)
+        kv_chunk = BF16 * tokens * model.cp_kv_width(kind) / cfg.tp  # this rank's keys and values
         if cp_comm_type == "a2a":
-            q_or_out = worst(all_to_all_time, cp_shapes, q_chunk, net)
-            k_or_v = worst(all_to_all_time, cp_shapes, kv_chunk / 2, net)
-            cp_fwd = cp_bwd = 2 * q_or_out + 2 * k_or_v
+            q_chunk = BF16 * tokens * qk_width / cfg.tp  # its queries; the output is v_width wide
+            out_chunk = BF16 * tokens * v_width / cfg.tp
+            q_and_out = worst(all_to_all_time, cp_shapes, q_chunk, net) + worst(all_to_all_time, cp_shapes, out_chunk, net)
+            k_and_v = (worst(all_to_all_time, cp_shapes, kv_chunk * _key_share(model, kind), net)
+                       + worst(all_to_all_time, cp_shapes, kv_chunk * (1 - _key_share(model, kind)), net))
+            cp_fwd = cp_bwd = q_and_out + k_and_v
         elif cp_comm_type == "all_gather":
-            gathered = cfg.cp * kv_chunk / 2  # the whole sequence's K (or V)
-            cp_fwd = 2 * worst(all_gather_time, cp_shapes, gathered, net)
-            cp_bwd = cp_fwd + 2 * worst(reduce_scatter_time, cp_shapes, gathered, net)
+            gathered_k = cfg.cp * kv_chunk * _key_share(model, kind)  # the whole sequence's K, then V
+            gathered_v = cfg.cp * kv_chunk - gathered_k
+            cp_fwd = worst(all_gather_time, cp_shapes, gathered_k, net) + worst(all_gather_time, cp_shapes, gathered_v, net)
+            cp_bwd = cp_fwd + (worst(reduce_scatter_time, cp_shapes, gathered_k, net)
+                               + worst(reduce_scatter_time, cp_shapes, gathered_v, net))
         else:
             ring_level = max(shape.top_level for shape in cp_shapes)
             step = p2p_time(ring_level, kv_chunk, net)
             cp_fwd = max(0.0, (cfg.cp - 1) * step - attention)
             cp_bwd = max(0.0, 2 * (cfg.cp - 1) * step - attention_bwd)
 
-    # EP: dispatch and combine all-to-alls of the copies of this rank's tokens (`dispatch_copies`); the
-    # allgather dispatcher gathers the whole group's tokens and reduce-scatters the experts' outputs in
-    # that size (its backward the mirror), whatever the routing. Under TP it gathers over the TP x EP
-    # group; priced over the EP group's links with the same total.
+    # EP: dispatch and combine all-to-alls of the copies of this rank's tokens (`routing.dispatch_copies`; with
+    # DeepEP, per level: `routing.deepep_level_copies`); the allgather dispatcher gathers the whole group's
+    # tokens and reduce-scatters the experts' outputs in that size (its backward the mirror), whatever the
+    # routing. Under TP it gathers over the TP x EP group; priced over the EP group's links with the same total.
     ep_pass = 0.0
-    if moe and cfg.ep > 1:
+    if kind.is_moe and cfg.ep > 1:
         tokens_sp = tokens / cfg.tp if cfg.sp else tokens
         if dispatcher == "allgather":
             gathered = BF16 * tokens_sp * cfg.ep * model.h
             ep_pass = worst(all_gather_time, ep_shapes, gathered, net) + worst(reduce_scatter_time, ep_shapes, gathered, net)
         else:
-            routed = BF16 * tokens_sp * ep_copies * model.cfg.moe_load_imbalance * model.h
-            ep_pass = 2 * worst(all_to_all_time, ep_shapes, routed, net)
+            one_copy = BF16 * tokens_sp * model.cfg.moe_load_imbalance * model.h
+            ep_pass = 2 * max(_dispatch_time(model, shape, one_copy, ep_copies, dispatcher, router, net)
+                              for shape in ep_shapes)
 
     return LayerTime(
         fwd_compute=fwd_compute,
@@ -260,7 +289,43 @@ def _layer_time(model, tp, sp, cp, ep, etp, mbs, moe, tp_shapes, cp_shapes, ep_s
         tp_comm=tp_fwd + tp_bwd,
         cp_comm=cp_fwd + cp_bwd,
         ep_comm=2 * ep_pass,
+        fwd_parts=forward_parts(compute, timed, attention=attention, memory=memory, quantise_fwd=quantise[0]),
     )
+
+
+def _key_share(model: ModelSpec, kind: LayerKind) -> float:
+    """Of the keys and values a CP exchange passes, the keys' share: a half with standard attention, MLA's
+    H (qk + rope) of H (qk + rope) + H v."""
+    if kind.mixer == "mla":
+        qk, v = model.attention_widths(kind)
+        return qk / (qk + v)
+    return 0.5
+
+
+def _dispatch_time(model: ModelSpec, shape, one_copy: float, copies: float, dispatcher: str, router: str,
+                   net: Network) -> float:
+    """One dispatch (or combine) all-to-all over an EP group of `shape`: `copies` of each token spread over the
+    peers alike (Megatron's alltoall), or DeepEP's copies per level where the group's units are regular."""
+    if dispatcher == "deepep":
+        levels = deepep_level_copies(model, shape.fan_in, router=router)
+        if levels is not None:
+            return routed_all_to_all_time(shape, tuple(one_copy * c for c in levels), net)
+    return all_to_all_time(shape, one_copy * copies, net)
+
+
+def forward_parts(compute: ComputeModel, timed: list[tuple[str, float, float, float]], *, attention: float,
+                  memory: dict[str, float], quantise_fwd: float) -> tuple[tuple[str, float], ...]:
+    """The forward computation of one layer pass by part: each GEMM by its role, the core attention, and the
+    memory-bound time shared out over the named terms in proportion to their bytes (the fp8 casts as
+    `fp8_casts`); the parts add up to `pass_times`' forward. What a recompute of some modules runs again is a
+    sum of some of these."""
+    parts = [(name, forward) for name, forward, _, _ in timed] + [("core_attention", attention)]
+    named = {**memory, "fp8_casts": quantise_fwd} if quantise_fwd else dict(memory)
+    total = sum(named.values())
+    if total > 0:
+        seconds = compute.memory_time(total)
+        parts += [(name, seconds * nbytes / total) for name, nbytes in named.items()]
+    return tuple(parts)
 
 
 def gemm_times(compute: ComputeModel, gemms: list[Gemm]) -> list[tuple[str, float, float, float]]:
@@ -283,46 +348,105 @@ def pass_times(compute: ComputeModel, timed: list[tuple[str, float, float, float
     return forward, backward, attention, attention_bwd
 
 
-# The column-parallel and row-parallel GEMMs of each block whose input / output TP exchanges.
-TP_BLOCKS = {"attention": ("qkv", "proj"), "mlp": ("fc1", "fc2"), "shared": ("shared_fc1", "shared_fc2")}
+@dataclass(frozen=True)
+class TpBlock:
+    """A block whose linears are split over TP: its column-parallel GEMMs read the block's input, gathered along
+    the sequence with sequence parallel (`gather_width` wide; their input gradient all-reduced over
+    `reduce_width` without it), and its row-parallel GEMM's output is reduced (h wide). `row` None: no
+    row-parallel GEMM, the column-parallel output gathered along its last dimension instead
+    (`output_gather_width`: a multi-token-prediction depth's eh_proj)."""
+
+    column: tuple[str, ...]
+    row: str | None
+    gather_width: int
+    reduce_width: int
+    output_gather_width: int = 0
 
 
-def tp_exposed(model: ModelSpec, cfg: ParallelConfig, *, moe: bool, shapes, net: Network, gemm: dict, dgrad: dict,
-               wgrad: dict, overlap: bool, ordered: bool = True) -> tuple[float, float]:
-    """(forward, backward) exposed TP communication of one layer: per block (attention, the dense
-    MLP, or a MoE layer's shared expert; the routed experts exchange tokens by EP instead, or by
-    expert TP as an MLP block), the collectives on the [tokens, h] activation around its
-    column-parallel and row-parallel GEMMs. Without `ordered` streams the backward hides nothing."""
+def tp_blocks(model: ModelSpec, kind: LayerKind) -> list[TpBlock]:
+    """The TP-split blocks of a layer of `kind`: attention (QKV, projection); MLA (its query and KV up
+    projections -- linear_q_proj without a query latent -- read the latents gathered with the one RoPE key,
+    q_lora + kv_lora + rope wide, the duplicated down projections no collective); the dense MLP, or a MoE layer's
+    shared expert (the routed experts exchange tokens by EP instead, or by expert TP as an MLP block); a
+    multi-token-prediction depth's eh_proj (2h in, its h-wide output gathered)."""
+    h, m = model.h, model.cfg
+    blocks = []
+    if kind.mtp:
+        blocks.append(TpBlock(("eh_proj",), None, 2 * h, 2 * h, output_gather_width=h))
+    if kind.mixer == "attention":
+        blocks.append(TpBlock(("qkv",), "proj", h, h))
+    elif kind.mixer == "mla":
+        q_name, q_width = ("q_proj", h) if m.q_lora_rank is None else ("q_up", m.q_lora_rank)
+        blocks.append(TpBlock((q_name, "kv_up"), "proj", q_width + m.kv_lora_rank + m.qk_pos_emb_head_dim,
+                              q_width + m.kv_lora_rank))
+    if kind.mlp == "dense":
+        blocks.append(TpBlock(("fc1",), "fc2", h, h))
+    elif kind.mlp == "moe" and m.moe_shared_expert_intermediate_size:
+        blocks.append(TpBlock(("shared_fc1",), "shared_fc2", h, h))
+    return blocks
+
+
+def tp_exposed(model: ModelSpec, cfg: ParallelConfig, *, kind: LayerKind, shapes, net: Network, gemm: dict,
+               dgrad: dict, wgrad: dict, overlap: bool, ordered: bool = True) -> tuple[float, float]:
+    """(forward, backward) exposed TP communication of one layer: per `tp_blocks` block, the collectives
+    around its column-parallel and row-parallel GEMMs. Forward, the column-parallel input's all-gather and the
+    row-parallel output's reduce-scatter (with SP; else one all-reduce); backward, the row-parallel mirror
+    exposed, the column-parallel re-gather of its input behind its input-gradient GEMMs and its input
+    gradient's reduce-scatter (all-reduce) behind its weight-gradient GEMMs. Without `ordered` streams the
+    backward hides nothing. A multi-token-prediction depth also runs the vocab-parallel embedding of the
+    shifted tokens, whose output TP reduces (as the first stage's embedding, cost/evaluate.py stage_body)."""
     if cfg.tp == 1:
         return 0.0, 0.0
     tokens = cfg.mbs * model.cfg.seq_length // cfg.cp
-    activation = BF16 * tokens * model.h
-    gather = worst(all_gather_time, shapes, activation, net)
-    scatter = worst(reduce_scatter_time, shapes, activation, net)
-    reduce = worst(all_reduce_time, shapes, activation, net)
-    blocks = ["attention"]
-    if not moe:
-        blocks.append("mlp")
-    elif model.cfg.moe_shared_expert_intermediate_size:
-        blocks.append("shared")
+
+    priced: dict = {}  # (collective, width) -> seconds: the blocks share widths (h)
+
+    def collective(op, width):
+        key = (op, width)
+        if key not in priced:
+            priced[key] = worst(op, shapes, BF16 * tokens * width, net)
+        return priced[key]
+
+    def gather(width):
+        return collective(all_gather_time, width)
+
+    def scatter(width):
+        return collective(reduce_scatter_time, width)
+
+    def reduce(width):
+        return collective(all_reduce_time, width)
+
     fwd = bwd = 0.0
-    for block in blocks:
+    for block in tp_blocks(model, kind):
         # a traced GEMM named otherwise hides nothing (model/spec.py gemm_role names megatron-core's)
-        column, row = TP_BLOCKS[block]
-        col_fwd, row_fwd = gemm.get(column, 0.0), gemm.get(row, 0.0)
-        col_dgrad, row_dgrad, col_wgrad = dgrad.get(column, 0.0), dgrad.get(row, 0.0), wgrad.get(column, 0.0)
+        col_fwd = sum(gemm.get(name, 0.0) for name in block.column)
+        col_dgrad = sum(dgrad.get(name, 0.0) for name in block.column)
+        col_wgrad = sum(wgrad.get(name, 0.0) for name in block.column)
+        row_fwd, row_dgrad = gemm.get(block.row, 0.0), dgrad.get(block.row, 0.0)
+        has_row = block.row is not None
+        if block.output_gather_width:  # gathered forward; its backward a split, or with SP the gather of the
+            out = gather(block.output_gather_width)  # re-scattered sequence
+            fwd += out
+            bwd += out if cfg.sp else 0.0
         if overlap:  # userbuffers: needs sequence parallel (a Megatron rule)
-            fwd += _exposed(gather, col_fwd, cfg.tp) + _exposed(scatter, row_fwd, cfg.tp)
-            bwd += (_exposed(gather, row_dgrad, cfg.tp) + _exposed(gather, col_dgrad, cfg.tp)
-                    + _exposed(scatter, col_wgrad, cfg.tp))
+            fwd += (_exposed(gather(block.gather_width), col_fwd, cfg.tp)
+                    + (_exposed(scatter(model.h), row_fwd, cfg.tp) if has_row else 0.0))
+            bwd += ((_exposed(gather(model.h), row_dgrad, cfg.tp) if has_row else 0.0)
+                    + _exposed(gather(block.gather_width), col_dgrad, cfg.tp)
+                    + _exposed(scatter(block.gather_width), col_wgrad, cfg.tp))
         elif cfg.sp:
-            fwd += gather + scatter
+            fwd += gather(block.gather_width) + (scatter(model.h) if has_row else 0.0)
             hidden_d, hidden_w = (col_dgrad, col_wgrad) if ordered else (0.0, 0.0)
-            bwd += gather + max(0.0, gather - hidden_d) + max(0.0, scatter - hidden_w)
+            bwd += ((gather(model.h) if has_row else 0.0) + max(0.0, gather(block.gather_width) - hidden_d)
+                    + max(0.0, scatter(block.gather_width) - hidden_w))
         else:
-            fwd += reduce
-            bwd += max(0.0, reduce - (col_wgrad if ordered else 0.0))
-    if moe and cfg.etp > 1:  # the experts under expert TP: an MLP block's exchanges, exposed
-        fwd += gather + scatter if cfg.sp else reduce
-        bwd += gather + scatter if cfg.sp else reduce
+            fwd += reduce(model.h) if has_row else 0.0
+            bwd += max(0.0, reduce(block.reduce_width) - (col_wgrad if ordered else 0.0))
+    if kind.mtp:
+        op = reduce_scatter_time if cfg.sp else all_reduce_time
+        fwd += collective(op, model.h)
+        bwd += collective(op, model.h)
+    if kind.is_moe and cfg.etp > 1:  # the experts under expert TP: an MLP block's exchanges, exposed
+        fwd += gather(model.h) + scatter(model.h) if cfg.sp else reduce(model.h)
+        bwd += gather(model.h) + scatter(model.h) if cfg.sp else reduce(model.h)
     return fwd, bwd

@@ -28,11 +28,12 @@ buffer per rank (activations.attention_buffer_bytes).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
 from nest_megatron.cost import fp8
-from nest_megatron.cost.activations import attention_buffer_bytes, logits_bytes
+from nest_megatron.cost.activations import attention_buffer_bytes, layer_activation_bytes, logits_bytes
 from nest_megatron.cost.compute import BF16
 from nest_megatron.cost.tables import StageSums
 from nest_megatron.model.spec import ModelSpec
@@ -91,8 +92,32 @@ def activation_bytes(sums: StageSums, *, in_flight: int, act_rebuilt: float):
 
 
 def largest_layer_params(model: ModelSpec, cfg: ParallelConfig) -> int:
-    """Parameters of the largest layer on one device (dense and MoE layers may alternate)."""
-    return max(sum(model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe)) for moe in set(model.layer_is_moe))
+    """Parameters of the largest layer on one device (layers of several kinds: dense and MoE MLPs, a
+    multi-token-prediction depth)."""
+    kinds = model.kinds + ((model.mtp_kind,) if model.mtp_kind else ())
+    return max(sum(model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, kind=kind)) for kind in kinds)
+
+
+def mtp_memory(model: ModelSpec, cfg: ParallelConfig) -> tuple[float, float, float]:
+    """(dense parameters, expert parameters, activation bytes of one micro-batch) the multi-token-prediction
+    depths add to the last pipeline stage: each depth's layer (model.mtp_kind) and the embedding they need there
+    (ModelSpec.mtp_embedding_params). A depth keeps its activations as a layer does under the recompute
+    setting, except that Megatron checkpoints it only with the uniform method and skips the block method
+    (multi_token_prediction.py MultiTokenPredictionLayer._checkpointed_forward)."""
+    return _mtp_memory(model, cfg.tp, cfg.pp, cfg.ep, cfg.etp, cfg.sp, cfg.cp, cfg.mbs, cfg.recompute,
+                       cfg.recompute_num_layers)
+
+
+@lru_cache(maxsize=4096)
+def _mtp_memory(model, tp, pp, ep, etp, sp, cp, mbs, recompute, recompute_num_layers) -> tuple[float, float, float]:
+    kind, depths = model.mtp_kind, model.mtp_depths
+    if kind is None:
+        return 0.0, 0.0, 0.0
+    dense, expert = model.layer_params(tp=tp, ep=ep, etp=etp, kind=kind)
+    act = layer_activation_bytes(model, mbs=mbs, tp=tp, sp=sp, cp=cp, kind=kind, etp=etp)
+    kept = {"none": "none", "selective": "selective", "full": "full" if recompute_num_layers is None else "none"}
+    return (depths * dense + model.mtp_embedding_params(tp=tp, pp=pp), depths * expert,
+            depths * act[kept[recompute]])
 
 
 def stage_memory(
@@ -109,14 +134,17 @@ def stage_memory(
     """Memory of one device of a pipeline rank whose layers `sums` adds up (with the embedding if
     `first`, the output layer if `last`), holding `in_flight` chunks (`in_flight_chunks`); every
     field is an array when `sums` holds arrays (the DP solver's candidate stages), and `first`, `last`,
-    `in_flight` may be arrays over ranks."""
+    `in_flight` may be arrays over ranks. The last stage also holds the multi-token-prediction depths
+    (`mtp_memory`)."""
+    mtp_dense, mtp_expert, mtp_act = mtp_memory(model, cfg) if model.mtp_depths else (0.0, 0.0, 0.0)
     dense = sums.dense_params + model.embedding_params(cfg.tp) * first
-    dense = dense + model.output_params(tp=cfg.tp, pp=cfg.pp) * last
+    dense = dense + (model.output_params(tp=cfg.tp, pp=cfg.pp) + mtp_dense) * last
+    expert = sums.expert_params + mtp_expert * last
     grad_bytes = model.numerics.grad_bytes
     optimizer_bytes = model.numerics.optimizer_state_bytes
     w, g, o = model_state_bytes(dense, zero=cfg.zero, shards=cfg.dp * cfg.cp, grad_bytes=grad_bytes,
                                 optimizer_bytes=optimizer_bytes)
-    ew, eg, eo = model_state_bytes(sums.expert_params, zero=cfg.zero, shards=cfg.expert_dp, grad_bytes=grad_bytes,
+    ew, eg, eo = model_state_bytes(expert, zero=cfg.zero, shards=cfg.expert_dp, grad_bytes=grad_bytes,
                                    optimizer_bytes=optimizer_bytes)
     weights, grads, optimizer = w + ew, g + eg, o + eo
     # ZeRO-3 gathers the weights of the layer being computed and of the one prefetched.
@@ -126,9 +154,12 @@ def stage_memory(
     if numerics.fp8_recipe is not None:
         # Transformer Engine caches each linear's fp8 weight copies for the step (cast in the first micro-batch;
         # cost/fp8.py weight_copy_bytes): of every local layer, or of the gathered ones under ZeRO-3.
-        local = gathered if cfg.zero == 3 else sums.dense_params + sums.expert_params
+        mtp_linears = (mtp_dense + mtp_expert - model.mtp_embedding_params(tp=cfg.tp, pp=cfg.pp)) * last if mtp_dense else 0
+        local = gathered if cfg.zero == 3 else sums.dense_params + sums.expert_params + mtp_linears
         weights = weights + fp8.weight_copy_bytes(numerics.fp8_recipe, any_layout=numerics.fp8_any_layout) * local
-    activations = (activation_bytes(sums, in_flight=in_flight, act_rebuilt=act_rebuilt)
+    # The multi-token-prediction depths' activations once: they are the last chunk's, whose micro-batches run
+    # their backward right after their forward (1F1B on the last stage holds one).
+    activations = (activation_bytes(sums, in_flight=in_flight, act_rebuilt=act_rebuilt) + mtp_act * last
                    + attention_buffer_bytes(model, mbs=cfg.mbs, tp=cfg.tp))
     logits = logits_bytes(model, mbs=cfg.mbs, tp=cfg.tp, cp=cfg.cp) * last
     return StageMemory(weights, grads, optimizer, activations, logits, reserved_bytes)

@@ -1,7 +1,7 @@
 """Per-layer costs of one configuration, and their sums over the layers of a pipeline stage.
 
-Everything about a configuration except its layer split is computed once per layer (layers may
-differ: dense and MoE MLPs mixed). A stage is then a set of layers, and its costs are sums (and
+Everything about a configuration except its layer split is computed once per layer kind
+(model/kinds.py: dense and MoE MLPs mixed, ...) and laid out per layer. A stage is then a set of layers, and its costs are sums (and
 one max) over them. `range_sums` takes a contiguous range [a, b) whose end `b` may be a numpy
 array, so that the DP solver prices every candidate stage from one call with the same formulas
 `estimate` uses.
@@ -20,6 +20,7 @@ from nest_megatron.cost.collectives import Network
 from nest_megatron.cost.compute import ComputeModel
 from nest_megatron.cost.layer import LayerTime, layer_time
 from nest_megatron.cost.placement import Spans
+from nest_megatron.model.kinds import LayerKind
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.layout import as_chunks
@@ -48,7 +49,13 @@ class LayerCosts:
     act_checkpoint: np.ndarray  # bytes kept when it is (its input)
     dense_params: np.ndarray
     expert_params: np.ndarray
+    # of dense_params, linear weights duplicated over TP (MLA's down projections); None: none
+    tp_replicated_params: np.ndarray | None
     act_rebuilt: float  # the most bytes one fully recomputed layer rebuilds during its backward
+    # The multi-token-prediction depths, all on the last pipeline stage (model.mtp_kind): one depth's times
+    # (NO_TIME without them, or for a memory-only table); `mtp_memory` has their parameters and activations.
+    mtp: LayerTime = NO_TIME
+    mtp_depths: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -58,41 +65,49 @@ class LayerCosts:
 def layer_costs(
     model: ModelSpec, cfg: ParallelConfig, *, spans: Spans | None, net: Network | None, compute: ComputeModel | None,
     tp_comm_overlap: bool = False, ep_copies: float | None = None, dispatcher: str = "alltoall",
-    permute_fusion: bool = False,
+    router: str = "learned", permute_fusion: bool = False,
 ) -> LayerCosts:
-    """Per-layer costs; with spans=None only the memory columns (times are left at zero). `ep_copies`,
-    `dispatcher`, `permute_fusion`: layer.layer_time's."""
-    kinds = model.layer_is_moe
-    per_kind = {}
-    for moe in set(kinds):
-        lt = (layer_time(model, cfg=cfg, moe=moe, spans=spans, net=net, compute=compute, tp_comm_overlap=tp_comm_overlap,
-                         ep_copies=ep_copies, dispatcher=dispatcher, permute_fusion=permute_fusion)
-              if spans else NO_TIME)
-        act = layer_activation_bytes(model, mbs=cfg.mbs, tp=cfg.tp, sp=cfg.sp, cp=cfg.cp, moe=moe, etp=cfg.etp)
-        params = model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe)
-        per_kind[moe] = (lt, act, params)
-
-    kind_of_layer = np.asarray(kinds, dtype=int)
+    """Per-layer costs, computed once per layer kind (model.kinds) and laid out per layer (model.layer_kinds);
+    with spans=None only the memory columns (times are left at zero). `ep_copies`, `dispatcher`, `router`,
+    `permute_fusion`: layer.layer_time's."""
+    options = dict(spans=spans, net=net, compute=compute, tp_comm_overlap=tp_comm_overlap, ep_copies=ep_copies,
+                   dispatcher=dispatcher, router=router, permute_fusion=permute_fusion)
+    per_kind = [_kind_costs(model, cfg, kind, **options) for kind in model.kinds]
+    kind_of_layer = model.kind_index
 
     def column(get) -> np.ndarray:
-        by_kind = np.array([get(*per_kind[moe]) if moe in per_kind else 0.0 for moe in (False, True)], dtype=float)
+        by_kind = np.array([get(*costs) for costs in per_kind], dtype=float)
         return _prefix(by_kind[kind_of_layer])
 
     kept = "selective" if cfg.recompute == "selective" else "none"
+    mtp_kind = model.mtp_kind
     return LayerCosts(
-        compute=column(lambda lt, act, p: lt.fwd_compute + lt.bwd_compute),
-        fwd=column(lambda lt, act, p: lt.fwd),
-        bwd=column(lambda lt, act, p: lt.bwd),
-        core_attention=column(lambda lt, act, p: lt.core_attention_fwd),
-        tp_comm=column(lambda lt, act, p: lt.tp_comm),
-        cp_comm=column(lambda lt, act, p: lt.cp_comm),
-        ep_comm=column(lambda lt, act, p: lt.ep_comm),
-        act_kept=column(lambda lt, act, p: act[kept]),
-        act_checkpoint=column(lambda lt, act, p: act["full"]),
-        dense_params=column(lambda lt, act, p: p[0]),
-        expert_params=column(lambda lt, act, p: p[1]),
-        act_rebuilt=max(act["none"] for _, act, _ in per_kind.values()),
+        compute=column(lambda lt, act, p, r: lt.fwd_compute + lt.bwd_compute),
+        fwd=column(lambda lt, act, p, r: lt.fwd),
+        bwd=column(lambda lt, act, p, r: lt.bwd),
+        core_attention=column(lambda lt, act, p, r: lt.core_attention_fwd),
+        tp_comm=column(lambda lt, act, p, r: lt.tp_comm),
+        cp_comm=column(lambda lt, act, p, r: lt.cp_comm),
+        ep_comm=column(lambda lt, act, p, r: lt.ep_comm),
+        act_kept=column(lambda lt, act, p, r: act[kept]),
+        act_checkpoint=column(lambda lt, act, p, r: act["full"]),
+        dense_params=column(lambda lt, act, p, r: p[0]),
+        expert_params=column(lambda lt, act, p, r: p[1]),
+        tp_replicated_params=column(lambda lt, act, p, r: r) if any(r for *_, r in per_kind) else None,
+        act_rebuilt=max(act["none"] for _, act, _, _ in per_kind),
+        mtp=_kind_costs(model, cfg, mtp_kind, **options)[0] if mtp_kind else NO_TIME,
+        mtp_depths=model.mtp_depths,
     )
+
+
+def _kind_costs(model: ModelSpec, cfg: ParallelConfig, kind: LayerKind, *, spans, **options):
+    """(LayerTime, activation bytes by recompute setting, (dense, expert) parameters, TP-replicated parameters)
+    of one layer of `kind`."""
+    lt = layer_time(model, cfg=cfg, kind=kind, spans=spans, **options) if spans else NO_TIME
+    act = layer_activation_bytes(model, mbs=cfg.mbs, tp=cfg.tp, sp=cfg.sp, cp=cfg.cp, kind=kind, etp=cfg.etp)
+    params = model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, kind=kind)
+    replicated = model.mla_replicated_params(kind, cfg.tp) if cfg.sp else 0
+    return lt, act, params, replicated
 
 
 class StageSums(NamedTuple):
@@ -111,6 +126,7 @@ class StageSums(NamedTuple):
     recomputes: object  # whether any layer is fully recomputed (then one layer is rebuilt at a time)
     dense_params: object
     expert_params: object
+    tp_replicated_params: object  # of dense_params, the weights duplicated over TP (LayerCosts.tp_replicated_params)
 
 
 def range_sums(c: LayerCosts, cfg: ParallelConfig, a, b) -> StageSums:
@@ -142,6 +158,7 @@ def range_sums(c: LayerCosts, cfg: ParallelConfig, a, b) -> StageSums:
         recomputes=r_end > a,
         dense_params=c.dense_params[b] - c.dense_params[a],
         expert_params=c.expert_params[b] - c.expert_params[a],
+        tp_replicated_params=0.0 if c.tp_replicated_params is None else c.tp_replicated_params[b] - c.tp_replicated_params[a],
     )
 
 

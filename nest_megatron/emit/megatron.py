@@ -100,14 +100,24 @@ def model_args(model: ModelSpec) -> list[str]:
         args.append("--untie-embeddings-and-output-weights")
     if not m.add_bias_linear:
         args.append("--disable-bias-linear")
+    if m.multi_latent_attention:  # Megatron's defaults are not MLATransformerConfig's: every width is spelt out
+        args += ["--multi-latent-attention", "--kv-lora-rank", str(m.kv_lora_rank), "--qk-head-dim", str(m.qk_head_dim),
+                 "--qk-pos-emb-head-dim", str(m.qk_pos_emb_head_dim), "--v-head-dim", str(m.v_head_dim)]
+        if m.q_lora_rank is not None:
+            args += ["--q-lora-rank", str(m.q_lora_rank)]
     if model.is_moe:
         args += ["--num-experts", str(m.num_experts), "--moe-router-topk", str(m.moe_router_topk)]
         if m.moe_layer_freq != 1:
-            args += ["--moe-layer-freq", str(m.moe_layer_freq)]
+            args += ["--moe-layer-freq", moe_layer_freq_arg(m.moe_layer_freq)]
         if m.moe_ffn_hidden_size:
             args += ["--moe-ffn-hidden-size", str(m.moe_ffn_hidden_size)]
         if m.moe_shared_expert_intermediate_size:
             args += ["--moe-shared-expert-intermediate-size", str(m.moe_shared_expert_intermediate_size)]
+        if m.moe_router_group_topk:
+            args += ["--moe-router-num-groups", str(m.moe_router_num_groups),
+                     "--moe-router-group-topk", str(m.moe_router_group_topk)]
+    if m.mtp_num_layers:
+        args += ["--mtp-num-layers", str(m.mtp_num_layers), "--mtp-loss-scaling-factor", str(m.mtp_loss_scaling_factor)]
     # The kernels the memory model assumed: an unfused attention keeps its softmax, an unfused
     # SwiGLU its activation; a traced model is megatron-core's local layer spec.
     if m.attention_backend != "auto":  # Megatron's default
@@ -116,9 +126,23 @@ def model_args(model: ModelSpec) -> list[str]:
         args.append("--attention-softmax-in-fp32")
     if m.swiglu and not m.bias_swiglu_fusion:
         args.append("--no-bias-swiglu-fusion")
-    if m.source != "analytic":
+    if m.source != "analytic" or m.transformer_impl == "local":
         args += ["--transformer-impl", "local"]
     return args
+
+
+def moe_layer_freq_arg(freq) -> str:
+    """--moe-layer-freq as Megatron reads it (arguments.py moe_freq_type): the integer, or a list of 0/1 written as
+    runs, ([0]*3+[1]*58) for DeepSeek-V3's first three dense layers."""
+    if isinstance(freq, int):
+        return str(freq)
+    runs: list[list[int]] = []
+    for x in freq:
+        if runs and runs[-1][0] == x:
+            runs[-1][1] += 1
+        else:
+            runs.append([x, 1])
+    return "(" + "+".join(f"[{x}]*{n}" for x, n in runs) + ")"
 
 
 def split_args(cfg: ParallelConfig, *, num_layers: int, layers_per_stage: tuple[int, ...] | None) -> list[str]:

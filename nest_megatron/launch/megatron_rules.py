@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from nest_megatron.config.megatron_argv import Scanned, model_values, scan
+from nest_megatron.config.megatron_argv import FLAG_OF_KEY, Scanned, model_values, scan
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.errors import NestError
 from nest_megatron.model.spec import ModelSpec, Numerics
@@ -36,11 +36,13 @@ from nest_megatron.parallel.layout import (
 from nest_megatron.parallel.rules import (
     DPA,
     MEGATRON_LM_COMMIT,
+    MODEL_RULES,
     RULES,
     TE,
     TRANSFORMER_ENGINE_COMMIT,
     TRANSFORMER_ENGINE_TAG,
     Rule,
+    model_violation,
     violation,
 )
 
@@ -426,6 +428,9 @@ def violations(argv: list[str], *, world_size: int) -> list[str]:
     if not s.has("--num-layers"):
         return ["--num-layers: the argv describes no model"]
     m = ModelConfig(**model_values(s, vocab_size=s.get("--vocab-size", 1)))  # the vocabulary sets no rule
+    model_line = model_violation(m)  # the model's own rules (MODEL_RULES), named by the flags that set them
+    if model_line:
+        return [re.sub(r"model\.\w+", lambda key: FLAG_OF_KEY.get(key.group(0), key.group(0)), model_line)]
     launch = Launch(s, world_size, m, tp=s.get("--tensor-model-parallel-size", 1),
                     pp=s.get("--pipeline-model-parallel-size", 1), cp=s.get("--context-parallel-size", 1))
     out = [line for rule in ARGV_RULES if (line := rule.check(launch)) is not None]
@@ -472,6 +477,8 @@ def rules_doc() -> str:
     argv_where = ("`nest_megatron/launch/megatron_rules.py` `ARGV_RULES`: how the flags of a final argv combine; then "
                   "the configuration rules on the sizes it spells")
     for title, where, table in (
+        ("Model rules", "`nest_megatron/parallel/rules.py` `MODEL_RULES`: the model keys when they load "
+         "(config/load.py) and the model a launch line describes", MODEL_RULES),
         ("Configuration rules", config_where, [r for r in RULES if not is_te(r)]),
         ("Launch-line rules", argv_where, [r for r in ARGV_RULES if not is_te(r)]),
     ):

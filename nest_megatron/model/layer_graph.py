@@ -13,9 +13,12 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from nest_megatron.errors import NestError
+from nest_megatron.model.kinds import is_kind_label
 
 SCHEMA_VERSION = 1
-LAYER_KINDS = ("embedding", "dense", "moe", "output", "block")  # block: a repeated module of any nn.Module
+# embedding and output: what runs before and after the layers; block: a repeated module of any nn.Module;
+# a transformer layer is named by its kind (model/kinds.py LayerKind.label: dense, moe, mla+moe, mtp:moe, ...).
+SLOT_KINDS = ("embedding", "output", "block")
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ class TracedGemm:
 @dataclass(frozen=True)
 class LayerTrace:
     index: int  # position in the graph
-    kind: str  # one of LAYER_KINDS
+    kind: str  # one of SLOT_KINDS or a LayerKind.label
     name: str  # the module's qualified name in the traced model
     dense_params: int  # on this rank; reduced over the data-parallel group
     expert_params: int  # routed-expert parameters on this rank; reduced over expert-data-parallel
@@ -92,9 +95,10 @@ class LayerGraph:
             graph = cls(**fields, layers=layers)
         except (KeyError, TypeError) as err:
             raise NestError(f"layer graph: malformed ({err})") from None
-        bad = sorted({layer.kind for layer in layers} - set(LAYER_KINDS))
+        bad = sorted(k for k in {layer.kind for layer in layers} if k not in SLOT_KINDS and not is_kind_label(k))
         if bad:
-            raise NestError(f"layer graph: unknown layer kind {bad[0]!r}; allowed are {', '.join(LAYER_KINDS)}")
+            raise NestError(f"layer graph: unknown layer kind {bad[0]!r}; allowed are {', '.join(SLOT_KINDS)} and "
+                            "layer kinds (dense, moe, mla+dense, mla+moe, mtp:moe, ...)")
         return graph
 
     @classmethod

@@ -8,11 +8,13 @@ layer), so that per-rank parameter counts match a model built on the meta device
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
 from nest_megatron.config.schema import ModelConfig
+from nest_megatron.model.kinds import LayerKind
 from nest_megatron.model.layer_graph import LayerGraph, LayerTrace
 
 # Megatron's --attention-backend values (megatron/core/transformer/enums.py AttnBackend), and those that run a
@@ -109,15 +111,17 @@ class ModelSpec:
     tracer: Callable[[int, int, int], LayerGraph | None] | None = field(default=None, repr=False)
     numerics: Numerics = field(default_factory=lambda: Numerics())
 
-    def traced_layer(self, *, tp: int, ep: int = 1, etp: int = 1, moe: bool | None = None) -> tuple[LayerGraph, LayerTrace] | None:
-        """The traced graph at (tp, ep, etp) and its first layer of this kind, or None (analytic)."""
+    def traced_layer(self, *, tp: int, ep: int = 1, etp: int = 1,
+                     kind: LayerKind | None = None) -> tuple[LayerGraph, LayerTrace] | None:
+        """The traced graph at (tp, ep, etp) and its first layer of `kind` (default: `default_kind`), or None
+        (analytic)."""
         if self.tracer is None:
             return None
         graph = _traced_graph(self, tp, ep if self.is_moe else 1, etp if self.is_moe else 1)
         if graph is None:
             return None
-        moe = self.is_moe if moe is None else moe
-        layer = graph.first_of_kind("moe" if moe else "dense") or graph.first_of_kind("block")
+        kind = kind or self.default_kind
+        layer = graph.first_of_kind(kind.label) or graph.first_of_kind("block")
         return (graph, layer) if layer is not None else None
 
     # --- shape -----------------------------------------------------------------------------
@@ -154,10 +158,65 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return bool(self.cfg.num_experts)
 
+    @property
+    def mixer(self) -> str:
+        """The decoder's mixer: mla with --multi-latent-attention, attention otherwise."""
+        return "mla" if self.cfg.multi_latent_attention else "attention"
+
     @cached_property
-    def layer_is_moe(self) -> tuple[bool, ...]:
-        """Per transformer layer, whether its MLP is MoE (Megatron's --moe-layer-freq)."""
-        return tuple(self.is_moe and i % self.cfg.moe_layer_freq == 0 for i in range(self.cfg.num_layers))
+    def moe_pattern(self) -> tuple[bool, ...]:
+        """Per decoder layer, whether its MLP is MoE: Megatron's --moe-layer-freq, an integer N (layer i when
+        i % N == 0) or a list of 0 / 1 per layer (megatron/core/transformer/moe/moe_utils.py
+        get_moe_layer_wise_logging_tracker's pattern, gpt_layer_specs.py get_gpt_decoder_layer_specs)."""
+        freq, n = self.cfg.moe_layer_freq, self.cfg.num_layers
+        if not self.is_moe:
+            return (False,) * n
+        if isinstance(freq, int):
+            return tuple(i % freq == 0 for i in range(n))
+        return tuple(bool(x) for x in freq)
+
+    @cached_property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """The kind of every decoder layer, in order."""
+        return tuple(LayerKind(self.mixer, "moe" if moe else "dense") for moe in self.moe_pattern)
+
+    @cached_property
+    def kinds(self) -> tuple[LayerKind, ...]:
+        """The distinct kinds of `layer_kinds`, in order of first appearance."""
+        return tuple(self.kind_counts)
+
+    @cached_property
+    def kind_index(self):
+        """Per decoder layer, the position of its kind in `kinds` (a numpy array, for the cost tables)."""
+        import numpy as np
+
+        index = {kind: i for i, kind in enumerate(self.kinds)}
+        return np.fromiter((index[kind] for kind in self.layer_kinds), dtype=int, count=len(self.layer_kinds))
+
+    @cached_property
+    def kind_counts(self) -> dict[LayerKind, int]:
+        """How many decoder layers each kind has, in order of first appearance."""
+        return dict(Counter(self.layer_kinds))
+
+    @property
+    def default_kind(self) -> LayerKind:
+        """The kind a caller means without naming one: the model's mixer with a MoE MLP when the model has
+        experts, a dense one otherwise."""
+        return LayerKind(self.mixer, "moe" if self.is_moe else "dense")
+
+    @property
+    def mtp_depths(self) -> int:
+        return self.cfg.mtp_num_layers or 0
+
+    @property
+    def mtp_kind(self) -> LayerKind | None:
+        """A multi-token-prediction depth: the decoder's last layer (megatron-core's MTP block spec takes the
+        decoder block spec's last layer, gpt_layer_specs.py get_gpt_mtp_block_spec_for_backend) with its own
+        norms and projection; None without --mtp-num-layers."""
+        if not self.mtp_depths:
+            return None
+        last = self.layer_kinds[-1]
+        return LayerKind(last.mixer, last.mlp, mtp=True)
 
     @property
     def moe_ffn(self) -> int:
@@ -177,12 +236,95 @@ class ModelSpec:
         multiple = self.cfg.make_vocab_size_divisible_by * tp
         return math.ceil(self.cfg.vocab_size / multiple) * multiple
 
+    # --- multi-head latent attention: the widths (megatron/core/transformer/multi_latent_attention.py) -------
+    @property
+    def mla_qk_head_dim(self) -> int:
+        """A query's and a key's width per head: the no-RoPE part and the decoupled RoPE part."""
+        return self.cfg.qk_head_dim + self.cfg.qk_pos_emb_head_dim
+
+    @property
+    def mla_kv_down_width(self) -> int:
+        """linear_kv_down_proj's output: the KV latent and the one RoPE key shared by all heads."""
+        return self.cfg.kv_lora_rank + self.cfg.qk_pos_emb_head_dim
+
+    @property
+    def mla_down_split(self) -> bool:
+        """Whether MLA's down projections are split over TP: Transformer Engine's layer spec duplicates them on
+        every rank (TELinear parallel_mode='duplicated', gpt_layer_specs.py
+        get_gpt_layer_with_transformer_engine_spec); the local spec makes them column-parallel."""
+        return self.cfg.transformer_impl == "local"
+
+    def attention_widths(self, kind: LayerKind) -> tuple[int, int]:
+        """(query/key width, value width) over all heads of the mixer: what QK^T and attention-over-values
+        contract over (heads x head_dim each for standard attention)."""
+        if kind.mixer == "mla":
+            return self.heads * self.mla_qk_head_dim, self.heads * self.cfg.v_head_dim
+        if kind.mixer == "attention":
+            return self.q_size, self.q_size
+        return 0, 0
+
+    def cp_kv_width(self, kind: LayerKind) -> int:
+        """The key and value width, over all heads, a context-parallel ring passes on per token: K and V of the
+        query groups (2 kv_size); MLA's per-head keys and values, H (qk + rope) + H v (Transformer Engine's
+        P2P context parallelism sends K and V apart when their head dims differ: context_parallel.py
+        AttnFuncWithCPAndKVP2P, enable_mla)."""
+        if kind.mixer == "mla":
+            return sum(self.attention_widths(kind))
+        return 2 * self.kv_size if kind.mixer == "attention" else 0
+
+    def attention_head_dim(self, kind: LayerKind) -> int:
+        """The head dimension the attention kernel runs at (its efficiency depends on it): for MLA, the
+        query/key head dimension."""
+        return self.mla_qk_head_dim if kind.mixer == "mla" else self.head_dim
+
     # --- parameters on one device ------------------------------------------------------------
     def attention_params(self, tp: int) -> int:
         h, bias = self.h, self.cfg.add_bias_linear
         qkv = h * (self.q_size + 2 * self.kv_size) // tp + (self.q_size + 2 * self.kv_size) // tp * bias
         proj = self.q_size * h // tp + h * bias  # row-parallel bias is not split
-        return qkv + proj + self.norm_params  # the input norm is fused into the QKV linear
+        # --qk-layernorm: q_layernorm and k_layernorm over one head (attention.py SelfAttention, hidden_size_per_
+        # attention_head), on every rank
+        qk_norms = 2 * self.head_dim * (2 if self.cfg.normalization == "LayerNorm" else 1) if self.cfg.qk_layernorm else 0
+        return qkv + proj + qk_norms + self.norm_params  # the input norm is fused into the QKV linear
+
+    def mla_params(self, tp: int) -> int:
+        """MLASelfAttention's parameters on one TP rank, and the input norm. The query and KV up projections
+        and the output projection are split over TP like QKV and the projection; the down projections are
+        duplicated (TE) or split (local: `mla_down_split`); q_layernorm and kv_layernorm exist with
+        --qk-layernorm (the TE spec fuses them into the up projections, TELayerNormColumnParallelLinear), on
+        every rank. Only linear_proj has a bias (add_bias_linear); the others are built with bias=False."""
+        m, h = self.cfg, self.h
+        split = tp if self.mla_down_split else 1
+        norm = 2 if m.normalization == "LayerNorm" else 1
+        q_up = self.heads * self.mla_qk_head_dim // tp
+        if m.q_lora_rank is None:
+            q = h * q_up  # linear_q_proj, column-parallel
+        else:
+            q = h * m.q_lora_rank // split + m.q_lora_rank * q_up + (norm * m.q_lora_rank if m.qk_layernorm else 0)
+        kv = (h * self.mla_kv_down_width // split
+              + m.kv_lora_rank * self.heads * (m.qk_head_dim + m.v_head_dim) // tp
+              + (norm * m.kv_lora_rank if m.qk_layernorm else 0))
+        proj = self.heads * m.v_head_dim // tp * h + h * m.add_bias_linear
+        return q + kv + proj + self.norm_params
+
+    def mixer_params(self, kind: LayerKind, tp: int) -> int:
+        """The mixer block's parameters on one device, its pre-norm included."""
+        if kind.mixer == "attention":
+            return self.attention_params(tp)
+        if kind.mixer == "mla":
+            return self.mla_params(tp)
+        return 0
+
+    def mla_replicated_params(self, kind: LayerKind, tp: int) -> int:
+        """Linear weights of one layer duplicated on every TP rank: MLA's down projections under Transformer
+        Engine. With sequence parallel each rank sees other tokens, so Megatron all-reduces their gradients over
+        TP once a step (finalize_model_grads.py _allreduce_non_tensor_model_parallel_grads, the parameters'
+        `sequence_parallel` attribute, set by TELinear for parallel_mode='duplicated'). Norm weights are
+        reduced the same way and left out: a few h per layer."""
+        if kind.mixer != "mla" or self.mla_down_split or tp == 1:
+            return 0
+        q = self.h * self.cfg.q_lora_rank if self.cfg.q_lora_rank is not None else 0
+        return q + self.h * self.mla_kv_down_width
 
     def dense_mlp_params(self, tp: int, ffn: int | None = None) -> int:
         h, f, bias = self.h, ffn or self.cfg.ffn_hidden_size, self.cfg.add_bias_linear
@@ -200,24 +342,36 @@ class ModelSpec:
         replicated = self.h * self.cfg.num_experts + self.norm_params
         return replicated, experts
 
-    def layer_params(self, *, tp: int, ep: int = 1, etp: int = 1, moe: bool | None = None) -> tuple[int, int]:
-        """(dense, expert) parameters of one transformer layer on one device; `moe` says whether
-        this layer's MLP is MoE (default: the model's).
+    def mlp_params(self, kind: LayerKind, *, tp: int, ep: int, etp: int) -> tuple[int, int]:
+        """(dense, expert) parameters of the MLP block on one device, its pre-norm included."""
+        if kind.mlp == "dense":
+            return self.dense_mlp_params(tp) + self.norm_params, 0
+        if kind.mlp == "moe":
+            replicated, experts = self.moe_params(ep=ep, etp=etp)
+            shared = self.cfg.moe_shared_expert_intermediate_size
+            return replicated + (self.dense_mlp_params(tp, shared) if shared else 0), experts
+        return 0, 0
+
+    def mtp_block_params(self, tp: int) -> int:
+        """What a multi-token-prediction depth adds to its layer (megatron-core MultiTokenPredictionLayer):
+        enorm and hnorm, eh_proj (2h -> h, column-parallel, no bias) and final_layernorm."""
+        return 3 * self.norm_params + 2 * self.h * self.h // tp
+
+    def layer_params(self, *, tp: int, ep: int = 1, etp: int = 1, kind: LayerKind | None = None) -> tuple[int, int]:
+        """(dense, expert) parameters of one layer of `kind` (default: `default_kind`) on one device.
 
         Dense parameters are averaged over the data-parallel group; expert parameters over the
         expert-data-parallel group, which is why the two are kept apart.
         """
-        traced = self.traced_layer(tp=tp, ep=ep, etp=etp, moe=moe)
+        kind = kind or self.default_kind
+        traced = self.traced_layer(tp=tp, ep=ep, etp=etp, kind=kind)
         if traced:
             return traced[1].dense_params, traced[1].expert_params
-        dense = self.attention_params(tp)
-        if not (self.is_moe if moe is None else moe):
-            return dense + self.dense_mlp_params(tp) + self.norm_params, 0
-        replicated, experts = self.moe_params(ep=ep, etp=etp)
-        shared = self.cfg.moe_shared_expert_intermediate_size
-        if shared:
-            dense += self.dense_mlp_params(tp, shared)
-        return dense + replicated, experts
+        dense, expert = self.mlp_params(kind, tp=tp, ep=ep, etp=etp)
+        dense += self.mixer_params(kind, tp)
+        if kind.mtp:
+            dense += self.mtp_block_params(tp)
+        return dense, expert
 
     def embedding_params(self, tp: int) -> int:
         """Word (and learned position) embeddings on the first stage."""
@@ -237,34 +391,74 @@ class ModelSpec:
             head = 0
         return self.norm_params + head
 
+    def mtp_embedding_params(self, *, tp: int, pp: int) -> int:
+        """The embedding multi-token prediction adds to the last stage: its depths embed the shifted tokens, so
+        with more than one stage the last holds the embedding too (gpt_model.py builds it where
+        `mtp_process`; language_module.py keeps it in sync with the first stage's). With tied embeddings that
+        copy is the output layer's weight already (`output_params`)."""
+        if not self.mtp_depths or pp == 1 or not self.cfg.untie_embeddings_and_output_weights:
+            return 0
+        return self.embedding_params(tp)
+
+    def has_shared_embedding(self, pp: int) -> bool:
+        """Whether the first and last stages hold copies of the word embedding whose gradients Megatron
+        all-reduces (finalize_model_grads.py _allreduce_word_embedding_grads): tied embeddings, or the
+        embedding multi-token prediction needs on the last stage."""
+        return pp > 1 and (not self.cfg.untie_embeddings_and_output_weights or self.mtp_depths > 0)
+
     # --- forward GEMMs of one layer on one device -------------------------------------------
-    def layer_gemms(self, *, tokens: int, tp: int, ep: int = 1, etp: int = 1, moe: bool | None = None) -> list[Gemm]:
+    def layer_gemms(self, *, tokens: int, tp: int, sp: bool = True, ep: int = 1, etp: int = 1,
+                    kind: LayerKind | None = None) -> list[Gemm]:
         """GEMMs of one layer's forward pass for `tokens` tokens on one device (after CP).
 
-        Experts compute `routed_rows` rows; under TP the router sees this rank's sequence shard.
-        `moe` overrides whether this layer's MLP is MoE.
+        Experts compute `routed_rows` rows; under TP the router sees this rank's sequence shard. `sp`:
+        whether tensors outside the TP-split linears are sequence-sharded (what MLA's duplicated down
+        projections then run on). `kind` defaults to `default_kind`.
         """
-        traced = self.traced_layer(tp=tp, etp=etp, moe=moe)
+        kind = kind or self.default_kind
+        traced = self.traced_layer(tp=tp, etp=etp, kind=kind)
         if traced:  # the traced GEMMs, their rows (tokens, or routed tokens) scaled to `tokens`
             graph, layer = traced
             return [Gemm(gemm_role(g.name), g.m * tokens / graph.tokens, g.n, g.k) for g in layer.gemms]
+        gemms = self.mtp_gemms(tokens=tokens, tp=tp) if kind.mtp else []
+        return (gemms + self.mixer_gemms(kind, tokens=tokens, tp=tp, sp=sp)
+                + self.mlp_gemms(kind, tokens=tokens, tp=tp, ep=ep, etp=etp))
+
+    def mixer_gemms(self, kind: LayerKind, *, tokens: int, tp: int, sp: bool) -> list[Gemm]:
         h = self.h
-        gemms = [
-            Gemm("qkv", tokens, (self.q_size + 2 * self.kv_size) // tp, h),
-            Gemm("proj", tokens, h, self.q_size // tp),
+        if kind.mixer == "attention":
+            return [Gemm("qkv", tokens, (self.q_size + 2 * self.kv_size) // tp, h),
+                    Gemm("proj", tokens, h, self.q_size // tp)]
+        if kind.mixer != "mla":
+            return []
+        m = self.cfg
+        # The duplicated down projections run on this rank's tokens (its sequence shard with SP), the split
+        # ones (local spec) on the gathered sequence, a 1/tp share of their outputs.
+        local = self.mla_down_split
+        down_rows = tokens if local or not sp else tokens // tp
+        split = tp if local else 1
+        q_up = self.heads * self.mla_qk_head_dim // tp
+        gemms = ([Gemm("q_proj", tokens, q_up, h)] if m.q_lora_rank is None else
+                 [Gemm("q_down", down_rows, m.q_lora_rank // split, h), Gemm("q_up", tokens, q_up, m.q_lora_rank)])
+        return gemms + [
+            Gemm("kv_down", down_rows, self.mla_kv_down_width // split, h),
+            Gemm("kv_up", tokens, self.heads * (m.qk_head_dim + m.v_head_dim) // tp, m.kv_lora_rank),
+            Gemm("proj", tokens, h, self.heads * m.v_head_dim // tp),
         ]
-        if not (self.is_moe if moe is None else moe):
+
+    def mlp_gemms(self, kind: LayerKind, *, tokens: int, tp: int, ep: int, etp: int) -> list[Gemm]:
+        h = self.h
+        if kind.mlp == "dense":
             f = self.cfg.ffn_hidden_size
-            return gemms + [
-                Gemm("fc1", tokens, f * self.fc1_factor // tp, h),
-                Gemm("fc2", tokens, h, f // tp),
-            ]
+            return [Gemm("fc1", tokens, f * self.fc1_factor // tp, h), Gemm("fc2", tokens, h, f // tp)]
+        if kind.mlp != "moe":
+            return []
         f = self.moe_ffn
         # A grouped GEMM over this device's experts, each with its share of the routed rows; the
         # busiest expert-parallel rank sets the pace (model.moe_load_imbalance, 1: balanced routing).
         local = max(1, self.cfg.num_experts // ep)
         rows = math.ceil(self.routed_rows(tokens=tokens, tp=tp, etp=etp) * self.cfg.moe_load_imbalance / local)
-        gemms += [
+        gemms = [
             Gemm("router", tokens // tp, self.cfg.num_experts, h),
             Gemm("expert_fc1", rows, f * self.fc1_factor // etp, h, local),
             Gemm("expert_fc2", rows, h, f // etp, local),
@@ -277,6 +471,11 @@ class ModelSpec:
             ]
         return gemms
 
+    def mtp_gemms(self, *, tokens: int, tp: int) -> list[Gemm]:
+        """A multi-token-prediction depth's own GEMM: eh_proj on the concatenated [embedding, hidden], 2h -> h
+        (column-parallel: the gathered sequence, a 1/tp share of the outputs)."""
+        return [Gemm("eh_proj", tokens, self.h // tp, 2 * self.h)]
+
     def routed_rows(self, *, tokens: float, tp: int, etp: int) -> float:
         """Rows one device's experts compute in expectation (balanced routing). Megatron runs MoE
         with TP under sequence parallelism: each rank routes its tokens / tp, and the dispatcher's
@@ -285,20 +484,23 @@ class ModelSpec:
         megatron-core layer, tests/test_trace.py)."""
         return tokens * self.cfg.moe_router_topk * etp / tp
 
-    def attention_flops(self, *, micro_batch: int, tp: int, cp: int) -> float:
+    def attention_flops(self, *, micro_batch: int, tp: int, cp: int, kind: LayerKind | None = None) -> float:
         """Forward FLOPs of QK^T and attention-over-values on one device.
 
         Each of the s/cp local queries attends over the whole sequence (CP exchanges K/V), and a
-        causal kernel skips the masked half: 2 GEMMs x 2 FLOP x b x (s/cp) x s x q_size / tp x 1/2.
-        Megatron's MFU formula counts the full square instead (cost/flops.py).
+        causal kernel skips the masked half: 2 FLOP x b x (s/cp) x keys x (query/key width + value width) / tp
+        (`attention_widths`; 4 b (s/cp) s/2 q_size / tp for standard attention). Megatron's MFU formula counts
+        the full square instead (cost/flops.py).
         """
-        traced = self.traced_layer(tp=tp)
+        kind = kind or self.default_kind
+        traced = self.traced_layer(tp=tp, kind=kind)
         if traced:  # what the traced kernels compute (the local spec's unfused attention: the full square)
             graph, layer = traced
             return layer.attention_flops * micro_batch / (graph.micro_batch_size * cp)
+        qk, v = self.attention_widths(kind)
         s = self.cfg.seq_length
         causal = 0.5 if self.cfg.family == "gpt" else 1.0
-        return 4.0 * micro_batch * (s // cp) * self.mean_keys_per_query(s, causal) * self.q_size / tp
+        return 2.0 * micro_batch * (s // cp) * self.mean_keys_per_query(s, causal) * (qk + v) / tp
 
     def mean_keys_per_query(self, s: int, causal: float) -> float:
         """Keys one query attends to, averaged over the layers: s x causal with full attention; a
@@ -318,12 +520,16 @@ class ModelSpec:
 MEGATRON_GEMM_ROLES = {"self_attention.linear_qkv": "qkv", "self_attention.linear_proj": "proj", "mlp.linear_fc1": "fc1",
                        "mlp.linear_fc2": "fc2", "mlp.router": "router", "mlp.shared_experts.linear_fc1": "shared_fc1",
                        "mlp.shared_experts.linear_fc2": "shared_fc2", "mlp.experts.linear_fc1": "expert_fc1",
-                       "mlp.experts.linear_fc2": "expert_fc2"}
+                       "mlp.experts.linear_fc2": "expert_fc2", "self_attention.linear_q_proj": "q_proj",
+                       "self_attention.linear_q_down_proj": "q_down", "self_attention.linear_q_up_proj": "q_up",
+                       "self_attention.linear_kv_down_proj": "kv_down", "self_attention.linear_kv_up_proj": "kv_up",
+                       "eh_proj": "eh_proj"}
+MTP_LAYER_PREFIX = "transformer_layer."  # a multi-token-prediction depth's layer (MultiTokenPredictionLayer)
 
 
 def gemm_role(traced_name: str) -> str:
     """The role of a traced GEMM (qkv, proj, fc1, ...); other models' names are kept as they are."""
-    return MEGATRON_GEMM_ROLES.get(traced_name, traced_name)
+    return MEGATRON_GEMM_ROLES.get(traced_name.removeprefix(MTP_LAYER_PREFIX), traced_name)
 
 
 @lru_cache(maxsize=256)

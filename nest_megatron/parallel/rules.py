@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from nest_megatron.config.schema import ModelConfig
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import CP_COMM_TYPES, RANK_ORDERS, RECOMPUTE_KINDS, ZERO_STAGES, ParallelConfig
 from nest_megatron.parallel.layout import (
@@ -295,6 +296,17 @@ def _interleaved_microbatches(c: Case):
         return f"{microbatches} micro-batches: the interleaved schedule needs a multiple of pp={c.cfg.pp}"
 
 
+def _mla_local_tp(c: Case):
+    """With megatron-core's local spec, TP divides MLA's down projections' outputs (there column-parallel)."""
+    m = c.model.cfg
+    if c.cfg.tp == 1 or not m.multi_latent_attention or not c.model.mla_down_split:
+        return None
+    for name, width in (("q_lora_rank", m.q_lora_rank), ("kv_lora_rank + qk_pos_emb_head_dim", c.model.mla_kv_down_width)):
+        if width is not None and width % c.cfg.tp:
+            return (f"plan.tp={c.cfg.tp} with model.transformer_impl=local: must divide MLA's {name} = {width} (the "
+                    "local spec splits the down projections over TP; Transformer Engine's duplicates them)")
+
+
 def _recompute_layers_full(c: Case):
     """A number of recomputed layers only with full recompute."""
     if c.cfg.recompute_num_layers is not None and c.cfg.recompute != "full":
@@ -387,7 +399,7 @@ def _fused_window_dropout(c: Case):
 
 def _flash_head_dim(c: Case):
     """The flash backend needs a head size of at most 256, a multiple of 8."""
-    d = c.model.head_dim
+    d = c.model.attention_head_dim(c.model.default_kind)  # MLA: the query/key head, qk_head_dim + qk_pos_emb_head_dim
     if c.model.cfg.attention_backend == "flash" and (d > 256 or d % 8):
         return (f"model.attention_backend=flash with kv_channels={d}: flash-attn takes head sizes up to 256 in "
                 "multiples of 8, and Megatron turns the other backends off; use attention_backend=auto|fused")
@@ -408,8 +420,9 @@ def _fp8_gemm_dims(c: Case):
     if cfg.sp and shard % shard_multiple:
         return (f"plan.sp=true with plan.tp={cfg.tp}: each TP rank's sequence shard of {shard} tokens {label} a "
                 f"multiple of {shard_multiple}")
-    for moe in sorted(set(c.model.layer_is_moe)):
-        for g in c.model.layer_gemms(tokens=tokens, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, moe=moe):
+    kinds = c.model.kinds + ((c.model.mtp_kind,) if c.model.mtp_kind else ())
+    for kind in kinds:
+        for g in c.model.layer_gemms(tokens=tokens, tp=cfg.tp, sp=cfg.sp, ep=cfg.ep, etp=cfg.etp, kind=kind):
             if g.name == "router":  # megatron-core's router GEMM is no TE module, and stays in high precision
                 continue
             for side, size in (("output", g.n), ("input", g.k)):
@@ -526,6 +539,9 @@ RULES = (
     Rule("global-batch", f"{MC}num_microbatches_calculator.py:381", _global_batch),
     Rule("fill-pipeline", "nest: 1F1B with fewer micro-batches than stages leaves stages idle", _fill_pipeline),
     Rule("interleaved-microbatches", f"{MC}pipeline_parallel/schedules.py:1173", _interleaved_microbatches),
+    Rule("mla-local-tp", f"{MC}tensor_parallel/layers.py:1038 (ColumnParallelLinear: divide(output_size, tp)); "
+         f"{MC}models/gpt/gpt_layer_specs.py get_gpt_layer_local_spec (MLA's down projections column-parallel)",
+         _mla_local_tp),
     Rule("recompute-layers-full", f"{TC}:1931", _recompute_layers_full),
     Rule("recompute-layers-range", f"{TC}:1922 (per virtual stage: nest)", _recompute_layers_range),
     *TE_RULES,
@@ -552,6 +568,90 @@ def violation(
     case = Case(cfg, model, num_devices, global_batch_size, layers_per_stage, any_split, tp_comm_overlap, form)
     for rule in RULES:
         line = rule.check(case)
+        if line is not None:
+            return line
+    return None
+
+
+# --- rules on the model alone (config/load.py checks them when the model is loaded) ---------------------------
+def _moe_pattern(m: ModelConfig):
+    """--moe-layer-freq is an integer (its range: config/load.py), or a list of 0 / 1 with one entry per layer."""
+    freq = m.moe_layer_freq
+    if isinstance(freq, bool) or not isinstance(freq, (int, list, tuple)):
+        return f"model.moe_layer_freq={freq}: an integer N (every N-th layer MoE) or a list of 0/1, one per layer"
+    if isinstance(freq, int):
+        return None
+    if len(freq) != m.num_layers:
+        return f"model.moe_layer_freq: {len(freq)} entries, but model.num_layers={m.num_layers}; one 0/1 per layer"
+    if any(x not in (0, 1) or isinstance(x, bool) for x in freq):
+        return f"model.moe_layer_freq={list(freq)}: entries are 0 (dense) or 1 (MoE)"
+    if m.num_experts and 1 not in freq:
+        return "model.moe_layer_freq: no 1 in the list, so no MoE layer; drop model.num_experts or add 1s"
+
+
+def _mla_gqa(m: ModelConfig):
+    """Multi-head latent attention has no query groups."""
+    if m.multi_latent_attention and m.num_query_groups not in (None, m.num_attention_heads):
+        return (f"model.num_query_groups={m.num_query_groups} with model.multi_latent_attention=true: MLA has no query "
+                "groups (Megatron asserts group-query attention is exclusive with it); set model.num_query_groups=null")
+
+
+def _group_topk_needs_groups(m: ModelConfig):
+    """Group-limited routing needs the number of groups."""
+    if m.moe_router_group_topk is not None and m.moe_router_num_groups is None:
+        return (f"model.moe_router_group_topk={m.moe_router_group_topk} without model.moe_router_num_groups: "
+                "group-limited routing needs the number of expert groups")
+
+
+def _group_routing_moe(m: ModelConfig):
+    """Group-limited routing needs a MoE model."""
+    if m.moe_router_group_topk is not None and not m.num_experts:
+        return "model.moe_router_group_topk: group-limited routing needs a MoE model (model.num_experts)"
+
+
+def _groups_divide_experts(m: ModelConfig):
+    """The expert groups divide the experts."""
+    g = m.moe_router_num_groups
+    if m.moe_router_group_topk and m.num_experts and m.num_experts % g:
+        return f"model.moe_router_num_groups={g}: must divide model.num_experts={m.num_experts}"
+
+
+def _group_topk_groups(m: ModelConfig):
+    """A token takes its experts from at most as many groups as there are."""
+    k, g = m.moe_router_group_topk, m.moe_router_num_groups
+    if k and m.num_experts and k > g:
+        return f"model.moe_router_group_topk={k}: allowed 1..{g} (model.moe_router_num_groups)"
+
+
+def _topk_in_groups(m: ModelConfig):
+    """The top-k experts fit in the selected groups, and each selected group is scored by at least one expert."""
+    k, g, topk = m.moe_router_group_topk, m.moe_router_num_groups, m.moe_router_topk
+    if not (k and m.num_experts) or m.num_experts % g or k > g:
+        return None
+    room = k * (m.num_experts // g)
+    if not k <= topk <= room:
+        return (f"model.moe_router_topk={topk} with {k} of {g} expert groups: allowed {k}..{room} (a group is scored "
+                f"by its top topk // group_topk experts, and the top-k come from the selected groups' {room} experts)")
+
+
+# In order. Each check takes the ModelConfig and returns its one-line message, or None.
+MODEL_RULES = (
+    Rule("moe-layer-pattern", f"{MC}models/gpt/gpt_layer_specs.py:653, 671 ({ARGS}:327 moe_freq_type)", _moe_pattern),
+    Rule("mla-gqa", f"{ARGS}:1974", _mla_gqa),
+    Rule("group-topk-needs-groups", f"{TC}:2677", _group_topk_needs_groups),
+    Rule("group-routing-moe", "nest: the router of a dense model routes nothing", _group_routing_moe),
+    Rule("groups-divide-experts", f"{TC}:2682", _groups_divide_experts),
+    Rule("group-topk-groups", f"{TC}:2686", _group_topk_groups),
+    Rule("topk-in-groups", f"nest: {MC}transformer/moe/moe_utils.py:712, 726 (group_limited_topk scores a group by "
+         "its top topk // group_topk experts and takes the top-k of the masked scores: Megatron asserts neither)",
+         _topk_in_groups),
+)
+
+
+def model_violation(model: ModelConfig) -> str | None:
+    """The first rule of `MODEL_RULES` the model breaks, as one line, or None."""
+    for rule in MODEL_RULES:
+        line = rule.check(model)
         if line is not None:
             return line
     return None

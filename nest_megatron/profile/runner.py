@@ -33,6 +33,7 @@ from nest_megatron.cost.evaluate import groups_and_network
 from nest_megatron.cost.layer import elementwise_bytes, layer_time
 from nest_megatron.cost.problem import Problem
 from nest_megatron.errors import NestError
+from nest_megatron.model.kinds import LayerKind
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.profile.cache import Entry
@@ -106,16 +107,17 @@ def ran_config(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, attention_backend="unfused")
 
 
-def layer_work(cfg: ModelConfig, s: Strategy, *, moe: bool) -> dict:
+def layer_work(cfg: ModelConfig, s: Strategy, *, kind: LayerKind) -> dict:
     """The GEMMs, attention FLOPs and memory-bound bytes the cost model assigns one layer pass."""
     spec = ModelSpec(ran_config(cfg))
     tokens = s.mbs * cfg.seq_length // s.cp
     parallel = ParallelConfig(tp=s.tp, sp=s.sp, cp=s.cp, ep=s.ep, etp=s.etp, mbs=s.mbs)
+    gemms = spec.layer_gemms(tokens=tokens, tp=s.tp, sp=s.sp, ep=s.ep, etp=s.etp, kind=kind)
     return {
-        "gemms": [[g.m, g.n, g.k, g.count] for g in spec.layer_gemms(tokens=tokens, tp=s.tp, ep=s.ep, etp=s.etp, moe=moe)],
-        "attention_flops": spec.attention_flops(micro_batch=s.mbs, tp=s.tp, cp=s.cp),
-        "head_dim": spec.head_dim,
-        "memory_bytes": elementwise_bytes(spec, tokens=tokens, cfg=parallel, moe=moe),
+        "gemms": [[g.m, g.n, g.k, g.count] for g in gemms],
+        "attention_flops": spec.attention_flops(micro_batch=s.mbs, tp=s.tp, cp=s.cp, kind=kind),
+        "head_dim": spec.attention_head_dim(kind),
+        "memory_bytes": elementwise_bytes(spec, tokens=tokens, cfg=parallel, kind=kind),
     }
 
 
@@ -132,8 +134,8 @@ def plan_tasks(problem: Problem, found: dict[Strategy, ParallelConfig], *, local
     for s, parallel in found.items():
         tokens = s.mbs * cfg.seq_length // s.cp
         vocab = model.padded_vocab(s.tp)
-        for moe in sorted(set(model.layer_is_moe)):
-            for g in model.layer_gemms(tokens=tokens, tp=s.tp, ep=s.ep, etp=s.etp, moe=moe):  # one GEMM of a group
+        for kind in model.kinds:
+            for g in model.layer_gemms(tokens=tokens, tp=s.tp, sp=s.sp, ep=s.ep, etp=s.etp, kind=kind):  # one of a group
                 m = max(1, round(g.m))  # routed rows are an expectation (tokens x topk spread over experts)
                 add(ops, Task("gemm", {"m": m, "n": g.n, "k": g.k}, work={"flops": 2.0 * m * g.n * g.k}))
         add(ops, Task("gemm", {"m": tokens, "n": vocab // s.tp, "k": h}, work={"flops": 2.0 * tokens * vocab // s.tp * h}))
@@ -147,13 +149,15 @@ def plan_tasks(problem: Problem, found: dict[Strategy, ParallelConfig], *, local
         if not layers:
             continue
         strategy = asdict(s)
-        for moe in sorted(set(model.layer_is_moe)):
+        for kind in model.kinds:
+            if kind.mixer != "attention":  # whole layers are timed for standard attention (megatron_layers.py)
+                continue
             world = math.lcm(s.tp, s.ep * s.etp)
-            task = Task("moe" if moe else "dense", layer_shape(cfg), strategy, layer_work(cfg, s, moe=moe),
+            task = Task(kind.label, layer_shape(cfg), strategy, layer_work(cfg, s, kind=kind),
                         processes=world if 1 < world <= local_devices else 1, model=asdict(cfg))
             if world > 1:
                 spans, net = groups_and_network(problem, parallel, None)
-                lt = layer_time(model, cfg=parallel, moe=moe, spans=spans, net=net, compute=problem.compute_model)
+                lt = layer_time(model, cfg=parallel, kind=kind, spans=spans, net=net, compute=problem.compute_model)
                 task.modelled_comm_s = lt.fwd_comm + lt.bwd_comm
             add(layer_tasks, task)
         head = {"tp": s.tp, "sp": s.sp, "mbs": s.mbs}
@@ -227,7 +231,7 @@ def entry_for(task: Task, *, device: str, accelerator: str, seconds: float, fwd_
               strategy: dict | None = None, includes_comm: bool = False) -> Entry:
     work = task.work
     if task.kind in ("dense", "moe") and strategy is not None and strategy != task.strategy:
-        work = layer_work(ModelConfig(**task.model), Strategy(**strategy), moe=task.kind == "moe")
+        work = layer_work(ModelConfig(**task.model), Strategy(**strategy), kind=LayerKind.from_label(task.kind))
     return Entry(device=device, accelerator=accelerator, dtype=DTYPE, kind=task.kind, shape=task.shape,
                  strategy=strategy if strategy is not None else task.strategy, seconds=seconds, fwd_s=fwd_s,
                  includes_comm=includes_comm, modelled_comm_s=task.modelled_comm_s,

@@ -53,8 +53,9 @@ def search_record(name: str, *, time_s: float = 0.0, configs_evaluated: int = 1,
 def total_params(problem: Problem) -> int:
     """Parameters of the whole model (one copy, no parallelism)."""
     model = problem.model
-    layers = sum(sum(model.layer_params(tp=1, ep=1, etp=1, moe=moe)) for moe in model.layer_is_moe)
-    return layers + model.embedding_params(1) + model.output_params(tp=1, pp=1)
+    layers = sum(sum(model.layer_params(tp=1, ep=1, etp=1, kind=kind)) for kind in model.layer_kinds)
+    mtp = model.mtp_depths * sum(model.layer_params(tp=1, kind=model.mtp_kind)) if model.mtp_kind else 0
+    return layers + mtp + model.embedding_params(1) + model.output_params(tp=1, pp=1)
 
 
 def _valid(problem: Problem, cfg: ParallelConfig) -> bool:

@@ -322,17 +322,16 @@ def layers_work(problem: Problem, cfg: ParallelConfig) -> float:
     """Every layer's computation, recomputation and communication of one micro-batch, s."""
     spans, net = groups_and_network(problem, cfg, None)
     compute = problem.compute_model
-    kinds = problem.model.layer_is_moe
     per_microbatch = 0.0
-    for moe in set(kinds):
-        lt = layer_time(problem.model, cfg=cfg, moe=moe, spans=spans, net=net, compute=compute,
+    for kind, count in problem.model.kind_counts.items():
+        lt = layer_time(problem.model, cfg=cfg, kind=kind, spans=spans, net=net, compute=compute,
                         **layer_options(problem, cfg))
         work = lt.fwd_compute + lt.bwd_compute + lt.tp_comm + lt.cp_comm + lt.ep_comm
         if cfg.recompute == "selective":
             work += lt.core_attention_fwd
         elif cfg.recompute == "full" and cfg.recompute_num_layers is None:
             work += lt.fwd
-        per_microbatch += kinds.count(moe) * work
+        per_microbatch += count * work
     return per_microbatch
 
 

@@ -1,5 +1,5 @@
 """megatron-core on a CPU-only machine: every patch it needs (`prepare_cpu_megatron`, patches 0-8,
-and `meta_cuda_is_identity`, patch 9, one comment each) -- for real CPU tensors here and for the
+and `meta_cuda_is_identity`, patch 9, and patches 10-11, one comment each) -- for real CPU tensors here and for the
 meta-device tracing of nest_megatron/trace/meta.py -- and the activation memory of ONE real
 megatron-core TransformerLayer measured on CPU.
 
@@ -223,6 +223,31 @@ def prepare_cpu_megatron() -> None:
         return build_norm(cls, config, *args, **kwargs)
 
     torch_norm.WrappedTorchNorm.__new__ = wrapped_torch_norm
+
+    # Patch 10: MLASelfAttention builds its core attention with the query/key and value head dims
+    # (k_channels, v_channels: qk_head_dim + qk_pos_emb_head_dim and v_head_dim), which only Transformer
+    # Engine's TEDotProductAttention takes; the local spec's DotProductAttention raises. Its forward already
+    # computes with the heads' own widths (baddbmm over q/k, bmm over v); only its output width comes from
+    # kv_channels. Take the two arguments and size the output from v_channels, as TE's does.
+    from megatron.core.transformer import dot_product_attention
+
+    local_attention_init = dot_product_attention.DotProductAttention.__init__
+
+    def attention_init(self, *args, k_channels=None, v_channels=None, **kwargs):
+        local_attention_init(self, *args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+
+    dot_product_attention.DotProductAttention.__init__ = attention_init
+
+    # Patch 11: without Transformer Engine, megatron-core 0.16's extensions module still defines TELinear (on a
+    # MagicMock stand-in for transformer_engine), so multi_latent_attention.py's `import ... TELinear` succeeds, sets
+    # HAVE_TE = True and its isinstance(self.linear_proj, TELinear) raises TypeError. Give it the extensions
+    # module's own answer (False without TE), which skips that fp8-only branch.
+    from megatron.core.extensions import transformer_engine as te_extensions
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = te_extensions.HAVE_TE
 
     _PREPARED = True
 

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.errors import NestError
+from nest_megatron.model.kinds import LayerKind
 from nest_megatron.model.layer_graph import LayerGraph
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.trace.cpu_megatron import meta_cuda_is_identity, prepare_cpu_megatron
@@ -66,7 +67,8 @@ def as_rank(rank: int, world: int, *, tp: int = 1, pp: int = 1, ep: int = 1, etp
 
 def decoder_spec(cfg: ModelConfig, config, spec: str = "local"):
     """megatron-core's decoder block spec with `local` (plain torch) or `te` (Transformer Engine)
-    layers: dense and MoE layers as model.moe_layer_freq says, this pipeline stage's share."""
+    layers: dense and MoE layers as model.moe_layer_freq says (MLA with --multi-latent-attention), this
+    pipeline stage's share."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if spec not in LAYER_SPECS:
@@ -88,13 +90,19 @@ def build_meta_gpt(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 1, e
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     config = transformer_config(cfg, tp=tp, pp=pp, ep=ep, etp=etp, num_layers=num_layers,
                                 sequence_parallel=sequence_parallel)
     with meta_cuda_is_identity(), torch.device("meta"):
+        layers = decoder_spec(cfg, config, spec)
+        # The multi-token-prediction depths (on the last stage), each of the decoder's last layer spec.
+        mtp = (get_gpt_mtp_block_spec(config, layers, use_transformer_engine=spec == "te")
+               if cfg.mtp_num_layers else None)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=decoder_spec(cfg, config, spec),
+            transformer_layer_spec=layers,
+            mtp_block_spec=mtp,
             vocab_size=ModelSpec(cfg).padded_vocab(tp),
             max_sequence_length=cfg.seq_length,
             pre_process=ps.is_pipeline_first_stage(),
@@ -122,7 +130,7 @@ def trace_megatron(cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int | Non
               as_rank(stage * per_stage, pp * per_stage, tp=tp, pp=pp, ep=ep, etp=etp)):  # order tp-cp-ep-dp-pp
             model, config = build_meta_gpt(cfg, tp=tp, pp=pp, ep=ep, etp=etp, num_layers=num_layers, spec=spec,
                                            sequence_parallel=sp)
-            layers = _trace_forward(model, config, cfg.seq_length, micro_batch_size, moe_in_eval=tp > 1 and not sp)
+            layers = _trace_forward(model, config, cfg, micro_batch_size, moe_in_eval=tp > 1 and not sp)
     except (AssertionError, ValueError, RuntimeError) as err:  # megatron-core refusing the shape
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise NestError(f"megatron-core cannot build {cfg.name} at tp={tp} ep={ep} etp={etp}: {first}") from None
@@ -130,18 +138,23 @@ def trace_megatron(cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int | Non
                       tp=tp, ep=ep, etp=etp, sequence_parallel=sp, pp=pp, stage=stage, layers=layers)
 
 
-def _trace_forward(model, config, seq_length: int, micro_batch_size: int, *, moe_in_eval: bool):
+def _trace_forward(model, config, cfg: ModelConfig, micro_batch_size: int, *, moe_in_eval: bool):
     """One training-mode forward pass of a meta GPTModel on token ids (on a later pipeline stage,
-    on the hidden states the stage before sends), recorded per layer."""
+    on the hidden states the stage before sends), recorded per layer: the decoder's, then the
+    multi-token-prediction depths' (with labels: each depth's loss is part of the forward)."""
     import torch
 
+    seq_length = cfg.seq_length
     model.train()
-    is_moe = [type(layer.mlp).__name__ == "MoELayer" for layer in model.decoder.layers]
+    mtp_layers = list(model.mtp.layers) if getattr(model, "mtp_process", False) else []
+    blocks = [(f"decoder.layers.{i}", _kind_of(layer, mixer=_mixer(cfg)).label) for i, layer in enumerate(model.decoder.layers)]
+    blocks += [(f"mtp.layers.{i}", _kind_of(layer.transformer_layer, mixer=_mixer(cfg), mtp=True).label)
+               for i, layer in enumerate(mtp_layers)]
     if moe_in_eval:
         # megatron refuses MoE + TP without sequence parallel in training (MoELayer.forward); with
         # the default router (top-k, no aux or z loss) eval mode runs the same ops.
-        for layer, moe in zip(model.decoder.layers, is_moe):
-            if moe:
+        for layer in [*model.decoder.layers, *(m.transformer_layer for m in mtp_layers)]:
+            if type(layer.mlp).__name__ == "MoELayer":
                 layer.mlp.eval()
     with torch.device("meta"):
         tokens = torch.zeros(micro_batch_size, seq_length, dtype=torch.long)
@@ -151,12 +164,34 @@ def _trace_forward(model, config, seq_length: int, micro_batch_size: int, *, moe
             model.set_input_tensor(torch.empty(rows, micro_batch_size, config.hidden_size, dtype=torch.bfloat16,
                                                requires_grad=True))
 
+    labels = tokens if cfg.mtp_num_layers else None
+
     def run():
         with torch.device("meta"):
-            return model(tokens, positions, attention_mask=None)
+            return model(tokens, positions, attention_mask=None, labels=labels)
 
-    blocks = [(f"decoder.layers.{i}", "moe" if moe else "dense") for i, moe in enumerate(is_moe)]
     return record_layers(model, run, blocks)
+
+
+def _mixer(cfg: ModelConfig) -> str:
+    return "mla" if cfg.multi_latent_attention else "attention"
+
+
+def _kind_of(layer, *, mixer: str, mtp: bool = False) -> LayerKind:
+    """The kind of a built megatron-core TransformerLayer: its MLP a MoELayer or a dense MLP."""
+    return LayerKind(mixer, "moe" if type(layer.mlp).__name__ == "MoELayer" else "dense", mtp=mtp)
+
+
+def representative_layers(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with one decoder layer of each kind, in the order they first appear, and its last layer's kind last
+    (what its multi-token-prediction depths are built of), and at most one depth."""
+    spec = ModelSpec(cfg)
+    kinds = list(spec.kinds)
+    if kinds[-1] != spec.layer_kinds[-1]:
+        kinds.append(spec.layer_kinds[-1])
+    freq = [int(kind.is_moe) for kind in kinds] if cfg.num_experts else 1
+    return replace(cfg, num_layers=len(kinds), moe_layer_freq=freq,
+                   mtp_num_layers=1 if cfg.mtp_num_layers else None)
 
 
 def _world(tp: int, ep: int, etp: int) -> int:
@@ -170,9 +205,9 @@ def _world(tp: int, ep: int, etp: int) -> int:
 def trace_for_cost(cfg: ModelConfig, *, tp: int, ep: int, etp: int, source: str = "megatron") -> LayerGraph:
     """One layer of each kind the model has (what the cost model reads), traced at (tp, ep, etp),
     with the part of its saved bytes that does not grow with the micro-batch: 2 x saved(b = 1) -
-    saved(b = 2), from a second trace."""
-    layers = 1 if not cfg.num_experts or cfg.moe_layer_freq == 1 else min(2, cfg.num_layers)
-    one, two = (trace_megatron(cfg, tp=tp, ep=ep, etp=etp, num_layers=layers, micro_batch_size=b, source=source)
-                for b in (1, 2))
+    saved(b = 2), from a second trace. The model is built with `representative_layers` and one
+    multi-token-prediction depth where it has them."""
+    small = representative_layers(cfg)
+    one, two = (trace_megatron(small, tp=tp, ep=ep, etp=etp, micro_batch_size=b, source=source) for b in (1, 2))
     return replace(one, layers=tuple(replace(a, fixed_saved_bytes=2 * a.saved_bytes - b.saved_bytes)
                                      for a, b in zip(one.layers, two.layers)))

@@ -32,8 +32,8 @@ def _check(cfg: ModelConfig) -> None:
 
 def local_spec_kernels(cfg: ModelConfig) -> ModelConfig:
     """What megatron-core's local layer spec runs, which the traced numbers describe: the unfused
-    DotProductAttention (it keeps the softmax) and the unfused SwiGLU."""
-    return replace(cfg, attention_backend="unfused", bias_swiglu_fusion=False)
+    DotProductAttention (it keeps the softmax), the unfused SwiGLU, MLA's down projections split over TP."""
+    return replace(cfg, attention_backend="unfused", bias_swiglu_fusion=False, transformer_impl="local")
 
 
 def _megatron_tracer(cfg: ModelConfig, tp: int, ep: int, etp: int) -> LayerGraph:

@@ -23,7 +23,7 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 
     """
     import torch
     import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     fields = dict(
         num_layers=num_layers or cfg.num_layers,
@@ -50,9 +50,14 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 
         num_moe_experts=cfg.num_experts,
         moe_router_topk=cfg.moe_router_topk,
         moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
-        moe_layer_freq=cfg.moe_layer_freq,
+        moe_layer_freq=cfg.moe_layer_freq if isinstance(cfg.moe_layer_freq, int) else list(cfg.moe_layer_freq),
         moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+        moe_router_num_groups=cfg.moe_router_num_groups,
+        moe_router_group_topk=cfg.moe_router_group_topk,
         moe_grouped_gemm=False,
+        qk_layernorm=cfg.qk_layernorm,
+        mtp_num_layers=cfg.mtp_num_layers,
+        mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor,
         # Plain torch code paths (the fused ones need CUDA, Apex or Transformer Engine).
         apply_rope_fusion=False,
         bias_dropout_fusion=False,
@@ -65,4 +70,8 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 
         use_cpu_initialization=True,
         perform_initialization=False,
     )
+    if cfg.multi_latent_attention:  # MLATransformerConfig (transformer_config.py), RoPE on the decoupled dims
+        fields |= dict(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_head_dim=cfg.qk_head_dim,
+                       qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim, rope_type="rope")
+        return MLATransformerConfig(**{**fields, **settings})
     return TransformerConfig(**{**fields, **settings})
