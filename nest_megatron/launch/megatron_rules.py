@@ -13,6 +13,7 @@ Megatron-LM commit, check). `rules_doc()` writes both tables as docs/megatron_ru
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from nest_megatron.config.megatron_argv import FLAG_OF_KEY, Scanned, model_values, scan
