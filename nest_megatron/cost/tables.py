@@ -158,7 +158,8 @@ def range_sums(c: LayerCosts, cfg: ParallelConfig, a, b) -> StageSums:
         recomputes=r_end > a,
         dense_params=c.dense_params[b] - c.dense_params[a],
         expert_params=c.expert_params[b] - c.expert_params[a],
-        tp_replicated_params=0.0 if c.tp_replicated_params is None else c.tp_replicated_params[b] - c.tp_replicated_params[a],
+        tp_replicated_params=(np.zeros(np.broadcast(a, b).shape) if c.tp_replicated_params is None
+                              else c.tp_replicated_params[b] - c.tp_replicated_params[a]),
     )
 
 
