@@ -121,6 +121,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     par.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     par.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
     par.add_argument("--pipeline-model-parallel-layout", default=None)
+    par.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
+    par.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
     par.add_argument("--use-tp-pp-dp-mapping", action="store_true")
     par.add_argument("--use-distributed-optimizer", action="store_true")
     par.add_argument("--overlap-grad-reduce", action="store_true")
@@ -246,7 +248,10 @@ def virtual_stages(args) -> int | None:
     if args.num_virtual_stages_per_pipeline_rank:
         return args.num_virtual_stages_per_pipeline_rank
     if args.num_layers_per_virtual_pipeline_stage:
-        per_rank = args.num_layers // args.pipeline_model_parallel_size
+        # the embedding and the loss each count as a layer of the split when accounted for (transformer_block.py)
+        counted = (args.num_layers + args.account_for_embedding_in_pipeline_split
+                   + args.account_for_loss_in_pipeline_split)
+        per_rank = counted // args.pipeline_model_parallel_size
         if per_rank % args.num_layers_per_virtual_pipeline_stage:
             fail(f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage} must divide "
                  f"the {per_rank} layers of each pipeline rank")
@@ -426,6 +431,8 @@ def transformer_config(args, use_cuda: bool, vpp: int | None):
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,

@@ -237,18 +237,29 @@ def bad_logs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
                                                                       "here does not end"),
         "truncated in an iteration": ("\n".join(good[: second + 1])[:-90], f":{second + 1}: the last iteration line is cut"),
     }
-    mla = dict(LLAMA3_70B, multi_latent_attention=True)
-    mla_line = arguments_block(mla).index(next(line for line in arguments_block(mla)
-                                               if line.startswith("  multi_latent_attention "))) + 1
+    hybrid = dict(LLAMA3_70B, hybrid_layer_pattern="M*M*")
+    hybrid_line = line_of(hybrid, "hybrid_layer_pattern")
     cases["a model the project cannot express"] = (
-        llama3_70b_log(tmp_path, namespace=mla).read_text(), f":{mla_line}: --multi-latent-attention: multi-latent "
-                                                             "attention is not in the cost model")
+        llama3_70b_log(tmp_path, namespace=hybrid).read_text(),
+        f":{hybrid_line}: --hybrid-layer-pattern: hybrid (Mamba) layer patterns are not in the cost model")
+    # Megatron's MLAConfig has no query groups: transformer_config.py asserts MLA and GQA exclude each other
+    mla_gqa = dict(LLAMA3_70B, multi_latent_attention=True)
+    mla_line = line_of(mla_gqa, "multi_latent_attention")
+    cases["a model Megatron refuses"] = (
+        llama3_70b_log(tmp_path, namespace=mla_gqa).read_text(),
+        f":{mla_line}: --multi-latent-attention")
     out = {}
     for i, (name, (text, said)) in enumerate(cases.items()):
         path = tmp_path / f"bad{i}.log"
         path.write_text(text)
         out[name] = (path, said)
     return out
+
+
+def line_of(namespace: dict, key: str) -> int:
+    """The 1-based line of `key` in the arguments block a log of `namespace` starts with."""
+    block = arguments_block(namespace)
+    return block.index(next(line for line in block if line.startswith(f"  {key} "))) + 1
 
 
 def test_each_bad_log_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):

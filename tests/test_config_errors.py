@@ -133,6 +133,9 @@ SOLVER_KEYS = {
     "recompute_num_layers": ("[null,1]", [None, 1]), "jobs": ("2", 2), "allow_idle": ("false", False),
     "cp_comm_types": ("[p2p,a2a]", ["p2p", "a2a"]),
 }
+SPLIT_FORM_KEYS = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                   "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                   "pipeline_model_parallel_layout")
 PROFILE_KEYS = {
     "warmup": ("1", 1), "repeats": ("2", 2), "local_devices": ("2", 2), "layers": ("false", False), "use": ("false", False),
     "allow_cpu": ("true", True),
@@ -154,7 +157,9 @@ PLAN_KEYS = {
         (ClusterConfig, {**CLUSTER_KEYS, "levels": None, "torus": None, "nodes": None, "failed_nodes": None,
                          "topology_conf": None}),
         (LevelConfig, LEVEL_KEYS),
-        (TorusConfig, TORUS_KEYS), (TrainConfig, TRAIN_KEYS), (SolverConfig, SOLVER_KEYS), (PlanChoice, PLAN_KEYS),
+        (TorusConfig, TORUS_KEYS), (TrainConfig, TRAIN_KEYS), (SolverConfig, SOLVER_KEYS),
+        # the split's flag forms: one at a time (at most one form is given), in tests/test_pipeline_layouts.py
+        (PlanChoice, {**PLAN_KEYS, **dict.fromkeys(SPLIT_FORM_KEYS)}),
         (ProfileConfig, PROFILE_KEYS),
     ],
 )

@@ -131,5 +131,5 @@ def test_an_unknown_accelerator_in_a_users_defaults_names_the_file(tmp_path, mon
     with pytest.raises(NestError) as err:
         load([*TINY, "cluster=my_pod"])
     assert str(err.value) == (f"{path}: defaults: accelerator h300: unknown accelerator; choose one of: a100_80gb, b200, "
-                              f"h100_sxm, h200, tpuv4 (your own accelerators go in a folder listed in {CONFIG_PATH_ENV}, "
+                              f"gb200, gb300, h100_sxm, h200, tpuv4 (your own accelerators go in a folder listed in {CONFIG_PATH_ENV}, "
                               "as accelerator/h300.yaml)")

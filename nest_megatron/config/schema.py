@@ -247,8 +247,9 @@ class PlanChoice:
     # --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split: the embedding / the loss
     # counts as one layer, and the layers plus those split evenly over the pp*vpp chunks (the first chunk holds
     # one layer less with the embedding, the last one less with the loss): Llama 3.1 405B's 126 + 2 = 8 x 8 x 2.
-    account_for_embedding_in_pipeline_split: bool = False
-    account_for_loss_in_pipeline_split: bool = False
+    # None: not given (Megatron's default, false), so that only a given key counts as pinned.
+    account_for_embedding_in_pipeline_split: Optional[bool] = None
+    account_for_loss_in_pipeline_split: Optional[bool] = None
     # --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers: the first / last pipeline rank's
     # layers (a multiple of vpp); the other ranks share the rest evenly, each rank evenly over its chunks.
     decoder_first_pipeline_num_layers: Optional[int] = None

@@ -56,8 +56,10 @@ class SplitForm:
 
     @classmethod
     def from_fields(cls, source) -> SplitForm:
-        """The form of an object with fields of these names (a PlanChoice); EVEN itself when it sets none."""
-        form = cls(**{name: getattr(source, name) for name in FORM_FIELDS})
+        """The form of an object with fields of these names (a PlanChoice, whose unset account flags are None);
+        EVEN itself when it sets none."""
+        form = cls(**{name: bool(getattr(source, name)) if name in ACCOUNT_FIELDS else getattr(source, name)
+                      for name in FORM_FIELDS})
         return EVEN if form == EVEN else form
 
     @property
