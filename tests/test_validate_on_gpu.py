@@ -91,7 +91,8 @@ def test_cpu_smoke_run_on_a_bare_python_with_offline_wheels(tmp_path):
     problem = re.search(r"Model and cluster overrides: `([^`]*)`", text).group(1).split()
     plan = api.evaluate([*problem, "plan.mbs=1", "plan.recompute=none", "plan.zero=1", "plan.tp=1", "plan.pp=1",
                          f"cache={cache}"])
-    assert float(rows["mbs1"][5]) == pytest.approx(plan.predicted["step_time_s"], rel=1e-3)
+    # The table prints seconds to 4 decimals: equal within half of the last digit.
+    assert float(rows["mbs1"][5]) == pytest.approx(plan.predicted["step_time_s"], abs=5.01e-5)
 
 
 def test_the_smoke_run_writes_nothing_into_the_repo():
