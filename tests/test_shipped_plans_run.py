@@ -62,7 +62,7 @@ def test_every_offered_plan_of_a_shipped_model_keeps_the_rules(model, cluster, d
                          "train.global_batch_size=1024"]) == {}
 
 
-# The README's plan examples (Quick start, Use).
+# The README's plan examples (Quick start, plan) and docs/guide.md's Python one.
 README_CELLS = [
     [],  # `nest-megatron plan`: the embedded default
     ["cluster=dgx_h100_superpod"],

@@ -18,6 +18,7 @@ from nest_megatron.commands.explain import progress_bar
 from nest_megatron.errors import NestError
 from nest_megatron.report.plots import time_unit
 from nest_megatron.report.plots.sweep import draw
+from nest_megatron.report.table import fits_console
 
 HELP = "plan every point of a sweep (cluster=a,b cluster.num_devices=256,1024) and tabulate the best plans"
 EPILOG = """examples:
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     elif not args.quiet:
         fixed = " ".join(o for o in points[0].overrides if o.partition("=")[0] not in swept)
         rendered, notes = table(rows, swept, fixed)
-        if not console.is_terminal:  # piped: as wide as the table needs, not squeezed into 80 columns
+        if not fits_console(console):  # piped: as wide as the table needs, not squeezed into 80 columns
             console.width = Measurement.get(console, console.options.update_width(10_000), rendered).maximum
         console.print(rendered)
         for number, note in enumerate(notes, 1):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 
 from rich.console import Console
@@ -15,9 +16,15 @@ def configurations(count: int) -> str:
     return f"{count} configuration{'' if count == 1 else 's'}"
 
 
+def fits_console(console: Console) -> bool:
+    """Whether tables are fitted to the console's width: on a terminal, or piped with COLUMNS set (the README's
+    outputs are rendered at COLUMNS=100); otherwise they are as wide as they need (no headers cut to "weigh…")."""
+    return console.is_terminal or bool(os.environ.get("COLUMNS"))
+
+
 def print_table(console: Console, table: Table) -> None:
-    """On a terminal, fitted to its width; piped, as wide as the table needs (no headers cut to "weigh…")."""
-    if console.is_terminal:
+    """Fitted to the console's width where `fits_console`, else as wide as the table needs."""
+    if fits_console(console):
         console.print(table)
         return
     width = console.width  # print's own width= is capped at the console's
