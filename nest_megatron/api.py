@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from nest_megatron.calibration.profile import shipped
 from nest_megatron.config.load import Loaded, load
-from nest_megatron.cost.evaluate import estimate
+from nest_megatron.cost.evaluate import Estimate, uniform_split
 from nest_megatron.errors import InfeasibleError, NestError
 from nest_megatron.hardware.accelerator import GIB
 from nest_megatron.plan import Plan, build_plan
 from nest_megatron.profile.for_plan import profiled_problem
+from nest_megatron.solver.dp import placed_estimate
 from nest_megatron.solver.registry import SOLVERS
 from nest_megatron.solver.space import evaluate_config, pinned_chunks
 from nest_megatron.solver.visit import Progress
@@ -56,16 +57,36 @@ def plan_loaded(loaded: Loaded, *, progress: Progress | None = None) -> Plan:
         )
     search = {"solver": cfg.solver.name, "time_s": result.time_s, "configs_evaluated": result.configs_evaluated,
               "configs_in_space": result.configs_in_space, "compute": compute}
-    return build_plan(problem, result.best, model_name=cfg.model.name, cluster_name=cfg.cluster.name,
-                      overrides=loaded.overrides, search=search, runners_up=result.runners_up,
-                      calibration=_calibration(loaded, result.best.step_time))
+    chosen, others = picked(result.best, result.runners_up, cfg.plan.pick)
+    if cfg.plan.pick:
+        search["pick"] = cfg.plan.pick
+    return build_plan(problem, chosen, model_name=cfg.model.name, cluster_name=cfg.cluster.name,
+                      overrides=loaded.overrides, search=search, runners_up=others,
+                      calibration=_calibration(loaded, chosen.step_time))
+
+
+def picked(best: Estimate, runners_up: list[Estimate], pick: int | None) -> tuple[Estimate, list[Estimate]]:
+    """(the plan plan.pick takes, the others in the search's order): the best for 0 or None, else the pick-th
+    runner-up that fits."""
+    if not pick:
+        return best, list(runners_up)
+    fitting = [e for e in runners_up if e.fits]
+    if not 0 < pick <= len(fitting):
+        raise NestError(f"plan.pick={pick}: give 0 (the fastest plan) or 1..{len(fitting)}, the runners-up that fit "
+                        f"(the search kept {len(fitting)}; solver.top_k keeps more)")
+    chosen = fitting[pick - 1]
+    return chosen, [best, *(e for e in runners_up if e is not chosen)]
 
 
 def evaluate_loaded(loaded: Loaded) -> Plan:
     cfg = loaded.config
+    if cfg.plan.pick is not None:  # a plan of the search, the other plan.* keys its pins
+        return plan_loaded(loaded)
     problem, compute = priced_problem(loaded)
     parallel = evaluate_config(problem, cfg.plan, default_mbs=cfg.train.micro_batch_size)
-    est = estimate(problem, parallel, layers_per_stage=pinned_chunks(cfg.plan, parallel, num_layers=cfg.model.num_layers))
+    split = pinned_chunks(cfg.plan, parallel, num_layers=cfg.model.num_layers)
+    # under its fastest placement, as the search places a plan (evaluate of a plan's plan.* keys scores the plan)
+    est = placed_estimate(problem, parallel, split or uniform_split(cfg.model.num_layers, parallel.pp))
     if not est.fits:
         worst = max(range(len(est.memory)), key=lambda i: est.memory[i].total)
         raise InfeasibleError(

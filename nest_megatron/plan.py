@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+import re
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
 from nest_megatron.calibration.band import overlaps
 from nest_megatron.cost.evaluate import Estimate
 from nest_megatron.cost.problem import Problem
+from nest_megatron.cost.tables import chunk_split
 from nest_megatron.emit.megatron import ZERO_FLAGS, model_args, parallel_args, recompute_settings
 from nest_megatron.hardware.accelerator import GIB
+from nest_megatron.parallel.config import ParallelConfig
+from nest_megatron.parallel.layout import ACCOUNT_FIELDS, EVEN, FORM_FIELDS, simplest_form
 
 SCHEMA_VERSION = 1
 # What every node of a job must agree on to build the same Megatron: sizes, batches, memory options, layer
@@ -43,7 +47,10 @@ class Plan:
     megatron_args: list[str]
     overrides: list[str] = field(default_factory=list)  # the Hydra overrides that rebuild this problem
     search: dict = field(default_factory=lambda: {"solver": "evaluate", "time_s": 0.0, "configs_evaluated": 1})
+    # each: its row of the table (tp, ..., step_time_s, fits), `plan` (choice_keys: evaluate with them scores it
+    # again), its `megatron_args` and `layers_per_stage`; plan.pick=K launches the K-th that fits
     runners_up: list[dict] = field(default_factory=list)
+    choice: dict = field(default_factory=dict)  # choice_keys of the plan itself; {} in plans written before them
     hosts: list[str] = field(default_factory=list)  # the allocation's nodes in node-rank order, idle ones last; [] unnamed
     failed_hosts: list[str] = field(default_factory=list)  # the allocation's nodes that are down (cluster.failed_nodes)
     # The calibration that priced it (calibration/profile.py Calibration.to_plan): its constants, its cross-validated
@@ -91,14 +98,65 @@ def predicted(est: Estimate) -> dict:
     }
 
 
-def summary(est: Estimate) -> dict:
-    """One line of a table of candidates: the configuration and its predicted numbers."""
+def summary(problem: Problem, est: Estimate) -> dict:
+    """One line of a table of candidates: the configuration and its predicted numbers, with all it takes to
+    rebuild it (its plan.* keys) and to launch it (its Megatron arguments)."""
     c = est.config
     return {
         "tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep, "vpp": c.vpp, "mbs": c.mbs,
         "zero": c.zero, "recompute": c.recompute, "order": c.order,
         "step_time_s": est.step_time, "peak_memory_gib": est.peak_memory / GIB, "fits": est.fits,
+        "plan": choice_keys(est, num_layers=problem.model.cfg.num_layers),
+        "layers_per_stage": list(est.layers_per_stage),
+        "megatron_args": megatron_args(problem, est),
     }
+
+
+CONFIG_KEYS = tuple(f.name for f in fields(ParallelConfig))  # each is also a plan.* key (config/schema.py PlanChoice)
+
+
+def choice_keys(est: Estimate, *, num_layers: int) -> dict:
+    """Every plan.* key of `est`'s configuration and layer split (None: not given), so that `evaluate` with them
+    builds the same configuration and split: the split in the form its Megatron flags take (emit/megatron.py
+    split_args), an unset account flag None as PlanChoice has it."""
+    c = est.config
+    keys = {name: getattr(c, name) for name in CONFIG_KEYS}
+    form = simplest_form(chunk_split(c, est.layers_per_stage), num_layers=num_layers, pp=c.pp) if c.pp > 1 else EVEN
+    keys.update({name: (getattr(form, name) or None) if name in ACCOUNT_FIELDS else getattr(form, name)
+                 for name in FORM_FIELDS})
+    keys["layers_per_stage"] = None  # the form says it (at most one way is given)
+    return keys
+
+
+def key_overrides(keys: dict) -> list[str]:
+    """plan.* keys as Hydra overrides (the None ones left out); a string Hydra's grammar would parse is quoted
+    (a layout: 'Et|(t*2|)*62,tL')."""
+    out = []
+    for name, value in keys.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            text = str(value).lower()
+        elif isinstance(value, str) and not re.fullmatch(r"[A-Za-z0-9_-]+", value):
+            text = f"'{value}'"
+        else:
+            text = str(value)
+        out.append(f"plan.{name}={text}")
+    return out
+
+
+def megatron_args(problem: Problem, est: Estimate) -> list[str]:
+    """The model and the planner's flags of `est`, as the plan emits them."""
+    return model_args(problem.model) + parallel_args(
+        est.config,
+        model=problem.model,
+        global_batch_size=problem.global_batch_size,
+        overlap_grad_reduce=problem.overlap_grad_reduce,
+        overlap_param_gather=problem.overlap_param_gather,
+        layers_per_stage=est.layers_per_stage,
+        tp_comm_overlap=problem.tp_comm_overlap,
+        moe_dispatcher=problem.moe_dispatcher,
+    )
 
 
 def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name: str, overrides: list[str] = (),
@@ -125,20 +183,11 @@ def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name
         rank_to_device=[int(d) for d in mapping],
         group_levels={k: (level_names[v] if v >= 0 else None) for k, v in est.levels.items()},
         predicted=predicted(est),
-        megatron_args=model_args(model)
-        + parallel_args(
-            c,
-            model=model,
-            global_batch_size=problem.global_batch_size,
-            overlap_grad_reduce=problem.overlap_grad_reduce,
-            overlap_param_gather=problem.overlap_param_gather,
-            layers_per_stage=est.layers_per_stage,
-            tp_comm_overlap=problem.tp_comm_overlap,
-            moe_dispatcher=problem.moe_dispatcher,
-        ),
+        megatron_args=megatron_args(problem, est),
         overrides=list(overrides),
         search=search or {"solver": "evaluate", "time_s": 0.0, "configs_evaluated": 1},
-        runners_up=[summary(e) for e in runners_up],
+        runners_up=[summary(problem, e) for e in runners_up],
+        choice=choice_keys(est, num_layers=model.cfg.num_layers),
         hosts=hosts_by_node_rank(problem.topology, mapping),
         failed_hosts=list(problem.topology.failed_hosts),
         calibration=dict(calibration or {}),

@@ -101,7 +101,7 @@ def show(prepared: Prepared, *, dry_run: bool) -> None:
                   file=sys.stderr, flush=True)
         return
     console = stdout_console()
-    render(prepared.plan, console)
+    render(prepared.plan, console, megatron_args=prepared.script_args)  # what the commands below run, not the plan's
     print(summary)
     print("\n".join(command_lines(prepared)))
 

@@ -259,6 +259,10 @@ class PlanChoice:
     # commas are cosmetic: 'Et|(t*2|)*62,tL'. Its stages set plan.vpp (stages / pp). Quote it for Hydra when it
     # has commas.
     pipeline_model_parallel_layout: Optional[str] = None
+    # Which plan of the search to take: 0 the fastest, K >= 1 the K-th runner-up that fits (the Plan JSON's
+    # runners_up rows that fit, in their order). None: the fastest for `plan`, `launch` and `sbatch`; for `evaluate`
+    # the configuration the other keys give (with a pick, `evaluate` searches with them as pins and takes the pick).
+    pick: Optional[int] = None
 
 
 @dataclass

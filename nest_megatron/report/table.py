@@ -42,7 +42,9 @@ def step_time(plan: Plan) -> str:
     return f"{step:.3f} s" + (f" ({band[0]:.3g}-{band[1]:.3g} s)" if band else "")
 
 
-def render(plan: Plan, console: Console) -> None:
+def render(plan: Plan, console: Console, *, megatron_args: list[str] | None = None) -> None:
+    """The plan's tables and its Megatron arguments: `megatron_args` where a launch ran them through the user's argv
+    (launch/prepare.py Prepared.script_args, the argv every node's command runs), else the plan's own."""
     p, pred = plan.parallel, plan.predicted
     command = "evaluate" if plan.search["solver"] == "evaluate" else "plan"  # a scored choice, or a search
     head = Table(title=f"nest-megatron {command}: {plan.model} on {plan.num_devices} x {plan.accelerator} "
@@ -98,4 +100,5 @@ def render(plan: Plan, console: Console) -> None:
             time_table.add_row(k, f"{v:.3f}")
     print_table(console, time_table)
     console.print("[bold]Megatron arguments:[/bold]")
-    console.print(shlex.join(plan.megatron_args), soft_wrap=True, highlight=False)
+    console.print(shlex.join(plan.megatron_args if megatron_args is None else megatron_args), soft_wrap=True,
+                  highlight=False)

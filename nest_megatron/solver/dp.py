@@ -466,6 +466,14 @@ def _solve_pinned(problem: Problem, cfg: ParallelConfig, cutoff: float, contexts
     return Outcome(True, *best)
 
 
+def placed_estimate(problem: Problem, cfg: ParallelConfig, split: tuple[int, ...]) -> Estimate:
+    """`cfg` with `split` under its fastest placement, as `solve` places it (ties: the earlier one, Megatron's own
+    first), so that `evaluate` of a plan's keys scores what the plan does; Megatron's own when it does not fit."""
+    outcome = _solve_pinned(problem, cfg, np.inf, {}, split)
+    mapping = placements(problem, cfg)[outcome.placement] if outcome.fits and outcome.placement >= 0 else None
+    return estimate_in(context(problem, cfg, rank_to_device=mapping), split)
+
+
 class Kept:
     """The top_k + 1 fastest distinct rows (row_key: what a runner-up line shows), each by its fastest
     configuration, ranked by (step time, visiting position, placement): equal times go to the one

@@ -1,0 +1,101 @@
+"""Runners-up carry all it takes to rebuild and launch them: `evaluate` with a row's plan.* keys gives the row's
+argv and step time, and plan.pick=K takes the K-th that fits."""
+
+from __future__ import annotations
+
+import pytest
+
+from nest_megatron import api
+from nest_megatron.errors import NestError
+from nest_megatron.plan import key_overrides
+
+MODELS = ("llama3_8b", "llama3_70b", "mixtral_8x7b")
+CLUSTERS = ("dgx_h100_superpod", "h100_spine_leaf")
+SIZES = (64, 1024)
+CASES = [(m, c, n) for m in MODELS for c in CLUSTERS for n in SIZES]
+
+
+def overrides(model: str, cluster: str, num_devices: int) -> list[str]:
+    return [f"model={model}", f"cluster={cluster}", f"cluster.num_devices={num_devices}"]
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict:
+    return {}
+
+
+def planned(plans: dict, case: tuple) -> object:
+    """One search per case, shared by the tests of this module."""
+    if case not in plans:
+        plans[case] = api.plan(overrides(*case))
+    return plans[case]
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_evaluate_of_each_row_reproduces_it(plans, case):
+    plan = planned(plans, case)
+    rows = [("chosen", plan.choice, plan.megatron_args, plan.predicted["step_time_s"])]
+    rows += [(f"runner-up {i}", r["plan"], r["megatron_args"], r["step_time_s"])
+             for i, r in enumerate(plan.runners_up) if r["fits"]]
+    assert len(rows) > 1, "the search kept no fitting runner-up: nothing is round-tripped"
+    for name, keys, argv, step in rows:
+        again = api.evaluate(overrides(*case) + key_overrides(keys))
+        assert again.megatron_args == argv, name
+        assert again.predicted["step_time_s"] == step, name  # the same cost model, the same placement: exact
+        assert again.choice == keys, name
+
+
+def test_every_row_has_every_plan_key(plans):
+    """Each row names every plan.* key but pick (a key a row does not set is None), so nothing falls back to
+    evaluate's defaults (expert TP = TP for an MoE model, the even split)."""
+    from dataclasses import fields
+
+    from nest_megatron.config.schema import PlanChoice
+
+    plan = planned(plans, ("mixtral_8x7b", "dgx_h100_superpod", 64))
+    wanted = {f.name for f in fields(PlanChoice)} - {"pick"}
+    assert all(set(r["plan"]) == wanted for r in plan.runners_up) and set(plan.choice) == wanted
+
+
+def test_key_overrides_quote_what_hydra_would_parse():
+    keys = {"tp": 2, "sp": True, "account_for_loss_in_pipeline_split": None,
+            "pipeline_model_parallel_layout": "Et|(t*2|)*3,tL", "order": "tp-cp-ep-pp-dp"}
+    assert key_overrides(keys) == ["plan.tp=2", "plan.sp=true", "plan.pipeline_model_parallel_layout='Et|(t*2|)*3,tL'",
+                                   "plan.order=tp-cp-ep-pp-dp"]
+
+
+def test_pick_takes_the_kth_fitting_runner_up(plans):
+    case = ("llama3_70b", "dgx_h100_superpod", 64)
+    plan = planned(plans, case)
+    fitting = [r for r in plan.runners_up if r["fits"]]
+    second = api.plan(overrides(*case) + ["plan.pick=2"])
+    assert second.megatron_args == fitting[1]["megatron_args"]
+    assert second.predicted["step_time_s"] == fitting[1]["step_time_s"]
+    assert second.choice == fitting[1]["plan"]
+    # the fastest is now a runner-up of the picked plan, listed first
+    assert second.runners_up[0]["plan"] == plan.choice
+    # evaluate with a pick searches (the other plan.* keys its pins) and takes the same
+    assert api.evaluate(overrides(*case) + ["plan.pick=2"]).megatron_args == fitting[1]["megatron_args"]
+    assert api.evaluate(overrides(*case) + ["plan.pick=0"]).megatron_args == plan.megatron_args
+
+
+def test_pick_beyond_the_runners_up_is_one_line(plans):
+    case = ("llama3_70b", "dgx_h100_superpod", 64)
+    count = sum(r["fits"] for r in planned(plans, case).runners_up)
+    with pytest.raises(NestError, match=rf"plan.pick=99: give 0 \(the fastest plan\) or 1..{count}, the runners-up"):
+        api.plan(overrides(*case) + ["plan.pick=99"])
+
+
+def test_launch_takes_a_pick(plans):
+    """`launch plan.pick=1` runs the first fitting runner-up: its planner flags are the row's."""
+    from nest_megatron.launch.devices import Devices
+    from nest_megatron.launch.prepare import prepare
+    from nest_megatron.launch.rewrite import planner_part
+
+    case = ("llama3_70b", "dgx_h100_superpod", 64)
+    first = next(r for r in planned(plans, case).runners_up if r["fits"])
+    prepared = prepare(overrides=["model=llama3_70b", "cluster=dgx_h100_superpod", "plan.pick=1"], script="pretrain_gpt.py",
+                       script_args=["--data-path", "/data/corpus_text_document"],
+                       devices=Devices(num_nodes=8, per_node=8, node_rank=0, master_addr="n1"))
+    assert planner_part(prepared.plan.megatron_args) == planner_part(first["megatron_args"])
+    assert prepared.plan.predicted["step_time_s"] == first["step_time_s"]
