@@ -93,6 +93,103 @@ def test_a2a_and_all_gather_need_a_head_size_multiple_of_8(comm_type):
     assert broken(spec(kv_channels=100), cp=2, cp_comm_type="p2p") is None
 
 
+def _mla_channels(**mla) -> tuple[int, int]:
+    """The key and value head sizes megatron-core's MLASelfAttention hands its core attention (k_channels,
+    v_channels; with TE's spec they become TE DotProductAttention's kv_channels): its own code, built on the meta
+    device at TP 1 with a core attention that records what it is given (TE's cannot be built here)."""
+    pytest.importorskip("megatron.core")
+    import torch
+
+    from nest_megatron.trace.meta import as_rank
+    from nest_megatron.trace.transformer_config import transformer_config
+
+    seen = {}
+
+    class Recorder(torch.nn.Module):  # stands for TEDotProductAttention, which needs a GPU
+        def __init__(self, **kwargs):
+            super().__init__()
+            seen.update(kwargs)
+
+    with as_rank(0, 1):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.spec_utils import build_module
+
+        attention = get_gpt_layer_local_spec(multi_latent_attention=True).submodules.self_attention
+        attention.submodules.core_attention = Recorder
+        with torch.device("meta"):
+            build_module(attention, config=transformer_config(ModelConfig(**{**MLA, **mla})), layer_number=1)
+    return seen["k_channels"], seen["v_channels"]
+
+
+# A small MLA layer: 4 heads, queries and keys of qk_head_dim + qk_pos_emb_head_dim, values of v_head_dim.
+MLA = dict(name="mla", num_layers=2, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4, seq_length=256,
+           vocab_size=1024, multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16,
+           position_embedding_type="rope", normalization="RMSNorm", add_bias_linear=False)
+
+
+@pytest.mark.parametrize("dims, k_v", [
+    (dict(qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128), (192, 128)),  # DeepSeek-V3's heads
+    (dict(qk_head_dim=64, qk_pos_emb_head_dim=64, v_head_dim=128), (128, 128)),  # equal: TE sees no MLA
+])
+def test_mla_with_cp_exchanges_by_p2p(dims, k_v):
+    """TE context_parallel.py:4031-4035: `enable_mla = k.shape[-1] != v.shape[-1]`, then `assert not enable_mla or
+    cp_comm_type in ["p2p", "a2a+p2p"]`. The head sizes are megatron-core's (k_channels = qk_head_dim +
+    qk_pos_emb_head_dim = 128 + 64 = 192, v_channels = v_head_dim = 128); where they are equal, TE takes any."""
+    assert _mla_channels(**dims) == k_v
+    model = ModelSpec(ModelConfig(**{**MLA, **dims}))
+    for comm_type in ("a2a", "all_gather"):
+        line = broken(model, cp=2, cp_comm_type=comm_type)
+        if k_v[0] == k_v[1]:
+            assert line is None, line
+        else:
+            assert line == (
+                f"plan.cp_comm_type={comm_type} with plan.cp=2 and model.multi_latent_attention=true: Transformer "
+                "Engine's context parallelism runs MLA (key heads 192 wide, value heads 128) only with p2p; use "
+                "plan.cp_comm_type=p2p, or plan.cp=1")
+    assert broken(model, cp=2, cp_comm_type="p2p") is None
+    assert broken(model, cp=1, cp_comm_type="a2a") is None  # no CP: no exchange
+
+
+def test_mla_with_a_window_has_no_cp_exchange():
+    """A sliding window needs a2a or all_gather (:4026), MLA p2p (:4032): with both, no CP exchange runs, so the
+    search finds every CP > 1 configuration refused and the empty-space line names the first rule."""
+    model = ModelSpec(ModelConfig(**MLA, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, **WINDOW))
+    lines = [broken(model, cp=2, cp_comm_type=t) for t in ("p2p", "a2a", "all_gather")]
+    assert lines[0].startswith("plan.cp_comm_type=p2p with plan.cp=2 and model.window_size=4096")
+    assert all(line.startswith(f"plan.cp_comm_type={t} with plan.cp=2 and model.multi_latent_attention=true")
+               for t, line in zip(("a2a", "all_gather"), lines[1:]))
+    assert broken(model, cp=1) is None
+
+
+MLA_ARGV = ("--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --max-position-embeddings 256 "
+            "--vocab-size 1024 --multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 128 "
+            "--qk-pos-emb-head-dim 64 --v-head-dim 128 --position-embedding-type rope --normalization RMSNorm "
+            "--disable-bias-linear --bf16 --global-batch-size 8 --micro-batch-size 1 --context-parallel-size 2").split()
+MLA_KEYS = ["model=tiny_gpt", "model.multi_latent_attention=true", "model.q_lora_rank=32", "model.kv_lora_rank=16",
+            "model.qk_head_dim=128", "model.qk_pos_emb_head_dim=64", "model.v_head_dim=128",
+            "model.position_embedding_type=rope", "model.normalization=RMSNorm", "model.seq_length=256",
+            "cluster.num_devices=8"]
+
+
+def test_mla_exchange_in_the_argv_evaluate_and_the_search():
+    """The same rule on a launch line (Megatron's default p2p launches), in `evaluate`, and in the search: asked to
+    try only a2a, the planner finds TE refuses it for MLA and runs the ring instead."""
+    assert violations(MLA_ARGV, world_size=2) == []
+    assert violations([*MLA_ARGV, "--cp-comm-type", "a2a"], world_size=2) == [
+        "--cp-comm-type=a2a with --context-parallel-size=2 and model.multi_latent_attention=true: Transformer Engine's "
+        "context parallelism runs MLA (key heads 192 wide, value heads 128) only with p2p; use --cp-comm-type=p2p, or "
+        "--context-parallel-size=1"]
+    with pytest.raises(NestError, match=r"^invalid configuration: plan\.cp_comm_type=all_gather with plan\.cp=2 and "
+                                        r"model\.multi_latent_attention=true: Transformer Engine's context parallelism "
+                                        r"runs MLA \(key heads 192 wide, value heads 128\) only with p2p"):
+        api.evaluate([*MLA_KEYS, "plan.tp=1", "plan.pp=1", "plan.cp=2", "plan.cp_comm_type=all_gather"])
+    plan = api.plan([*MLA_KEYS, "plan.cp=2", "solver.cp_comm_types=[a2a]"])
+    argv = plan.megatron_args
+    assert plan.parallel["cp"] == 2 and plan.parallel["cp_comm_type"] == "p2p"
+    assert argv[argv.index("--cp-comm-type") + 1] == "p2p"  # emitted with any CP > 1 (emit/megatron.py)
+    assert violations(argv, world_size=plan.world_size) == []
+
+
 def test_bert_padding_mask_has_no_cp():
     """megatron-core's BERT layers take AttnMaskType.padding (models/bert/bert_layer_specs.py); TE's flash and fused
     attention assert `not context_parallel` for a padding mask (backends.py:821-824, 1860-1863)."""

@@ -370,6 +370,17 @@ def _cp_sliding_window(c: Case):
                 "only with a2a or all_gather; use plan.cp_comm_type=a2a or all_gather, or plan.cp=1")
 
 
+def _cp_mla(c: Case):
+    """With MLA (a key head wider than a value head), context parallel exchanges by p2p."""
+    cfg, m = c.cfg, c.model
+    # megatron-core hands TE's attention k_channels = qk_head_dim + qk_pos_emb_head_dim, v_channels = v_head_dim
+    k_dim, v_dim = m.mla_qk_head_dim, m.cfg.v_head_dim
+    if cfg.cp > 1 and m.cfg.multi_latent_attention and k_dim != v_dim and cfg.cp_comm_type != "p2p":
+        return (f"plan.cp_comm_type={cfg.cp_comm_type} with plan.cp={cfg.cp} and model.multi_latent_attention=true: "
+                f"Transformer Engine's context parallelism runs MLA (key heads {k_dim} wide, value heads {v_dim}) only "
+                "with p2p; use plan.cp_comm_type=p2p, or plan.cp=1")
+
+
 def _cp_a2a_heads(c: Case):
     """With a2a, CP divides each TP rank's attention heads and query groups."""
     cfg, m = c.cfg, c.model
@@ -472,6 +483,9 @@ TE_RULES = (
     Rule("cp-padding-mask", f"{DPA}backends.py:821-824, 1860-1863; BERT's padding mask: "
          f"{MC}models/bert/bert_layer_specs.py:60, 113", _cp_padding_mask),
     Rule("cp-sliding-window", f"{DPA}context_parallel.py:4023-4029", _cp_sliding_window),
+    Rule("cp-mla", f"{DPA}context_parallel.py:4031-4035 (`enable_mla = k.shape[-1] != v.shape[-1]`: p2p or a2a+p2p); "
+         f"{MC}transformer/multi_latent_attention.py:214-215 (k_channels, v_channels), "
+         f"{MC}extensions/transformer_engine.py:2176", _cp_mla),
     Rule("cp-a2a-heads", f"{DPA}context_parallel.py:3365-3367", _cp_a2a_heads),
     Rule("cp-head-dim", f"{DPA}context_parallel.py:2806 (all_gather), 3320 (a2a)", _cp_head_dim),
     Rule("fused-window-dropout", f"{DPA}utils.py:874-885, dot_product_attention.py:1425-1431 (no backend left: "
