@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from nest_megatron import api
 from nest_megatron.config.load import load
-from nest_megatron.launch.megatron_rules import violations
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.solver.baselines import total_params
+from test_shipped_plans_run import broken_rules
 
 SMALL = ["cluster=dgx_h100_superpod", "cluster.num_devices=8", "train.global_batch_size=16"]
 MODELS = ["llama31_405b", "qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3", "kimi_k2", "gpt_oss_120b"]
@@ -100,12 +99,35 @@ def test_gpt_oss_120b_counts():
     assert 36 * spec.attention_params(1) == pytest.approx(0.96e9, rel=0.01)
 
 
+# gpt_oss_120b is left out: megatron-core's local-spec forward of biased experts fails on CPU/meta (an in-place
+# bias add on the view _ReduceFromModelParallelRegion returns), so trace/meta.py cannot trace it.
+@pytest.mark.parametrize("model", [m for m in MODELS if m != "gpt_oss_120b"])
+def test_shipped_model_layers_have_megatron_cores_parameters(model):
+    """One decoder layer of each kind (and the MTP depth) built by megatron-core on the meta device (GPTModel of the
+    shipped keys, trace/meta.py; a short sequence, which changes no parameter): each layer's dense and expert
+    parameters are the analytic count's, and so are the embedding's and the output layer's."""
+    pytest.importorskip("megatron.core")
+    from megatron_helpers import load_model_config
+    from nest_megatron.model.kinds import LayerKind
+    from nest_megatron.trace.meta import representative_layers, trace_megatron
+    from nest_megatron.trace.source import local_spec_kernels
+
+    cfg = load_model_config(model, seq_length=64)
+    graph = trace_megatron(representative_layers(cfg))
+    spec = ModelSpec(local_spec_kernels(cfg))
+    layers = graph.layers[1:-1]
+    assert {LayerKind.from_label(layer.kind) for layer in layers} == set(spec.kinds) | {spec.mtp_kind} - {None}
+    for layer in layers:
+        kind = LayerKind.from_label(layer.kind)
+        assert (layer.dense_params, layer.expert_params) == spec.layer_params(tp=1, kind=kind), layer.kind
+    assert graph.layers[0].params == spec.embedding_params(1)
+    assert graph.layers[-1].params == spec.output_params(tp=1, pp=1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 def test_shipped_model_plans_on_256_h100s_with_an_argv_that_keeps_the_rules(model):
-    plan = api.plan([f"model={model}", "cluster=dgx_h100_superpod", "cluster.num_devices=256",
-                     "train.global_batch_size=1024"])
-    assert plan.world_size <= 256
-    assert violations(plan.megatron_args, world_size=plan.world_size) == []
-    args = plan.megatron_args
-    assert args[args.index("--num-layers") + 1] == str(load([f"model={model}", *SMALL]).config.model.num_layers)
+    """The chosen plan and every runner-up on 256 H100s: the emitted argv keeps the argv rules, the configuration
+    the search-space rules (tests/test_shipped_plans_run.py's check)."""
+    assert broken_rules([f"model={model}", "cluster=dgx_h100_superpod", "cluster.num_devices=256",
+                         "train.global_batch_size=1024"]) == {}
