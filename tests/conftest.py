@@ -24,3 +24,4 @@ def temporary_files_under_pytest(tmp_path_factory):
     else:
         os.environ["TMPDIR"] = saved
     tempfile.tempdir = None
+
