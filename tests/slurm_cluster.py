@@ -153,10 +153,15 @@ class SlurmCluster:
             f"RealMemory=1000 Gres=gpu:{self.gpus_per_node} State=UNKNOWN"
             for name, port in zip(self.node_names, node_ports)
         )
+        # A job's rendezvous port is 20000 + its job id (launch/devices.py): two clusters of parallel test workers
+        # number their jobs from where their distinct controller ports say, not both from 1; ids below 12768 keep
+        # those ports under Linux's ephemeral range (32768-60999), where free_port() finds the daemons' ports.
+        first_job_id = 1 + ctld_port % 10000
         self.conf.write_text(f"""\
 ClusterName=nesttest
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}
+FirstJobId={first_job_id}
 SlurmUser=root
 AuthType=auth/munge
 AuthInfo=socket={r / 'munge' / 'munge.socket'}
