@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 from nest_megatron.cli import main
+from nest_megatron.config.load import load
+from nest_megatron.errors import NestError
+from nest_megatron.fidelity.bench import evaluate_row
 from nest_megatron.fidelity.published import (
     convention_flops_per_token,
     implied_gflops_per_token,
@@ -62,7 +65,8 @@ def test_rows_carry_the_recipe_settings():
     assert "train.grad_reduce_in_bf16=false" in row.overrides  # grad_sync_dtype=bf16 came in April 2024
     later = row_of(ENTRIES["nemo-24.07-LLAMA2-70B-64gpu-fp8"])
     assert "train.grad_reduce_in_bf16=true" in later.overrides
-    assert row_of(ENTRIES["automodel-DeepSeek_V3_671B-256gpu-bf16"]).not_expressible.startswith("multi-head latent")
+    # MLA is expressible now; AutoModel's FSDP2 inside pipeline stages is not Megatron's (no pipeline in its mesh)
+    assert row_of(ENTRIES["automodel-DeepSeek_V3_671B-256gpu-bf16"]).not_expressible.startswith("FSDP2 sharding")
     assert row_of(ENTRIES["automodel-Nemotron_V3_Nano_30B-8gpu-bf16"]).not_expressible.startswith("hybrid Mamba")
 
 
@@ -85,7 +89,8 @@ def test_no_published_layout_is_refused_as_out_of_memory(tmp_path):
     (table,) = tmp_path.glob("published_*.md")
     text = table.read_text()
     assert "- published layouts refused as out of memory: 0" in text
-    assert "| all | 57 |" in text  # 63 rows, 6 not expressible (3 Mamba hybrids, 3 with MLA), every other one priced
+    # 76 rows, 6 not expressible (3 Mamba hybrids, 3 AutoModel FSDP2-with-pipeline runs), every other one priced
+    assert "| all | 70 |" in text
     assert len(list(tmp_path.glob("published_*.png"))) == 1
 
 
@@ -125,3 +130,45 @@ def test_automodel_moe_rows_dispatch_with_deepep_behind_the_fake_balanced_gate()
     assert (mixtral.moe_dispatcher, mixtral.moe_router, mixtral.moe_permute_fusion) == ("alltoall", "learned", False)
     # the 8x3B conf names no dispatcher: megatron-core 0.7's default, allgather
     assert row_of(ENTRIES["launcher-24.05-MIXTRAL-8x3B-bf16-draft"]).moe_dispatcher == "allgather"
+
+
+def test_bridge_rows_take_their_recipes_uneven_splits():
+    """Megatron-Bridge's Llama 3.1 405B counts the embedding and the loss as layers (recipes/llama/llama31_405b.py
+    :47-48 at v0.1.0rc4): 126 + 2 = 128 slots over 8 x 8 chunks of 2, so chunk 0 holds 1 layer beside the
+    embedding, the last chunk 1 beside the loss, every other one 2; the measured step is 512 x 8,192 tokens at 302
+    tokens/s on each of 1,024 GPUs = 13.563 s."""
+    row = row_of(ENTRIES["mb-25.09-LLAMA3.1_405B-fp8"])
+    for key in ("plan.account_for_embedding_in_pipeline_split=true", "plan.account_for_loss_in_pipeline_split=true",
+                "plan.pp=8", "plan.vpp=8", "plan.cp=2", "train.fp8_recipe=tensorwise", "train.grad_reduce_in_bf16=true"):
+        assert key in row.overrides
+    assert row.measured_step_s == pytest.approx(512 * 8192 / (302 * 1024))
+    result = evaluate_row(row)
+    assert result.refused is None
+    assert result.estimate.layers_per_stage == (1, *[2] * 62, 1)
+
+
+def test_deepseek_v3_bridge_row_runs_its_layout_with_the_mtp_depth():
+    """run_script.py:66 at v0.1.0rc4: 'Et|(tt|)*30mL' at PP 8 x VP 4: 32 stages, the first with the embedding and 1
+    layer, 30 of 2 layers, the last with the MTP depth and the loss and no decoder layer: 1 + 60 = 61 layers."""
+    row = row_of(ENTRIES["mb-25.09-DeepSeekV3-fp8cs"])
+    for key in ("model.multi_latent_attention=true", "model.q_lora_rank=1536", "model.kv_lora_rank=512",
+                "model.mtp_num_layers=1", "model.moe_router_num_groups=8", "model.moe_router_group_topk=4",
+                "plan.pipeline_model_parallel_layout='Et|(tt|)*30mL'", "model.num_query_groups=null"):
+        assert key in row.overrides
+    assert "model.moe_layer_freq=[0,0,0," + ",".join(["1"] * 58) + "]" in row.overrides  # first 3 layers dense
+    assert (row.moe_dispatcher, row.moe_router, row.moe_permute_fusion) == ("deepep", "learned", True)
+    result = evaluate_row(row)
+    assert result.refused is None
+    assert result.estimate.layers_per_stage == (1, *[2] * 30, 0)
+    # the blockwise variant prints only TFLOP/s: 1,297 tokens/s x 330 / 338 = 1,266, 8,192 x 4,096 tokens a step
+    blockwise = row_of(ENTRIES["mb-25.09-DeepSeekV3-fp8blockwise"])
+    assert blockwise.measured_step_s == pytest.approx(8192 * 4096 / (1266 * 1024))
+    assert "train.fp8_recipe=blockwise" in blockwise.overrides and "train.tp_comm_overlap=false" in blockwise.overrides
+
+
+def test_a_layout_with_an_mtp_layer_needs_the_model_s_mtp_depth():
+    row = row_of(ENTRIES["mb-25.09-DeepSeekV3-fp8cs"])
+    without = [o for o in row.overrides if o != "model.mtp_num_layers=1"]
+    with pytest.raises(NestError, match="1 MTP layers .m., but the model has no multi-token prediction layers"):
+        load(without)
+    load(row.overrides)  # the same layout with the model's one MTP depth builds

@@ -333,7 +333,8 @@ def _check(root: RootConfig) -> None:
     _check_accelerator(root.accelerator, root.cluster.device_memory_gib)
     _check_train_and_solver(root.train, root.solver)
     _check_precision(root.train, root.accelerator)
-    _check_plan(root.plan, devices=devices, layers=root.model.num_layers, batch=root.train.global_batch_size)
+    _check_plan(root.plan, devices=devices, layers=root.model.num_layers, batch=root.train.global_batch_size,
+                mtp_num_layers=root.model.mtp_num_layers)
     p = root.profile
     _integer("profile.warmup", p.warmup, 0, MAX_PROFILE_RUNS)
     _integer("profile.repeats", p.repeats, 1, MAX_PROFILE_RUNS)
@@ -620,7 +621,7 @@ def _has_fp8(name: str, key: str = "peak_fp8_tflops") -> bool:
     return isinstance(data, dict) and bool(data.get(key))
 
 
-def _check_plan(p: PlanChoice, *, devices: int, layers: int, batch: int) -> None:
+def _check_plan(p: PlanChoice, *, devices: int, layers: int, batch: int, mtp_num_layers: int | None = None) -> None:
     """Pinned values, each within what can ever launch; 0 is a bad value here, never "unset"."""
     for key in ("tp", "pp", "dp", "cp", "ep", "etp"):
         _integer(f"plan.{key}", getattr(p, key), 1, devices, "the cluster's devices")
@@ -631,10 +632,10 @@ def _check_plan(p: PlanChoice, *, devices: int, layers: int, batch: int) -> None
     _one_of("plan.recompute", p.recompute, RECOMPUTE_KINDS)
     _one_of("plan.order", p.order, RANK_ORDERS)
     _one_of("plan.cp_comm_type", p.cp_comm_type, CP_COMM_TYPES)
-    _check_split(p, layers)
+    _check_split(p, layers, mtp_num_layers)
 
 
-def _check_split(p: PlanChoice, layers: int) -> None:
+def _check_split(p: PlanChoice, layers: int, mtp_num_layers: int | None = None) -> None:
     """The layer split is given at most one way. plan.layers_per_stage: pp entries (layers per pipeline rank) or
     pp*vpp (layers per model chunk), each >= 0 (Megatron's layout allows an empty stage), adding up to
     model.num_layers. The first / last stage layers are 1..num_layers; a layout needs plan.pp and is one Megatron
@@ -654,7 +655,7 @@ def _check_split(p: PlanChoice, layers: int) -> None:
         key = f"plan.pipeline_model_parallel_layout={layout}"
         if p.pp is None:
             raise NestError(f"{key}: needs plan.pp pinned (its stages are pp*vpp model chunks)")
-        line = layout_problem(str(layout), pp=p.pp, num_layers=layers)  # the model has no MTP layers yet
+        line = layout_problem(str(layout), pp=p.pp, num_layers=layers, mtp_num_layers=mtp_num_layers)
         if line is None and p.vpp is not None and form_vpp(form, pp=p.pp) != p.vpp:
             line = f"{key}: its stages make plan.vpp={form_vpp(form, pp=p.pp)}, but plan.vpp={p.vpp} is given"
         if line is not None:

@@ -19,7 +19,7 @@ from nest_megatron.cost.evaluate import Estimate, estimate
 from nest_megatron.cost.problem import Problem
 from nest_megatron.fidelity.published import OPTIMIZERS, Row
 from nest_megatron.hardware.accelerator import GIB
-from nest_megatron.solver.space import evaluate_config
+from nest_megatron.solver.space import evaluate_config, pinned_chunks
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 
@@ -61,7 +61,8 @@ def evaluate_row(row: Row, *, accelerator: dict | None = None) -> RowResult:
         if accelerator:
             problem = dataclasses.replace(problem, accelerator=dataclasses.replace(problem.accelerator, **accelerator))
         cfg = evaluate_config(problem, loaded.config.plan, default_mbs=loaded.config.train.micro_batch_size)
-        est = estimate(problem, cfg)
+        # the split the row's plan.* keys give (the embedding / loss counted, a layout), as `evaluate` prices it
+        est = estimate(problem, cfg, layers_per_stage=pinned_chunks(loaded.config.plan, cfg, num_layers=model.cfg.num_layers))
         if est.fits:
             return RowResult(row, est, recompute, problem=problem)
     return RowResult(row, est, recompute, problem=problem,

@@ -4,7 +4,7 @@ Each row of the calibration set gives a model shape, a parallel layout, batch si
 overlap settings, and what the run measured: tokens/s per GPU, or only model TFLOP/s per GPU under
 its source's FLOP convention. `rows()` turns every row into the overrides `nest-megatron evaluate`
 takes and the measured step time in seconds; a row whose model this cost model cannot express
-(Mamba hybrids, multi-head latent attention) carries the reason instead.
+(Mamba hybrids, shapes not published) carries the reason instead.
 
 What a row leaves unstated is filled with the source's default and listed in `Row.assumed`.
 """
@@ -12,6 +12,7 @@ What a row leaves unstated is filled with the source's default and listed in `Ro
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,7 +80,74 @@ ROW_SETTINGS = {
     # is that layout's (launcher-24.05-LLAMA2-13B-fp8, TP1 PP4: 8,344), not a TP-4 one.
     "launcher-24.03-LLAMA2-13B-fp8": {"layout": {"tp": 1, "pp": 4, "vp": 10, "dp": 4,
                                                  "sequence_parallel": False, "tp_comm_overlap": False}},
+    # Megatron-Bridge rows: NVIDIA-NeMo/Megatron-Bridge at the row's recipe tag, v0.1.0rc4 (NeMo 25.09:
+    # scripts/performance/run_script.py, configs/*/*_llm_pretrain.yaml, src/megatron/bridge/recipes/) or v0.2.0
+    # (25.11: scripts/performance/configs/*/workload_base_configs.py, *_llm_pretrain.py). What every Bridge row
+    # shares is in BRIDGE_DEFAULTS below.
+    # Llama 3.1 405B: 126 layers + the embedding + the loss = 128 = 8 x 8 chunks of 2 (recipes/llama/
+    # llama31_405b.py:47-48,73-74 at v0.1.0rc4; recipes/llama/llama3.py:413-414 llama31_405b_pretrain_config at v0.2.0).
+    "mb-25.09-LLAMA3.1_405B-fp8": {"plan": ["plan.account_for_embedding_in_pipeline_split=true",
+                                            "plan.account_for_loss_in_pipeline_split=true"]},
+    "mb-25.11-LLAMA3.1_405B-fp8cs": {"plan": ["plan.account_for_embedding_in_pipeline_split=true",
+                                              "plan.account_for_loss_in_pipeline_split=true"]},
+    # Qwen3-235B-A22B: 94 layers + 2 = 96 = 8 x 4 chunks of 3 (recipes/qwen/qwen3_235b_a22b.py:70-71 at v0.1.0rc4,
+    # recipes/qwen/qwen3_moe.py:160-161 at v0.2.0); qk-layernorm as every Qwen3 MoE (Qwen3MoEModelProvider
+    # qk_layernorm=True, models/qwen/qwen_provider.py:371 at v0.1.0rc4, :351 at v0.2.0; the row's arch note omits it).
+    "mb-25.09-Qwen3_235B_a22B-fp8-tokendrop": {"plan": ["plan.account_for_embedding_in_pipeline_split=true",
+                                                        "plan.account_for_loss_in_pipeline_split=true"],
+                                               "model": ["model.qk_layernorm=true"]},
+    "mb-25.11-Qwen3_235B_a22B-fp8cs": {"plan": ["plan.account_for_embedding_in_pipeline_split=true",
+                                                "plan.account_for_loss_in_pipeline_split=true"],
+                                       "model": ["model.qk_layernorm=true"]},
+    # Qwen3-30B-A3B: the tables print VP 24, the recipes set 12 at both tags (configs/qwen3/
+    # qwen3_30b_a3b_llm_pretrain.yaml:66 at v0.1.0rc4, workload_base_configs.py:237 at v0.2.0): 48 layers = 2 x 12
+    # chunks of 2 (24 = pp x vp). MBS 2 as the tables (the 25.09 yaml's fp8_cs :73; the 25.11 table's GA 32 = 512 /
+    # (8 x 2) agrees with its MBS 2). The 25.09 run drops tokens at capacity factor 1.0 padded to capacity
+    # (run_script.py:109, training/utils/moe_token_drop.py:20-21,54-55): every expert gets exactly its balanced share,
+    # as the 25.11 run's forced balancing (qwen3_llm_pretrain.py:47) gives on average: both priced uniform.
+    "mb-25.09-Qwen3_30B_a3B-fp8-tokendrop": {"layout": {"vp": 12}},
+    "mb-25.11-Qwen3_30B_a3B-fp8cs": {"layout": {"vp": 12}},
+    # Llama 3 8B at 25.11: LLAMA3_8B_H100_FP8_CS_BASE_CONFIG (configs/llama3/workload_base_configs.py:229-233 at
+    # v0.2.0) sets recompute_num_layers=5, full recompute of the first 5 layers (utils/helpers.py:163-179
+    # set_recompute_overrides: granularity full, method block), and no use_megatron_fsdp, where the table prints
+    # FSDP (as the 25.09 recipe ran it, llama3_8b_llm_pretrain.yaml:73-77). Where the two disagree the table, the
+    # measurement's own record, is kept: Megatron-FSDP (optim_grads_params, helpers.py:72 at v0.1.0rc4); at the
+    # distributed optimizer the 5 layers' recompute leaves 83.5 GiB a device in this memory model, over 80 GB.
+    "mb-25.11-LLAMA3_8B-fp8cs": {"zero": 3, "recompute": "full", "recompute_num_layers": 5},
+    # DeepSeek-V3 (25.09, H100): run_script.py:56-66,77-91 at v0.1.0rc4: DeepEP (the flex dispatcher,
+    # recipes/deepseek/deepseek_v3.py:146-149), forced load balancing, the layout 'Et|(tt|)*30mL' (an embedding
+    # stage with 1 layer, 30 stages of 2, the MTP depth and the loss), recompute_modules [mla_up_proj, mlp];
+    # mtp_num_layers 1 (deepseek_v3.py:51); moe_permute_fusion (:109); router 8 groups, top 4
+    # (models/deepseek/deepseek_provider.py:178-179 DeepSeekV3Provider). The granular recompute is not modelled
+    # (issue 18 item 3): priced without it. mla_up_proj runs the q / kv up-projections again (1536 x 24,576 +
+    # 512 x 32,768 MACs a token and layer, 8 % of a layer's forward, ~3 % of the step), mlp only the 3 dense layers.
+    "mb-25.09-DeepSeekV3-fp8cs": {
+        "plan": ["plan.pipeline_model_parallel_layout='Et|(tt|)*30mL'"],
+        "model": ["model.mtp_num_layers=1", "model.moe_router_num_groups=8", "model.moe_router_group_topk=4"],
+        "optimizations": {"dp_overlap_grad_reduce": False},  # the H100 branch (run_script.py:101-102)
+        "moe_dispatcher": "deepep", "recompute": "none",
+        "recompute_note": "recompute_modules [mla_up_proj, mlp] priced as none (granular recompute not modelled)"},
+    # GPT-OSS 120B (25.11): GPT_OSS_120B_H100_BF16_BASE_CONFIG (configs/gpt_oss/workload_base_configs.py:22-28,58-62
+    # at v0.2.0): PP 4, EP 8, MBS 1 (the table's MBS 4 / GA 2 do not multiply to GBS 512 over DP 16; they are the
+    # B200 row's), recompute_modules [layernorm, moe_act]: a norm and the experts' activation run again, memory-bound
+    # elementwise work; priced as none (granular recompute not modelled, issue 18 item 3).
+    "mb-25.11-GPT_OSS_120B-bf16": {"layout": {"mbs": 1}, "recompute": "none",
+                                   "recompute_note": "recompute_modules [layernorm, moe_act] priced as none "
+                                                     "(granular recompute not modelled)"},
 }
+# The same run with FP8 blockwise scaling: Transformer Engine's userbuffers take no blockwise FP8 (the TP overlap rule,
+# parallel/rules.py), so its TP collectives ran without them
+ROW_SETTINGS["mb-25.09-DeepSeekV3-fp8blockwise"] = {**ROW_SETTINGS["mb-25.09-DeepSeekV3-fp8cs"],
+                                                    "optimizations": {"dp_overlap_grad_reduce": False,
+                                                                      "tp_comm_overlap": False}}
+# What every Megatron-Bridge perf recipe sets (both tags): gradients reduced in bf16 (mixed_precision
+# grad_reduce_in_fp32: false, each configs/*/*_llm_pretrain.yaml at v0.1.0rc4, set_*_common_configs at v0.2.0), the
+# fused cross-entropy (GPTModelProvider cross_entropy_loss_fusion=True, models/gpt_provider.py:152 at v0.1.0rc4,
+# :180 at v0.2.0), Transformer Engine's fused MoE permutation (Qwen3MoEModelProvider moe_permute_fusion=True,
+# qwen_provider.py:396 / :375; GPTOSSProvider gpt_oss_provider.py:73; deepseek_v3.py:109), the current-scaling FP8
+# recipe (utils/helpers.py get_precision_config 'cs': bf16_with_fp8_current_scaling_mixed, --fp8-recipe tensorwise)
+# and Megatron's distributed optimizer with fp32 state.
+FP8_RECIPE_OF = (("blockwise", "blockwise"), ("current scaling", "tensorwise"))  # the row's fp8_recipe note -> key
 # The optimizer's state, as the dtypes of its master weight and moments (model/spec.py OptimizerDtypes; None:
 # Megatron's fp32 ones, 12 B a parameter):
 # - megatron: Megatron's distributed optimizer. The AutoModel rows' torch.optim.Adam keeps the same (fp32
@@ -140,7 +208,8 @@ def rows(path: Path = CALIBRATION_PATH) -> list[Row]:
 
 def source_of(entry: dict) -> str:
     repo = entry["source"]["repo"].split("/")[-1]
-    return {"NeMo-Framework-Launcher": "launcher", "NeMo": "nemo", "Automodel": "automodel"}.get(repo, repo)
+    return {"NeMo-Framework-Launcher": "launcher", "NeMo": "nemo", "Automodel": "automodel",
+            "Megatron-Bridge": "bridge"}.get(repo, repo)
 
 
 def convention_flops_per_token(entry: dict) -> float:
@@ -164,6 +233,12 @@ def measured_step_time(entry: dict) -> float:
     tokens = entry["gbs"] * entry["seq_length"]
     if entry.get("tokens_per_sec_per_gpu"):
         return tokens / (entry["tokens_per_sec_per_gpu"] * entry["num_gpus"])
+    # A Bridge variant printed only as TFLOP/s beside its sibling's tokens/s (DeepSeek-V3 blockwise: '338 (330)'):
+    # the same model and FLOPs a token, so its tokens/s are the sibling's scaled by the TFLOP/s, the file's derived
+    # tokens_per_sec_per_gpu_estimate (1297 x 330 / 338 = 1266)
+    estimate = (entry.get("derived") or {}).get("tokens_per_sec_per_gpu_estimate")
+    if estimate:
+        return tokens / (estimate * entry["num_gpus"])
     flops = convention_flops_per_token(entry) * tokens
     return flops / (entry["model_tflops_per_gpu"] * 1e12 * entry["num_gpus"])
 
@@ -180,19 +255,44 @@ def _arch(entry: dict) -> dict:
         "add_bias_linear": gpt3 or "GPT-OSS" in arch,
         "dropout": 0.1 if gpt3 else 0.0,  # NeMo's GPT-3 configs keep dropout 0.1; the others train without
         "untie": not gpt3,
-        "qk_layernorm": "qk-layernorm" in arch,
+        "qk_layernorm": "qk-layernorm" in arch or "MLA" in arch,  # MLA: the q and kv latents' norms
         "window": GPT_OSS_WINDOW if "GPT-OSS" in arch else None,
+        "mla": _mla(arch),
     }
+
+
+# DeepSeek-V3's MLA widths (config_671B.json: q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128,
+# qk_rope_head_dim 64, v_head_dim 128), which Kimi K2 keeps (moonshotai/Kimi-K2-Instruct config.json; its row's note
+# says only "DeepSeek-V3-style MLA")
+MLA_WIDTHS = {"q_lora": 1536, "kv_lora": 512, "qk_nope": 128, "qk_rope": 64, "v": 128}
+MLA_KEYS = {"q_lora": "q_lora_rank", "kv_lora": "kv_lora_rank", "qk_nope": "qk_head_dim",
+            "qk_rope": "qk_pos_emb_head_dim", "v": "v_head_dim"}
+
+
+def _mla(arch: str) -> dict | None:
+    """The MLA widths the note gives ('q_lora 1536, kv_lora 512, ...'), DeepSeek-V3's where it names none."""
+    if "MLA" not in arch:
+        return None
+    given = {k: int(m.group(1)) for k in MLA_WIDTHS if (m := re.search(rf"\b{k} (\d+)", arch))}
+    return {**MLA_WIDTHS, **given}
+
+
+def _first_dense(arch: str) -> int:
+    """Leading dense layers of a MoE model, from the note ('first 3 layers dense', 'first layer dense')."""
+    m = re.search(r"first (\d+ )?layers? dense", arch)
+    return int(m.group(1) or 1) if m else 0
 
 
 def _not_expressible(entry: dict) -> str | None:
     arch = entry["model_shape"]["arch"]
     if "Mamba" in arch or "hybrid" in arch:
         return "hybrid Mamba / attention model (Mamba layers are not modelled)"
-    if "MLA" in arch:
-        return "multi-head latent attention (MLA is not modelled)"
     if not entry["model_shape"].get("layers"):
         return "model shape not published"
+    if source_of(entry) == "automodel" and entry["fsdp"] and entry["pp"] > 1:
+        # AutoModel's torch pipeline stages, each sharded by FSDP2; Megatron-FSDP's mesh has no pipeline dimension
+        # (the rule that refuses plan.zero=3 with plan.pp > 1), and ZeRO-1 would price other traffic and memory
+        return "FSDP2 sharding inside each of AutoModel's pipeline stages (Megatron-FSDP takes no pipeline)"
     return None
 
 
@@ -215,7 +315,7 @@ def _model_overrides(entry: dict) -> list[str]:
     out = [
         f"model.name={entry['id']}", f"model.num_layers={s['layers']}", f"model.hidden_size={s['hidden']}",
         f"model.ffn_hidden_size={s['ffn']}", f"model.num_attention_heads={s['heads']}",
-        f"model.num_query_groups={s['query_groups']}", f"model.seq_length={entry['seq_length']}",
+        f"model.num_query_groups={s['query_groups'] or 'null'}", f"model.seq_length={entry['seq_length']}",
         f"model.vocab_size={s['vocab']}", f"model.swiglu={str(a['swiglu']).lower()}",
         f"model.squared_relu={str(a['squared_relu']).lower()}",
         f"model.position_embedding_type={a['position_embedding_type']}", f"model.normalization={a['normalization']}",
@@ -229,8 +329,15 @@ def _model_overrides(entry: dict) -> list[str]:
     if s.get("experts"):
         out += [f"model.num_experts={s['experts']}", f"model.moe_router_topk={s['topk']}",
                 f"model.moe_ffn_hidden_size={s['moe_ffn']}"]
-        if s.get("shared_expert_ffn"):
-            out.append(f"model.moe_shared_expert_intermediate_size={s['shared_expert_ffn']}")
+        shared = s.get("shared_expert_ffn") or (s["moe_ffn"] if "1 shared expert" in s["arch"] else None)
+        if shared:
+            out.append(f"model.moe_shared_expert_intermediate_size={shared}")
+        dense = _first_dense(s["arch"])
+        if dense:
+            out.append("model.moe_layer_freq=[" + ",".join(["0"] * dense + ["1"] * (s["layers"] - dense)) + "]")
+    if a["mla"]:
+        out += ["model.multi_latent_attention=true",
+                *(f"model.{MLA_KEYS[k]}={v}" for k, v in a["mla"].items())]
     if a["window"]:
         out += [f"model.window_size={a['window']}", "model.window_attn_skip_freq=2"]
     return out
@@ -261,48 +368,61 @@ def row_of(entry: dict) -> Row:
     if vp is None and recipe_pp == entry["pp"]:
         vp = recipe_vp
         assumed.append(f"vpp={vp} (the recipe's)")
-    grad_bf16 = release in GRAD_BF16_RELEASES and entry["model"].startswith(GRAD_BF16_MODELS)
-    if grad_bf16:
+    bridge = source_of(entry) == "bridge"
+    grad_bf16 = bridge or (release in GRAD_BF16_RELEASES and entry["model"].startswith(GRAD_BF16_MODELS))
+    if grad_bf16 and not bridge:
         assumed.append("grad_reduce_in_bf16 (the recipe's grad_sync_dtype=bf16)")
-    fused_loss = settings.get("cross_entropy_fusion", False)
+    fused_loss = settings.get("cross_entropy_fusion", bridge)
     mbs = entry["mbs"] or 1
     if entry["mbs"] is None:
         assumed.append("mbs=1 (not stated)")
     fsdp = bool(entry["fsdp"])
-    zero = 3 if fsdp else 1  # every Megatron row uses a distributed optimizer (distributed_fused_adam / mcore)
-    if not fsdp and not str(entry["distributed_optimizer"]).startswith("true"):
+    zero = settings.get("zero", 3 if fsdp else 1)  # every Megatron row uses a distributed optimizer
+    if "zero" in settings:
+        assumed.append(f"zero={zero} (the recipe's)")
+    elif not fsdp and not str(entry["distributed_optimizer"]).lower().startswith("true"):
         assumed.append("zero=1 (NeMo's default distributed optimizer; not stated)")
     recompute, stated = _recompute(entry)
+    stated = stated or bridge  # the Bridge perf configs state their recomputation (ROW_SETTINGS where it is not none)
     if "recompute" in settings:
         recompute, stated = settings["recompute"], True
-        assumed.append(f"recompute={recompute} (the recipe's)")
-    opt = entry.get("optimizations") or {}
+        assumed.append(settings.get("recompute_note", f"recompute={recompute} (the recipe's)"))
+    opt = {**(entry.get("optimizations") or {}), **settings.get("optimizations", {})}
     plan = [f"plan.tp={entry['tp']}", f"plan.pp={entry['pp']}", f"plan.cp={entry['cp']}", f"plan.dp={entry['dp']}",
             f"plan.vpp={vp or 1}", f"plan.mbs={mbs}", f"plan.zero={zero}",
             f"plan.sp={str(bool(entry['sequence_parallel']) and entry['tp'] > 1).lower()}"]
     if moe:
         plan += [f"plan.ep={ep}", "plan.etp=1"]
     plan.append(f"plan.recompute={recompute}")
+    if "recompute_num_layers" in settings:
+        plan.append(f"plan.recompute_num_layers={settings['recompute_num_layers']}")
+    plan += settings.get("plan", [])
+    fp8_recipe = next((key for words, key in FP8_RECIPE_OF if words in str(entry.get("fp8_recipe"))), None)
+    tp_overlap = bool(opt.get("tp_comm_overlap_userbuffers")) or opt.get("tp_comm_overlap") is True
     train = [f"train.global_batch_size={entry['gbs']}", f"train.precision={entry['precision_class'].lower()}",
              f"train.overlap_grad_reduce={str(opt.get('dp_overlap_grad_reduce', True)).lower()}",
              f"train.overlap_param_gather={str(opt.get('dp_overlap_param_gather', True)).lower()}",
-             f"train.tp_comm_overlap={str(bool(opt.get('tp_comm_overlap_userbuffers')) and entry['tp'] > 1).lower()}",
+             f"train.tp_comm_overlap={str(tp_overlap and entry['tp'] > 1).lower()}",
              f"train.grad_reduce_in_bf16={str(grad_bf16).lower()}",
              f"train.cross_entropy_fusion={str(fused_loss).lower()}"]
+    if bridge and fp8_recipe and entry["precision_class"] == "FP8":
+        train.append(f"train.fp8_recipe={fp8_recipe}")
     overrides = ["model=llama2_7b", "cluster=dgx_h100_superpod", f"cluster.num_devices={entry['num_gpus']}",
-                 *_model_overrides(entry), *train, *plan]
+                 *_model_overrides(entry), *settings.get("model", []), *train, *plan]
     optimizer = OPTIMIZER_BY_MODEL.get(entry["model"], NEMO_OPTIMIZER) if is_nemo_era(entry) else "megatron"
     if optimizer == "apex_bf16":
         assumed.append("optimizer state in bf16 (the recipe's optim.dtype)")
     dispatcher, router = AUTOMODEL_MOE_DISPATCH if moe and source_of(entry) == "automodel" else ("alltoall", "learned")
     if "moe_dispatcher" in settings:
         dispatcher = settings["moe_dispatcher"]
-        assumed.append(f"{dispatcher} token dispatcher (megatron-core's default; the conf sets none)")
+        if not bridge:
+            assumed.append(f"{dispatcher} token dispatcher (megatron-core's default; the conf sets none)")
     if dispatcher == "deepep":
-        assumed.append("DeepEP dispatch, fake balanced gate, fused permutation (the recipe's)")
+        assumed.append("DeepEP dispatch, " + ("forced balanced router (uniform)" if bridge else "fake balanced gate")
+                       + ", fused permutation (the recipe's)")
     return Row(**common, measured_step_s=measured_step_time(entry), overrides=overrides, assumed=tuple(assumed),
                recompute_stated=stated, optimizer=optimizer, moe_dispatcher=dispatcher, moe_router=router,
-               moe_permute_fusion=dispatcher == "deepep")
+               moe_permute_fusion=dispatcher == "deepep" or (bridge and moe))
 
 
 def implied_gflops_per_token(entry: dict) -> float | None:

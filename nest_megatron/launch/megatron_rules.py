@@ -168,7 +168,8 @@ def argv_split(argv: list[str], *, world_size: int, model: ModelConfig | None = 
     m = model or ModelConfig(**model_values(s, vocab_size=s.get("--vocab-size", 1)))
     pp = s.get("--pipeline-model-parallel-size", 1)
     form, vpp = argv_form(s), argv_vpp(s, pp=pp, num_layers=m.num_layers)
-    if form == EVEN or form_problem(form, num_layers=m.num_layers, pp=pp, vpp=vpp) is not None:
+    if form == EVEN or form_problem(form, num_layers=m.num_layers, pp=pp, vpp=vpp,
+                                    mtp_num_layers=m.mtp_num_layers) is not None:
         return None
     if any(excluded_pair(form, one, other) for _, one, other, _ in EXCLUSIONS):
         return None

@@ -229,7 +229,8 @@ def _given(c: Case) -> bool:
 def _layout(c: Case):
     """A layout: E first and L last once each, the model's t and m layers (m after every t, in one rank's last virtual stage), pp*vpp stages."""
     if c.form.pipeline_model_parallel_layout is not None:
-        return form_problem(c.form, num_layers=c.model.cfg.num_layers, pp=c.cfg.pp, vpp=c.cfg.vpp)
+        return form_problem(c.form, num_layers=c.model.cfg.num_layers, pp=c.cfg.pp, vpp=c.cfg.vpp,
+                            mtp_num_layers=c.model.cfg.mtp_num_layers)
 
 
 def _account_split(c: Case):
