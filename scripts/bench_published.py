@@ -96,6 +96,7 @@ def _cross_validated_table(crossed: dict[str, list[float]], results: list[RowRes
         missed = [f"{k} {v:.1%} > {CROSS_VALIDATED_TARGETS[k]:.0%}" for k, v in checks.items()
                   if v > CROSS_VALIDATED_TARGETS[k]]
         verdict = "" if name.startswith("in sample") else ("met" if not missed else "missed: " + ", ".join(missed))
+        verdict = verdict.replace("|", "\\|")  # a bare | would end the Markdown cell
         lines.append(f"| {name} | {s.rows} | {s.median_abs_error:.1%} | {s.bias:+.1%} | {s.within_10:.0%} | "
                      f"{s.within_20:.0%} | {s.max_abs_error:.1%} | {verdict} |")
     return lines
