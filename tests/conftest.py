@@ -1,7 +1,8 @@
 """Every temporary folder of a test session lies under pytest's own base folder, so that a green run leaves nothing
 in /tmp (pyproject.toml: tmp_path_retention_policy = "failed" removes it): launch's default run directory
-(nest-run-*), torchrun's torchelastic_* logs, Chromium's profile, the test SLURM cluster (nest-slurm-*) all take
-tempfile's folder, which TMPDIR sets here for this process and every process it starts."""
+(nest-run-*), torchrun's torchelastic_* logs, Chromium's profile, pip's build folders all take tempfile's folder,
+which TMPDIR sets here for this process and every process it starts. (The SLURM cluster's folder is the exception:
+tests/slurm_cluster.py, which removes it itself.)"""
 
 from __future__ import annotations
 

@@ -106,7 +106,9 @@ class SlurmCluster:
         raise AssertionError("unreachable")
 
     def _start_once(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="nest-slurm-"))
+        # In /tmp itself, not in TMPDIR: under pytest that is a folder of pytest's (tests/conftest.py), mode 0700,
+        # which munged (the munge user) cannot enter. stop() removes it, at exit too.
+        self.root = Path(tempfile.mkdtemp(prefix="nest-slurm-", dir="/tmp"))
         self.root.chmod(0o755)  # munged (as the munge user) must reach its socket below it
         self._start_munge()
         self._write_config()
