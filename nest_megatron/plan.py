@@ -106,7 +106,8 @@ def summary(problem: Problem, est: Estimate) -> dict:
         "tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep, "vpp": c.vpp, "mbs": c.mbs,
         "zero": c.zero, "recompute": c.recompute, "order": c.order,
         "step_time_s": est.step_time, "peak_memory_gib": est.peak_memory / GIB, "fits": est.fits,
-        "plan": choice_keys(est, num_layers=problem.model.cfg.num_layers),
+        "plan": choice_keys(est, num_layers=problem.model.cfg.num_layers,
+                            mtp_num_layers=problem.model.cfg.mtp_num_layers or 0),
         "layers_per_stage": list(est.layers_per_stage),
         "megatron_args": megatron_args(problem, est),
     }
@@ -115,13 +116,14 @@ def summary(problem: Problem, est: Estimate) -> dict:
 CONFIG_KEYS = tuple(f.name for f in fields(ParallelConfig))  # each is also a plan.* key (config/schema.py PlanChoice)
 
 
-def choice_keys(est: Estimate, *, num_layers: int) -> dict:
+def choice_keys(est: Estimate, *, num_layers: int, mtp_num_layers: int = 0) -> dict:
     """Every plan.* key of `est`'s configuration and layer split (None: not given), so that `evaluate` with them
     builds the same configuration and split: the split in the form its Megatron flags take (emit/megatron.py
     split_args), an unset account flag None as PlanChoice has it."""
     c = est.config
     keys = {name: getattr(c, name) for name in CONFIG_KEYS}
-    form = simplest_form(chunk_split(c, est.layers_per_stage), num_layers=num_layers, pp=c.pp) if c.pp > 1 else EVEN
+    form = (simplest_form(chunk_split(c, est.layers_per_stage), num_layers=num_layers, pp=c.pp,
+                          mtp_num_layers=mtp_num_layers) if c.pp > 1 else EVEN)
     keys.update({name: (getattr(form, name) or None) if name in ACCOUNT_FIELDS else getattr(form, name)
                  for name in FORM_FIELDS})
     keys["layers_per_stage"] = None  # the form says it (at most one way is given)
@@ -187,7 +189,7 @@ def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name
         overrides=list(overrides),
         search=search or {"solver": "evaluate", "time_s": 0.0, "configs_evaluated": 1},
         runners_up=[summary(problem, e) for e in runners_up],
-        choice=choice_keys(est, num_layers=model.cfg.num_layers),
+        choice=choice_keys(est, num_layers=model.cfg.num_layers, mtp_num_layers=model.cfg.mtp_num_layers or 0),
         hosts=hosts_by_node_rank(problem.topology, mapping),
         failed_hosts=list(problem.topology.failed_hosts),
         calibration=dict(calibration or {}),

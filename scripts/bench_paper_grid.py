@@ -91,7 +91,7 @@ def baseline_plan(problem, est: Estimate, *, name: str, model_name: str, cluster
                       search=bl.search_record(name, time_s=time_s, configs_evaluated=configs_evaluated))
 
 
-def _entry(name: str, est: Estimate | None, planner: Estimate | None, *, time_s: float, configs: int,
+def _entry(problem, name: str, est: Estimate | None, planner: Estimate | None, *, time_s: float, configs: int,
            skipped: str | None = None) -> dict:
     out = {"name": name, "time_s": time_s, "configs_evaluated": configs, "skipped": skipped}
     if est is None:
@@ -100,7 +100,7 @@ def _entry(name: str, est: Estimate | None, planner: Estimate | None, *, time_s:
         return out
     out.update(tokens_per_s=est.tokens_per_s, step_time_s=est.step_time, mfu=est.mfu,
                ratio=(planner.tokens_per_s / est.tokens_per_s) if planner is not None else None,
-               config=summary(est), config_text=config_text(est))
+               config=summary(problem, est), config_text=config_text(est))
     return out
 
 
@@ -128,7 +128,7 @@ def run_cell(model: str, cluster: str, num_devices: int, *, solver: str | None =
             "time_s": wall,
             "configs_evaluated": result.configs_evaluated,
             "configs_in_space": getattr(result, "configs_in_space", None),
-            "config": summary(best) if best else None,
+            "config": summary(problem, best) if best else None,
             "layers_per_stage": list(best.layers_per_stage) if best else None,
             "config_text": config_text(best),
         },
@@ -140,7 +140,7 @@ def run_cell(model: str, cluster: str, num_devices: int, *, solver: str | None =
                                    search=bl.search_record(solver, time_s=wall, configs_evaluated=result.configs_evaluated))
 
     def add(name: str, est: Estimate | None, *, time_s: float, configs: int, skipped: str | None = None):
-        record["baselines"].append(_entry(name, est, best, time_s=time_s, configs=configs, skipped=skipped))
+        record["baselines"].append(_entry(problem, name, est, best, time_s=time_s, configs=configs, skipped=skipped))
         if est is not None:
             plans[name] = baseline_plan(problem, est, name=name, model_name=model, cluster_name=cluster,
                                         time_s=time_s, configs_evaluated=configs)

@@ -137,9 +137,10 @@ def test_the_1024_gpu_run_is_rebuilt_exactly(tmp_path):
     assert (t.global_batch_size, t.overlap_grad_reduce, t.overlap_param_gather, t.tp_comm_overlap,
             t.cross_entropy_fusion, t.precision) == (1024, True, True, True, True, "bf16")
     assert rebuilt.loaded.problem.num_devices == 1024 and rebuilt.loaded.problem.topology.name == "dgx_h100_superpod"
-    # what `evaluate` prices for the same overrides is what the run is priced at
+    # The run is priced as it ran, in torchrun's rank order; `evaluate` of the same overrides places the ranks as
+    # the search would (never slower), here within 0.1 %.
     step = estimate(rebuilt.loaded.problem, c).step_time
-    assert api.evaluate(rebuilt.overrides).predicted["step_time_s"] == pytest.approx(step)
+    assert step * 0.999 <= api.evaluate(rebuilt.overrides).predicted["step_time_s"] <= step
 
 
 def test_every_flag_the_reader_knows_has_a_megatron_attribute():

@@ -17,9 +17,12 @@ SMALL = ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=16"
 
 
 def run(*args: str, cwd) -> subprocess.CompletedProcess:
+    # Without COLUMNS, piped tables print as wide as they need (report/table.py fits_console); a test worker may
+    # have inherited the terminal's COLUMNS.
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     return subprocess.run(
         [sys.executable, "-m", "nest_megatron.cli", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=120,
+        cwd=cwd, capture_output=True, text=True, timeout=120, env=env,
     )
 
 

@@ -144,7 +144,7 @@ PLAN_KEYS = {
     "tp": ("2", 2), "pp": ("2", 2), "dp": ("4", 4), "cp": ("1", 1), "ep": ("1", 1), "etp": ("1", 1), "vpp": ("1", 1),
     "sp": ("true", True), "mbs": ("1", 1), "zero": ("1", 1), "recompute": ("full", "full"),
     "recompute_num_layers": ("1", 1), "order": ("tp-cp-ep-pp-dp", "tp-cp-ep-pp-dp"),
-    "layers_per_stage": ("[1,3]", [1, 3]), "cp_comm_type": ("a2a", "a2a"),
+    "layers_per_stage": ("[1,3]", [1, 3]), "cp_comm_type": ("a2a", "a2a"), "pick": ("0", 0),
 }
 
 

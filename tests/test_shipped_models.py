@@ -10,11 +10,11 @@ whether the input embedding (a lookup, not a multiply) counts, so each case says
 from __future__ import annotations
 
 import pytest
+from test_shipped_plans_run import broken_rules
 
 from nest_megatron.config.load import load
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.solver.baselines import total_params
-from test_shipped_plans_run import broken_rules
 
 SMALL = ["cluster=dgx_h100_superpod", "cluster.num_devices=8", "train.global_batch_size=16"]
 MODELS = ["llama31_405b", "qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3", "kimi_k2", "gpt_oss_120b"]
@@ -108,6 +108,7 @@ def test_shipped_model_layers_have_megatron_cores_parameters(model):
     parameters are the analytic count's, and so are the embedding's and the output layer's."""
     pytest.importorskip("megatron.core")
     from megatron_helpers import load_model_config
+
     from nest_megatron.model.kinds import LayerKind
     from nest_megatron.trace.meta import representative_layers, trace_megatron
     from nest_megatron.trace.source import local_spec_kernels

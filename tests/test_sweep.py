@@ -66,7 +66,7 @@ def test_a_model_that_fits_nowhere_is_a_row_and_the_rest_still_plan():
 def test_range_and_glob_are_hydras():
     points = sweep.expand(["cluster.num_devices=range(8,33,8)"])
     assert [p.values["cluster.num_devices"] for p in points] == [8, 16, 24, 32]  # stop is exclusive, as Python's
-    points = sweep.expand(["model=glob(llama3*)", "cluster.num_devices=8"])
+    points = sweep.expand(["model=glob(llama3_*)", "cluster.num_devices=8"])
     assert [p.overrides for p in points] == [("model=llama3_70b", "cluster.num_devices=8"),
                                              ("model=llama3_8b", "cluster.num_devices=8")]
 

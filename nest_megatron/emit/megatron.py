@@ -145,13 +145,15 @@ def moe_layer_freq_arg(freq) -> str:
     return "(" + "+".join(f"[{x}]*{n}" for x, n in runs) + ")"
 
 
-def split_args(cfg: ParallelConfig, *, num_layers: int, layers_per_stage: tuple[int, ...] | None) -> list[str]:
+def split_args(cfg: ParallelConfig, *, num_layers: int, layers_per_stage: tuple[int, ...] | None,
+               mtp_num_layers: int = 0) -> list[str]:
     """The simplest Megatron flags for the layer split (parallel.layout.simplest_form): none for the even split,
     --account-for-embedding/loss-in-pipeline-split, --decoder-first/last-pipeline-num-layers, else
     --pipeline-model-parallel-layout; --num-virtual-stages-per-pipeline-rank beside any but a layout, which sets
     the virtual stages itself (Megatron takes no other virtual-stage flag with it: arguments.py:928-939)."""
     chunks = chunk_split(cfg, layers_per_stage) if layers_per_stage else None
-    form = simplest_form(chunks, num_layers=num_layers, pp=cfg.pp) if chunks and cfg.pp > 1 else EVEN
+    form = (simplest_form(chunks, num_layers=num_layers, pp=cfg.pp, mtp_num_layers=mtp_num_layers)
+            if chunks and cfg.pp > 1 else EVEN)
     if form.pipeline_model_parallel_layout is not None:
         return ["--pipeline-model-parallel-layout", form.pipeline_model_parallel_layout]
     args = [flag_of(name) for name in ACCOUNT_FIELDS if getattr(form, name)]
@@ -191,7 +193,8 @@ def parallel_args(
         args.append("--sequence-parallel")
         if tp_comm_overlap and cfg.tp > 1:  # only with sequence parallel (Megatron-LM arguments.py:1441-1442)
             args.append("--tp-comm-overlap")
-    args += split_args(cfg, num_layers=model.cfg.num_layers, layers_per_stage=layers_per_stage)
+    args += split_args(cfg, num_layers=model.cfg.num_layers, layers_per_stage=layers_per_stage,
+                       mtp_num_layers=model.cfg.mtp_num_layers or 0)
     if cfg.cp > 1 or cfg.cp_comm_type != "p2p":  # the exchange the cost model priced (Megatron's default: p2p)
         args += ["--cp-comm-type", cfg.cp_comm_type]
     if cfg.order == "tp-cp-ep-pp-dp":

@@ -29,7 +29,8 @@ def uneven_layout(plan: Plan) -> str | None:
     argv may say it with other flags (the embedding / loss counted, first / last stage layers); a layout says every
     split, in the one field both targets have."""
     chunks = argv_split(plan.megatron_args, world_size=plan.world_size)
-    return layout_string(chunks) if chunks is not None else None
+    mtp = flag_value(plan, "--mtp-num-layers")
+    return layout_string(chunks, mtp_num_layers=int(mtp or 0)) if chunks is not None else None
 
 
 def is_moe(plan: Plan) -> bool:

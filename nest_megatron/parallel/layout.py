@@ -270,10 +270,12 @@ def rank_layers(chunks: tuple[int, ...], *, pp: int) -> list[int]:
     return [sum(chunks[r::pp]) for r in range(pp)]
 
 
-def layout_string(chunks: tuple[int, ...]) -> str:
+def layout_string(chunks: tuple[int, ...], *, mtp_num_layers: int = 0) -> str:
     """The chunks as a --pipeline-model-parallel-layout: 'E' on the first stage, 'L' on the last, a run of equal
-    stages between them as '(<stage>|)*n,' (Megatron unrolls it back: `layout_stages`), e.g. 'Et|(t*2|)*62,tL'."""
+    stages between them as '(<stage>|)*n,' (Megatron unrolls it back: `layout_stages`), e.g. 'Et|(t*2|)*62,tL';
+    the MTP layers ('m') on the last stage before the loss, where Megatron requires as many as --mtp-num-layers."""
     stages = ["" if n == 0 else "t" if n == 1 else f"t*{n}" for n in chunks]
+    stages[-1] += "m" * mtp_num_layers
     if len(stages) == 1:
         return f"E{stages[0]}L"
     text, middle, i = f"E{stages[0]}|", stages[1:-1], 0
@@ -284,7 +286,7 @@ def layout_string(chunks: tuple[int, ...]) -> str:
     return f"{text}{stages[-1]}L"
 
 
-def simplest_form(chunks: tuple[int, ...], *, num_layers: int, pp: int) -> SplitForm:
+def simplest_form(chunks: tuple[int, ...], *, num_layers: int, pp: int, mtp_num_layers: int = 0) -> SplitForm:
     """The fewest Megatron flags that build `chunks` (pp*vpp entries): none for the even split, then the
     embedding / loss counted as layers, then first / last stage counts, else a layout. Each candidate is checked
     by building it with `chunk_layers`, the one function that reads every form."""
@@ -302,7 +304,7 @@ def simplest_form(chunks: tuple[int, ...], *, num_layers: int, pp: int) -> Split
         if (form_problem(form, num_layers=num_layers, pp=pp, vpp=vpp) is None
                 and chunk_layers(form, num_layers=num_layers, pp=pp, vpp=vpp) == tuple(chunks)):
             return form
-    return SplitForm(pipeline_model_parallel_layout=layout_string(tuple(chunks)))
+    return SplitForm(pipeline_model_parallel_layout=layout_string(tuple(chunks), mtp_num_layers=mtp_num_layers))
 
 
 def form_problem(form: SplitForm, *, num_layers: int, pp: int, vpp: int, mtp_num_layers: int | None = None) -> str | None:
