@@ -28,6 +28,7 @@ from nest_megatron.parallel.layout import (
     rank_layers,
     searched_splits,
     simplest_form,
+    split_hint,
 )
 
 ACCOUNT = SplitForm(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
@@ -368,3 +369,11 @@ def test_a_pinned_pp_launch_emits_the_argv_split_again():
     assert FLAGS_BOTH == split_flags(prepared.script_args)[:2]
     assert prepared.plan.parallel["pp"] == 2 and tuple(prepared.plan.layers_per_stage) == chunk_layers(
         ACCOUNT, num_layers=6, pp=2, vpp=prepared.plan.parallel["vpp"])
+
+
+def test_a_layout_of_a_model_with_mtp_carries_its_mtp_layers():
+    """Megatron builds --mtp-num-layers MTP layers only where the layout has as many 'm' (on the last stage, before
+    the loss): written by hand, DeepSeek-V3's 61 layers + 1 MTP layer at PP 8 x VPP 4 as 0, 30 x 2, 1 chunks."""
+    assert layout_string((0, *[2] * 30, 1), mtp_num_layers=1) == "E|(t*2|)*30,tmL"
+    assert layout_string((0, *[2] * 30, 1)) == "E|(t*2|)*30,tL"
+    assert split_hint(num_layers=61, pp=8, vpp=4, mtp_num_layers=1).endswith("tmL'")

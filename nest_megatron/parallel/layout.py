@@ -204,12 +204,12 @@ def even_problem(*, num_layers: int, pp: int, vpp: int) -> str | None:
     return None
 
 
-def split_hint(*, num_layers: int, pp: int, vpp: int) -> str:
+def split_hint(*, num_layers: int, pp: int, vpp: int, mtp_num_layers: int = 0) -> str:
     """What to give where the even split does not build: the plan.* keys of the simplest searched split there."""
     family = searched_splits(num_layers, pp, vpp) if vpp > 1 and pp > 1 else ()
     if not family:
         return "give the split (plan.layers_per_stage or plan.pipeline_model_parallel_layout)"
-    form = simplest_form(family[0], num_layers=num_layers, pp=pp)
+    form = simplest_form(family[0], num_layers=num_layers, pp=pp, mtp_num_layers=mtp_num_layers)
     if form.pipeline_model_parallel_layout is not None:
         return f"give the split, e.g. {PLAN}{LAYOUT_FIELD}='{form.pipeline_model_parallel_layout}'"
     keys = " ".join(f"{PLAN}{name}={str(getattr(form, name)).lower()}" for name in form.given)

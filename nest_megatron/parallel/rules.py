@@ -267,7 +267,11 @@ def _even_split(c: Case):
     """Without a given split, pp x vpp divides the layers."""
     if not _given(c) and not c.any_split:
         line = even_problem(num_layers=c.model.cfg.num_layers, pp=c.cfg.pp, vpp=c.cfg.vpp)
-        return line and f"{line}; {split_hint(num_layers=c.model.cfg.num_layers, pp=c.cfg.pp, vpp=c.cfg.vpp)}"
+        if not line:
+            return line
+        hint = split_hint(num_layers=c.model.cfg.num_layers, pp=c.cfg.pp, vpp=c.cfg.vpp,
+                          mtp_num_layers=c.model.cfg.mtp_num_layers or 0)
+        return f"{line}; {hint}"
 
 
 def _vpp_pp(c: Case):
