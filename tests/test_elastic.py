@@ -20,9 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from nest_megatron.config.schema import ModelConfig
 from nest_megatron.errors import NestError
 from nest_megatron.launch.elastic import Entry, check_resumable
 from nest_megatron.launch.elastic_worker import select
+from nest_megatron.model.spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = [sys.executable, "-m", "nest_megatron.cli", "launch"]
@@ -103,11 +105,11 @@ def test_bad_elastic_input_is_one_line_and_starts_nothing(flags, script_extra, m
     assert len(lines) == 1 and lines[0].startswith(f"nest-megatron launch: error: {message}"), lines
 
 
-def _entry(nodes: int, tp: int, padded_vocab: int, zero: int = 0) -> Entry:
+def _entry(nodes: int, tp: int, padded_vocab: int, zero: int = 0, vocab_size: int = 50000, divisible_by: int = 128) -> Entry:
     dp = nodes // tp
     return Entry(nodes=nodes, digest="0" * 12, parallel={"tp": tp, "pp": 1, "dp": dp, "cp": 1, "ep": 1, "etp": tp, "vpp": 1},
                  micro_batch_size=1, global_batch_size=12, num_microbatches=12 // dp, zero_stage=zero,
-                 padded_vocab=padded_vocab, world_size=nodes, num_devices=nodes, argv=[], env={}, cuda_visible_devices={})
+                 vocab_size=vocab_size, vocab_divisible_by=divisible_by, padded_vocab=padded_vocab, world_size=nodes, num_devices=nodes, argv=[], env={}, cuda_visible_devices={})
 
 
 def test_plans_that_cannot_load_each_others_checkpoint_are_refused():
@@ -119,6 +121,27 @@ def test_plans_that_cannot_load_each_others_checkpoint_are_refused():
         check_resumable([_entry(2, 1, 128, zero=1), _entry(4, 2, 128, zero=1)], ["--use-distributed-optimizer"])
     check_resumable([_entry(2, 1, 128, zero=1), _entry(4, 2, 128, zero=1)],
                     ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"])
+
+
+@pytest.mark.parametrize("vocab, tps, advised, too_coarse", [
+    # Worked from Megatron's rule, pad to a multiple of m x TP, trying m = 128 (given), 64, 32...:
+    # 128256 = 2^8 x 501. m = 128: TP 1 128256, TP 8 (1024) 129024. m = 64: TP 8 (512) 128512. m = 32: TP 8 (256)
+    # 128256 = every TP's. At 1024 (a "multiple", the old advice): TP 1 129024, TP 8 (8192) 131072.
+    (128256, [1, 2, 4, 8], 32, 1024),
+    # 50000. m = 128: TP 1 50048, TP 2 (256) 50176. m = 64: TP 1 782 x 64 = 50048, TP 2 (128) 391 x 128 = 50048.
+    # At 16: TP 1 50000, TP 2 (32) 50016.
+    (50000, [1, 2], 64, 16),
+])
+def test_the_vocabulary_advice_once_followed_lets_every_plan_load_the_others(vocab, tps, advised, too_coarse):
+    def entries(m):
+        model = ModelConfig(vocab_size=vocab, make_vocab_size_divisible_by=m)
+        return [_entry(tp, tp, ModelSpec(model).padded_vocab(tp), vocab_size=vocab, divisible_by=m) for tp in tps]
+
+    with pytest.raises(NestError, match=rf"give --make-vocab-size-divisible-by {advised} \(every TP"):
+        check_resumable(entries(128), [])
+    check_resumable(entries(advised), [])  # followed: every plan pads alike
+    with pytest.raises(NestError, match=r"pad the vocabulary to"):
+        check_resumable(entries(too_coarse), [])
 
 
 def test_worker_picks_the_plan_of_the_world_size_and_refuses_an_unplanned_one(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -99,6 +100,8 @@ class Entry:
     global_batch_size: int
     num_microbatches: int
     zero_stage: int
+    vocab_size: int  # the tokenizer's, before Megatron pads it
+    vocab_divisible_by: int  # --make-vocab-size-divisible-by
     padded_vocab: int
     world_size: int
     num_devices: int
@@ -122,7 +125,9 @@ def entry(prepared: Prepared, nodes: int) -> Entry:
     visible = {a.node_rank: ",".join(map(str, a.cuda_visible_devices)) for a in host_assignments(plan, hosts)}
     return Entry(nodes=nodes, digest=plan.digest, parallel=dict(plan.parallel), micro_batch_size=plan.micro_batch_size,
                  global_batch_size=plan.global_batch_size, num_microbatches=plan.num_microbatches,
-                 zero_stage=plan.zero_stage, padded_vocab=ModelSpec(prepared.loaded.config.model).padded_vocab(plan.parallel["tp"]),
+                 zero_stage=plan.zero_stage, vocab_size=prepared.loaded.config.model.vocab_size,
+                 vocab_divisible_by=prepared.loaded.config.model.make_vocab_size_divisible_by,
+                 padded_vocab=ModelSpec(prepared.loaded.config.model).padded_vocab(plan.parallel["tp"]),
                  world_size=plan.world_size, num_devices=plan.num_devices, argv=list(prepared.script_args),
                  env=megatron_env(plan), cuda_visible_devices=visible)
 
@@ -139,7 +144,7 @@ def check_resumable(entries: list[Entry], script_args: list[str]) -> None:
         if other.padded_vocab != first.padded_vocab:
             raise NestError(f"{pair} pad the vocabulary to {first.padded_vocab} and {other.padded_vocab} rows "
                             f"(TP {first.parallel['tp']} vs {other.parallel['tp']}), so neither loads the other's "
-                            "checkpoint: give --make-vocab-size-divisible-by a multiple that every TP keeps, or pin tp")
+                            f"checkpoint: {_vocab_advice(first, [e.parallel['tp'] for e in entries])}")
         if other.zero_stage != first.zero_stage:
             raise NestError(f"{pair} use ZeRO {first.zero_stage} and {other.zero_stage}, whose optimizer states "
                             "do not load each other; pin zero")
@@ -148,6 +153,17 @@ def check_resumable(entries: list[Entry], script_args: list[str]) -> None:
             if changed:
                 raise NestError(f"{pair} differ in {', '.join(changed)}, which the distributed optimizer's bucket-space "
                                 "checkpoint cannot reshard: add --dist-ckpt-optim-fully-reshardable, or pin them")
+
+
+def _vocab_advice(first: Entry, tps: list[int]) -> str:
+    """The largest power-of-two --make-vocab-size-divisible-by m, no coarser than the one given (m is the per-rank
+    alignment Megatron pads for), under which every TP pads the vocabulary to the same rows: Megatron pads to a
+    multiple of m x TP (megatron/training/tokenizer/tokenizer.py _vocab_size_with_padding)."""
+    vocab = first.vocab_size
+    for m in (2 ** k for k in range(first.vocab_divisible_by.bit_length() - 1, -1, -1)):
+        if len({math.ceil(vocab / (m * tp)) * m * tp for tp in tps}) == 1:
+            return f"give --make-vocab-size-divisible-by {m} (every TP of {sorted(set(tps))} then pads {vocab} alike), or pin tp"
+    return "no --make-vocab-size-divisible-by pads it alike for every TP: pin tp"  # e.g. 50001 at TP 1 and 2
 
 
 def plan_sizes(plan_one, low: int, high: int, nnodes: str) -> list[tuple[Prepared, Entry]]:
