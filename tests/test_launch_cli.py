@@ -115,11 +115,13 @@ def test_launch_runs_torchrun_with_the_planned_argv(worker):
         assert record["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # Megatron-LM asserts it with TP > 1 (on Hopper and before)
         assert record["ppid"] == proc.pid  # torchrun's agent is the launch process itself
     assert "tp=2 pp=1 dp=1" in err
-    # before torchrun starts, each flag the plan changed (the Hydra overrides chose TP 2 and micro-batch 2; the
-    # argv gave neither, and Megatron requires a micro-batch size)
-    change = ("--tensor-model-parallel-size: (unset) -> 2 (the given layout breaks a Megatron rule: --micro-batch-size: "
-              "Megatron requires it)")
+    # before torchrun starts, each flag the plan changed, each with its own why (the Hydra overrides chose TP 2 and
+    # micro-batch 2; the argv gave neither, and Megatron requires a micro-batch size)
+    change = "--micro-batch-size: (unset) -> 2 (Megatron requires it and the argv gives none: the planner's choice)"
     assert change in err.splitlines() and err.index(change) < err.index("nest-megatron: tp=2")
+    tp = next(line for line in err.splitlines() if line.startswith("--tensor-model-parallel-size: (unset) -> 2 ("))
+    assert tp.startswith("--tensor-model-parallel-size: (unset) -> 2 (with --tensor-model-parallel-size unset and the "
+                         "plan's other flags, ") and "--micro-batch-size" not in tp, tp
 
 
 def test_dry_run_prints_the_command_and_the_digest_and_starts_nothing(worker):

@@ -1,9 +1,9 @@
 """What the plan changed in the user's argv, one line per flag, with why: `--flag: old -> new (why)`.
 
-A user who typed `--tensor-model-parallel-size 8` and gets 2 is told so before anything starts. Why a
-layout flag changed is said once for all of them: the user's own layout is priced with the same cost model
-(one evaluation), so the line says by how much the plan is faster, or which Megatron rule the given layout
-breaks, or that it does not fit in memory.
+A user who typed `--tensor-model-parallel-size 8` and gets 2 is told so before anything starts. Each layout
+flag's change is explained on its own: the plan with only that flag back at the user's value is priced with
+the same cost model (one evaluation per changed flag), so the line says by how much the plan is faster, or
+which Megatron rule that argv breaks, or that it does not fit in memory.
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ DEFAULTS = {
     "--moe-flex-dispatcher-backend": "deepep",  # megatron-core transformer_config.py moe_flex_dispatcher_backend
     "--cp-comm-type": ("p2p",),  # training/arguments.py:3221
 }
+
+
+# Flags that only mean something with another (Megatron-FSDP's): explained by it, and reverted with it.
+FOLLOWERS = {"--data-parallel-sharding-strategy": "--use-megatron-fsdp", "--init-model-with-meta-device": "--use-megatron-fsdp",
+             "--ckpt-format": "--use-megatron-fsdp"}
 
 
 def _shown(value) -> str:
@@ -67,6 +72,8 @@ def layout_why(argv: list[str], loaded: Loaded, plan: Plan) -> str:
     if not est.fits:
         return f"the given layout does not fit in memory: {est.peak_memory / GIB:.1f} GiB of {est.capacity / GIB:.1f} GiB"
     ratio = est.step_time / plan.predicted["step_time_s"]
+    if abs(ratio - 1) < 1e-9:  # a flag the cost model does not price alone (one that goes with another change)
+        return "the cost model prices it alike (the same step time)"
     if ratio >= 1:
         return f"the planned layout is {ratio:.2f}x faster by the cost model"
     # The plan is held to what the launch fixes (pins, a resume) or to one of the searched placements.
@@ -95,7 +102,24 @@ def flag_reasons(plan_args: list[str], user: list[str]) -> dict[str, str]:
         out["--ckpt-format"] = "only Megatron-FSDP reads fsdp_dtensor, and the plan does not use it"
     if not given.has("--global-batch-size"):
         out["--global-batch-size"] = "train.global_batch_size: the argv gives none"
+    if not given.has("--micro-batch-size"):
+        out["--micro-batch-size"] = "Megatron requires it and the argv gives none: the planner's choice"
     return out
+
+
+def reverted(final: list[str], flag: str, old) -> list[str]:
+    """`final` with `flag` back at the user's value `old` (None: not given): the flag and its values out, then
+    the user's back in."""
+    out, skipping = [], False
+    for arg in final:
+        if arg.startswith("--"):
+            skipping = arg == flag
+        if not skipping:
+            out.append(arg)
+    if old is None:
+        return out
+    values = [] if old is True else list(old) if isinstance(old, tuple) else [str(old)]
+    return [*out, flag, *values]
 
 
 def changed_flags(user: list[str], final: list[str]) -> list[tuple[str, object, object]]:
@@ -111,16 +135,23 @@ def changed_flags(user: list[str], final: list[str]) -> list[tuple[str, object, 
     return out
 
 
-def change_lines(user: list[str], final: list[str], *, reasons: dict[str, str], layout: Callable[[], str]) -> list[str]:
-    """One `--flag: old -> new (why)` line per changed flag; `layout()` gives the layout's why (priced only
-    when a layout flag changed)."""
-    lines, why = [], None
-    for flag, old, new in changed_flags(user, final):
+def change_lines(user: list[str], final: list[str], *, reasons: dict[str, str],
+                 layout: Callable[[list[str]], str]) -> list[str]:
+    """One `--flag: old -> new (why)` line per changed flag; `layout(argv)` prices `argv`'s layout against the
+    plan's, here the final argv with only that flag back at the user's value."""
+    lines, changed = [], changed_flags(user, final)
+    olds = {flag: old for flag, old, _ in changed}
+    for flag, old, new in changed:
         if flag in reasons:
             reason = reasons[flag]
+        elif FOLLOWERS.get(flag) in olds:
+            reason = f"goes with {FOLLOWERS[flag]}"
         else:
-            why = why or layout()
-            reason = why
+            argv = reverted(final, flag, old)
+            for follower in (f for f, leader in FOLLOWERS.items() if leader == flag and f in olds):
+                argv = reverted(argv, follower, olds[follower])
+            yours = "unset" if old is None else _shown(old)
+            reason = f"with {flag} {yours} and the plan's other flags, {layout(argv)}"
         lines.append(f"{flag}: {'(unset)' if old is None else _shown(old)} -> "
                      f"{'(removed)' if new is None else _shown(new)} ({reason})")
     return lines

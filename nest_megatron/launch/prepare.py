@@ -134,7 +134,7 @@ def prepare(*, overrides: list[str], script: str, script_args: list[str], device
     if broken:
         raise NestError(f"the rewritten argv breaks a Megatron rule (a planner bug, please report): {broken[0]}")
     changes = change_lines(script_args, final, reasons=flag_reasons(planner_part(plan.megatron_args), script_args),
-                           layout=lambda: layout_why([*script_args, *model_args], loaded, plan))
+                           layout=lambda argv: layout_why(argv, loaded, plan))
 
     commands, this_node = _commands(plan, devices, script, final, user_torchrun_flags)
     return Prepared(plan=plan, loaded=loaded, devices=devices, script_args=final, commands=commands, this_node=this_node,
