@@ -350,7 +350,8 @@ def test_layer_activations_match_megatron(measure, shape_name, pos, recompute):
 
     spec = ModelSpec(_model_config(shape, pos))
     model = layer_activation_bytes(spec, mbs=B, tp=1, sp=False, cp=1, kind=DENSE)[recompute]
-    terms = layer_activation_terms(spec, mbs=B, tp=1, sp=False, cp=1, kind=DENSE, selective=recompute == "selective")
+    terms = layer_activation_terms(spec, mbs=B, tp=1, sp=False, cp=1, kind=DENSE,
+                                   modules=("core_attn",) if recompute == "selective" else ())
     measured_by_module = {k: v["bytes"] for k, v in result["breakdown"].items()}
     message = (
         f"{shape_name} {pos} recompute={recompute}: measured {measured} B on CPU, "
