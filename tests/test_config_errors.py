@@ -158,8 +158,9 @@ PLAN_KEYS = {
                          "topology_conf": None}),
         (LevelConfig, LEVEL_KEYS),
         (TorusConfig, TORUS_KEYS), (TrainConfig, TRAIN_KEYS), (SolverConfig, SOLVER_KEYS),
-        # the split's flag forms: one at a time (at most one form is given), in tests/test_pipeline_layouts.py
-        (PlanChoice, {**PLAN_KEYS, **dict.fromkeys(SPLIT_FORM_KEYS)}),
+        # the split's flag forms: one at a time (at most one form is given), in tests/test_pipeline_layouts.py;
+        # recompute_modules (selective's, not full's as here) in tests/test_recompute_modules.py
+        (PlanChoice, {**PLAN_KEYS, **dict.fromkeys(SPLIT_FORM_KEYS), "recompute_modules": None}),
         (ProfileConfig, PROFILE_KEYS),
     ],
 )

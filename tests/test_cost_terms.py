@@ -506,7 +506,7 @@ def test_unfused_gqa_keeps_repeated_k_and_v():
     terms = layer_activation_terms(m, mbs=B, tp=1, sp=False, cp=1, kind=DENSE)
     assert terms["qkv"] == close(6 * 64 * 64)
     # selective keeps them un-repeated: 2 T ((q + kv) + (q + 2 kv)) = 2*64*(80 + 96) = 22,528
-    sel = layer_activation_terms(m, mbs=B, tp=1, sp=False, cp=1, kind=DENSE, selective=True)
+    sel = layer_activation_terms(m, mbs=B, tp=1, sp=False, cp=1, kind=DENSE, modules=("core_attn",))
     assert sel["qkv"] == close(2 * 64 * (80 + 96))
 
 

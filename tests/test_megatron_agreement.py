@@ -350,7 +350,8 @@ def test_layer_activations_match_megatron(measure, shape_name, pos, recompute):
 
     spec = ModelSpec(_model_config(shape, pos))
     model = layer_activation_bytes(spec, mbs=B, tp=1, sp=False, cp=1, kind=DENSE)[recompute]
-    terms = layer_activation_terms(spec, mbs=B, tp=1, sp=False, cp=1, kind=DENSE, selective=recompute == "selective")
+    terms = layer_activation_terms(spec, mbs=B, tp=1, sp=False, cp=1, kind=DENSE,
+                                   modules=("core_attn",) if recompute == "selective" else ())
     measured_by_module = {k: v["bytes"] for k, v in result["breakdown"].items()}
     message = (
         f"{shape_name} {pos} recompute={recompute}: measured {measured} B on CPU, "
@@ -374,3 +375,23 @@ def test_unfused_attention_score_buffer_matches_megatron(measure):
     spec = ModelSpec(_model_config(shape, "rope"))
     assert held == 524_288 == attention_buffer_bytes(spec, mbs=B, tp=1)
     assert attention_buffer_bytes(ModelSpec(dataclasses.replace(spec.cfg, attention_backend="flash")), mbs=B, tp=1) == 0
+
+
+@pytest.mark.parametrize("modules", [["layernorm"], ["mlp"], ["mlp", "layernorm"]])
+def test_recompute_modules_drop_what_megatron_stops_saving(measure, modules):
+    # megatron-core's own selective recompute of `modules` (--recompute-modules) on a real local-spec layer (both
+    # norms modules of their own): the bytes it stops saving, against the model's (cost/recompute.py dropped_terms).
+    # The local spec's norms each keep an fp32 statistic a token (B S x 4 B) that the model leaves out, and that
+    # "layernorm" frees with the norm's output: 2 x 2 x 128 x 4 B = 2,048 B beside the normed tensors. (core_attn:
+    # test_layer_activations_match_megatron.)
+    shape = SHAPES["swiglu_gqa"]
+    args = dict(hidden_size=H, ffn_hidden_size=shape["ffn"], num_attention_heads=A, num_query_groups=shape["groups"],
+                seq_length=S, micro_batch_size=B, swiglu=True, hidden_dropout=0.0, attention_dropout=0.0,
+                normalization="LayerNorm", use_rope=True, attention_softmax_in_fp32=True)
+    kept = measure(**args, recompute_granularity=None)["total_bytes"]
+    recomputed = measure(**args, recompute_granularity="selective", recompute_modules=modules)["total_bytes"]
+    spec = ModelSpec(dataclasses.replace(_model_config(shape, "rope"), transformer_impl="local"))
+    none, selective = (sum(layer_activation_terms(spec, mbs=B, tp=1, sp=False, cp=1, kind=DENSE, modules=m).values())
+                       for m in ((), tuple(modules)))
+    norm_statistics = 2 * B * S * 4 if "layernorm" in modules else 0
+    assert kept - recomputed == none - selective + norm_statistics

@@ -41,7 +41,7 @@ from nest_megatron.hardware.accelerator import accelerator_from_config
 from nest_megatron.hardware.hostlist import expand
 from nest_megatron.hardware.topology import BUILDERS, Topology, without_hosts
 from nest_megatron.model.spec import ATTENTION_BACKENDS, DTYPE_BYTES, ModelSpec, Numerics, OptimizerDtypes
-from nest_megatron.parallel.config import CP_COMM_TYPES, RANK_ORDERS, RECOMPUTE_KINDS, ZERO_STAGES
+from nest_megatron.parallel.config import CP_COMM_TYPES, RANK_ORDERS, RECOMPUTE_KINDS, RECOMPUTE_MODULES, ZERO_STAGES
 from nest_megatron.parallel.layout import EXCLUSIONS, SplitForm, excluded_pair, form_vpp, layout_problem
 from nest_megatron.parallel.rules import model_violation
 from nest_megatron.solver.registry import SOLVERS
@@ -630,9 +630,26 @@ def _check_plan(p: PlanChoice, *, devices: int, layers: int, batch: int, mtp_num
     _integer("plan.mbs", p.mbs, 1, batch, "train.global_batch_size")
     _one_of("plan.zero", p.zero, ZERO_STAGES)
     _one_of("plan.recompute", p.recompute, RECOMPUTE_KINDS)
+    _check_recompute_modules(p.recompute_modules)
+    if p.recompute_modules is not None and p.recompute not in (None, "selective"):
+        raise NestError(f"plan.recompute_modules with plan.recompute={p.recompute}: the modules are selective "
+                        "recompute's; use plan.recompute=selective or drop plan.recompute_modules")
     _one_of("plan.order", p.order, RANK_ORDERS)
     _one_of("plan.cp_comm_type", p.cp_comm_type, CP_COMM_TYPES)
     _check_split(p, layers, mtp_num_layers)
+
+
+def _check_recompute_modules(modules) -> None:
+    """plan.recompute_modules: a list of Megatron's module names (what they need of the model: the rule table)."""
+    if modules is None:
+        return
+    if not isinstance(modules, (list, tuple)) or not all(isinstance(m, str) for m in modules):
+        raise NestError(f"plan.recompute_modules={modules}: a list of module names, any of "
+                        f"{', '.join(RECOMPUTE_MODULES)}")
+    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+    if unknown:
+        raise NestError(f"plan.recompute_modules: {', '.join(unknown)} unknown; allowed are "
+                        f"{', '.join(RECOMPUTE_MODULES)}")
 
 
 def _check_split(p: PlanChoice, layers: int, mtp_num_layers: int | None = None) -> None:

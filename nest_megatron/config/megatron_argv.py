@@ -139,6 +139,12 @@ PLANNER_FLAGS: dict[str, str] = {
     "--recompute-method": "str",
     "--recompute-num-layers": "int",
     "--recompute-activations": "true",
+    # selective recompute's modules (nargs='+': Megatron-LM training/argument_utils.py:146 for TransformerConfig's
+    # recompute_modules list); the plan emits them when not Megatron's default [core_attn]
+    "--recompute-modules": "list",
+    # what the "moe_act" recompute module needs (launch/megatron_rules.py): the plan adds it when it chooses moe_act,
+    # and the user's stays (launch/rewrite.py)
+    "--moe-grouped-gemm": "true",
     "--ckpt-format": "str",  # planner-owned only with Megatron-FSDP (fsdp_dtensor); see launch/rewrite.py
     "--init-model-with-meta-device": "true",  # with ZeRO-3 (emit/megatron.py ZERO_FLAGS)
     # MoE plans emit train.moe_dispatcher's flags, which the argv's set (Megatron's default is allgather); see

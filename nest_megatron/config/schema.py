@@ -236,6 +236,10 @@ class PlanChoice:
     zero: Optional[int] = None  # 0 DDP, 1 distributed optimizer, 2 / 3 Megatron-FSDP (optim_grads / optim_grads_params)
     recompute: Optional[str] = None  # none | selective | full
     recompute_num_layers: Optional[int] = None  # with full: the first n layers of each stage (null: all)
+    # With selective: the modules recomputed (--recompute-modules), any of core_attn moe_act layernorm mla_up_proj
+    # mlp moe shared_experts; null: `plan` chooses among a few sets (cost/recompute.py), `evaluate` takes
+    # Megatron's default [core_attn].
+    recompute_modules: Optional[list[str]] = None
     order: Optional[str] = None  # tp-cp-ep-dp-pp | tp-cp-ep-pp-dp
     cp_comm_type: Optional[str] = None  # --cp-comm-type with CP > 1: p2p (Megatron's default) | a2a | all_gather
     # The layer split, given one of five ways (at most one; none: `evaluate` splits evenly, `plan` chooses). The

@@ -35,32 +35,33 @@ With fp8 GEMMs (model.numerics) the inputs of the linears (FP8_SAVED_INPUTS) are
 Transformer Engine's 1-byte fp8 copies.
 
 For Korthikanti's GPT (learned positions, bf16 softmax) these terms add up to exactly their
-34 s b h + 5 a s^2 b; RoPE adds the new Q and K, 4 s b h. Selective recompute ("core_attn") drops the softmax and dropout terms and
-keeps Q, K, V un-repeated as the checkpoint's inputs; full recompute keeps the layer input only.
+34 s b h + 5 a s^2 b; RoPE adds the new Q and K, 4 s b h. Selective recompute drops the terms of its modules
+(cost/recompute.py dropped_terms; "core_attn", Megatron's default, the softmax and dropout terms, and keeps Q, K, V
+un-repeated as the checkpoint's inputs); full recompute keeps the layer input only.
 """
 
 from __future__ import annotations
 
 from nest_megatron.cost import fp8
+from nest_megatron.cost.recompute import dropped_terms
 from nest_megatron.model.kinds import LayerKind
 from nest_megatron.model.spec import ModelSpec
+from nest_megatron.parallel.config import DEFAULT_RECOMPUTE_MODULES
 
 BF16, FP32, MASK, INT64 = 2, 4, 1, 8
 
-# Terms that selective recompute (core attention) does not keep.
-CORE_ATTENTION_TERMS = ("softmax", "attention_dropout", "softmax_lse")
 # The inputs of the linears (QKV, projection, FC1, FC2, the experts' FC1, the shared expert's FC2, MLA's down and
 # up projections, MTP's eh_proj): kept in fp8 with fp8 GEMMs.
 FP8_SAVED_INPUTS = ("qkv_input", "proj_input", "fc1_input", "fc2_input", "expert_input", "shared_fc2_input",
                     "mla_down_input", "q_latent_norm", "kv_latent_norm", "eh_proj_input")
 
 
-def _qkv_bytes(model: ModelSpec, *, tokens: float, tp: int, selective: bool) -> float:
+def _qkv_bytes(model: ModelSpec, *, tokens: float, tp: int, core_attn: bool) -> float:
     q, kv = model.q_size / tp, model.kv_size / tp
     if model.fused_attention:
         return BF16 * tokens * (q + 2 * kv)
     gqa = model.query_groups != model.heads
-    if gqa and not selective:
+    if gqa and not core_attn:
         return BF16 * tokens * 3 * q  # Q, and K and V repeated to every head
     # Q and K are new tensors after RoPE or the GQA reshape, views of the QKV output otherwise;
     # the QKV output itself stays alive under V's view.
@@ -69,18 +70,19 @@ def _qkv_bytes(model: ModelSpec, *, tokens: float, tp: int, selective: bool) -> 
 
 
 def layer_activation_terms(
-    model: ModelSpec, *, mbs: int, tp: int, sp: bool, cp: int, kind: LayerKind, etp: int = 1, selective: bool = False
+    model: ModelSpec, *, mbs: int, tp: int, sp: bool, cp: int, kind: LayerKind, etp: int = 1,
+    modules: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """The named bytes one layer of `kind` keeps for its backward (the module docstring's terms): its mixer
-    block's, its MLP block's and, for a multi-token-prediction depth, that depth's own. Selective recompute
-    ("core_attn") drops CORE_ATTENTION_TERMS."""
+    block's, its MLP block's and, for a multi-token-prediction depth, that depth's own. Selective recompute of
+    `modules` drops cost/recompute.py's dropped_terms."""
     m = model.cfg
     tokens = mbs * m.seq_length // cp
     tokens_sp = tokens / tp if sp else tokens
     terms = {}
     if kind.mtp:
         terms |= _mtp_terms(model, tokens=tokens, tokens_sp=tokens_sp)
-    terms |= _mixer_terms(model, kind, tokens=tokens, tokens_sp=tokens_sp, tp=tp, selective=selective)
+    terms |= _mixer_terms(model, kind, tokens=tokens, tokens_sp=tokens_sp, tp=tp, core_attn="core_attn" in modules)
     terms |= _mlp_terms(model, kind, tokens=tokens, tokens_sp=tokens_sp, tp=tp, etp=etp)
     if m.hidden_dropout > 0:
         blocks = (kind.mixer != "none") + (kind.mlp != "none")
@@ -92,21 +94,20 @@ def layer_activation_terms(
         for name in FP8_SAVED_INPUTS:
             if name in terms:
                 terms[name] = terms[name] * per_element / BF16
-    if selective:
-        for name in CORE_ATTENTION_TERMS:
-            terms.pop(name, None)
+    for name in dropped_terms(model, kind, modules):
+        terms.pop(name, None)
     return terms
 
 
 def _mixer_terms(model: ModelSpec, kind: LayerKind, *, tokens: float, tokens_sp: float, tp: int,
-                 selective: bool) -> dict[str, float]:
+                 core_attn: bool) -> dict[str, float]:
     m, h = model.cfg, model.h
     if kind.mixer == "none":
         return {}
     terms = {"norm1_input": BF16 * h * tokens_sp}
     if kind.mixer == "attention":
         terms |= {"qkv_input": BF16 * h * tokens_sp,
-                  "qkv": _qkv_bytes(model, tokens=tokens, tp=tp, selective=selective),
+                  "qkv": _qkv_bytes(model, tokens=tokens, tp=tp, core_attn=core_attn),
                   "proj_input": BF16 * tokens * model.q_size / tp}
     elif kind.mixer == "mla":
         terms |= _mla_terms(model, tokens=tokens, tokens_sp=tokens_sp, tp=tp)
@@ -200,11 +201,12 @@ def layer_input_bytes(model: ModelSpec, *, mbs: int, tp: int, sp: bool, cp: int,
 
 
 def layer_activation_bytes(
-    model: ModelSpec, *, mbs: int, tp: int, sp: bool, cp: int, kind: LayerKind, etp: int = 1
+    model: ModelSpec, *, mbs: int, tp: int, sp: bool, cp: int, kind: LayerKind, etp: int = 1,
+    modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES,
 ) -> dict[str, float]:
     """Bytes kept per layer of `kind` and micro-batch under each recompute setting.
 
-    none / selective: what the layer keeps; full: the checkpointed layer input only.
+    none / selective (of `modules`): what the layer keeps; full: the checkpointed layer input only.
 
     A traced model (ModelSpec.tracer) supplies what its layer really saves and hands on, traced at
     one sequence without context parallelism: both scale with the tokens (b s / cp), except the
@@ -214,7 +216,7 @@ def layer_activation_bytes(
     """
     args = dict(mbs=mbs, tp=tp, sp=sp, cp=cp, kind=kind, etp=etp)
     none = layer_activation_terms(model, **args)
-    selective = layer_activation_terms(model, **args, selective=True)
+    selective = layer_activation_terms(model, **args, modules=modules)
     full = layer_input_bytes(model, mbs=mbs, tp=tp, sp=sp, cp=cp, kind=kind)
     analytic = {"none": sum(none.values()), "selective": sum(selective.values()), "full": full}
     traced = model.traced_layer(tp=tp, etp=etp, kind=kind)

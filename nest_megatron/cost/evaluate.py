@@ -26,6 +26,7 @@ from nest_megatron.cost.flops import megatron_model_flops
 from nest_megatron.cost.memory import StageMemory, memory_of_rank, memory_per_stage, mtp_memory
 from nest_megatron.cost.placement import Spans, spans_for
 from nest_megatron.cost.problem import Problem
+from nest_megatron.cost.recompute import recompute_seconds
 from nest_megatron.cost.routing import dispatch_copies
 from nest_megatron.cost.tables import LayerCosts, StageSums, layer_costs, stage_sums
 from nest_megatron.model.spec import Gemm
@@ -261,7 +262,7 @@ def stage_body(ctx: Context, sums: StageSums, *, first: bool, last: bool) -> dic
         if depths:  # each depth a layer (LayerCosts.mtp), recomputed as memory.mtp_memory says
             compute_s = compute_s + depths * (mtp.fwd_compute + mtp.bwd_compute)
             if cfg.recompute == "selective":
-                recompute = recompute + depths * mtp.core_attention_fwd
+                recompute = recompute + depths * recompute_seconds(mtp, model, model.mtp_kind, cfg.recompute_modules)
             elif cfg.recompute == "full" and cfg.recompute_num_layers is None:
                 recompute = recompute + depths * mtp.fwd
             tp_comm, cp_comm, ep_comm = (tp_comm + depths * mtp.tp_comm, cp_comm + depths * mtp.cp_comm,

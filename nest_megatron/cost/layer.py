@@ -52,7 +52,6 @@ from nest_megatron.parallel.config import ParallelConfig
 class LayerTime:
     fwd_compute: float
     bwd_compute: float
-    core_attention_fwd: float  # what selective recompute runs again
     fwd_comm: float  # exposed TP + CP + EP communication of the forward pass
     bwd_comm: float
     tp_comm: float  # exposed, forward + backward, for the breakdown
@@ -60,6 +59,9 @@ class LayerTime:
     ep_comm: float
     # The forward computation by part (GEMM roles, core_attention, memory-bound terms): `forward_parts`.
     fwd_parts: tuple[tuple[str, float], ...] = ()
+    # The forward's exposed communication by part: "tp:<block>:column" and "tp:<block>:row" (`tp_blocks`' names),
+    # "tp:experts" (expert TP), "ep" (dispatch and combine); what a recompute of some modules sends again.
+    fwd_comm_parts: tuple[tuple[str, float], ...] = ()
 
     @property
     def fwd(self) -> float:
@@ -230,8 +232,8 @@ def _layer_time(model, tp, sp, cp, ep, etp, mbs, kind, tp_shapes, cp_shapes, ep_
     fwd_gemm = {name: forward for name, forward, _, _ in timed}
     dgrad = {name: input_gradient for name, _, input_gradient, _ in timed}
     wgrad = {name: weight_gradient for name, _, _, weight_gradient in timed}
-    tp_fwd, tp_bwd = tp_exposed(model, cfg, kind=kind, shapes=tp_shapes, net=net, gemm=fwd_gemm, dgrad=dgrad,
-                                wgrad=wgrad, overlap=tp_comm_overlap, ordered=ordered)
+    tp_fwd, tp_bwd, tp_parts = tp_exposed(model, cfg, kind=kind, shapes=tp_shapes, net=net, gemm=fwd_gemm,
+                                          dgrad=dgrad, wgrad=wgrad, overlap=tp_comm_overlap, ordered=ordered)
 
     # CP (Transformer Engine's attention/dot_product_attention/context_parallel.py at v2.12), by cp_comm_type:
     # p2p (AttnFuncWithCPAndKVP2P): a ring of cp - 1 steps, each passing one K/V chunk to the next rank;
@@ -283,13 +285,13 @@ def _layer_time(model, tp, sp, cp, ep, etp, mbs, kind, tp_shapes, cp_shapes, ep_
     return LayerTime(
         fwd_compute=fwd_compute,
         bwd_compute=bwd_compute,
-        core_attention_fwd=attention,
         fwd_comm=tp_fwd + cp_fwd + ep_pass,
         bwd_comm=tp_bwd + cp_bwd + ep_pass,
         tp_comm=tp_fwd + tp_bwd,
         cp_comm=cp_fwd + cp_bwd,
         ep_comm=2 * ep_pass,
         fwd_parts=forward_parts(compute, timed, attention=attention, memory=memory, quantise_fwd=quantise[0]),
+        fwd_comm_parts=tuple(tp_parts.items()) + ((("ep", ep_pass),) if ep_pass else ()),
     )
 
 
@@ -354,8 +356,10 @@ class TpBlock:
     the sequence with sequence parallel (`gather_width` wide; their input gradient all-reduced over
     `reduce_width` without it), and its row-parallel GEMM's output is reduced (h wide). `row` None: no
     row-parallel GEMM, the column-parallel output gathered along its last dimension instead
-    (`output_gather_width`: a multi-token-prediction depth's eh_proj)."""
+    (`output_gather_width`: a multi-token-prediction depth's eh_proj). `name`: the block's, in
+    LayerTime.fwd_comm_parts."""
 
+    name: str
     column: tuple[str, ...]
     row: str | None
     gather_width: int
@@ -372,31 +376,32 @@ def tp_blocks(model: ModelSpec, kind: LayerKind) -> list[TpBlock]:
     h, m = model.h, model.cfg
     blocks = []
     if kind.mtp:
-        blocks.append(TpBlock(("eh_proj",), None, 2 * h, 2 * h, output_gather_width=h))
+        blocks.append(TpBlock("eh_proj", ("eh_proj",), None, 2 * h, 2 * h, output_gather_width=h))
     if kind.mixer == "attention":
-        blocks.append(TpBlock(("qkv",), "proj", h, h))
+        blocks.append(TpBlock("attention", ("qkv",), "proj", h, h))
     elif kind.mixer == "mla":
         q_name, q_width = ("q_proj", h) if m.q_lora_rank is None else ("q_up", m.q_lora_rank)
-        blocks.append(TpBlock((q_name, "kv_up"), "proj", q_width + m.kv_lora_rank + m.qk_pos_emb_head_dim,
+        blocks.append(TpBlock("mla", (q_name, "kv_up"), "proj", q_width + m.kv_lora_rank + m.qk_pos_emb_head_dim,
                               q_width + m.kv_lora_rank))
     if kind.mlp == "dense":
-        blocks.append(TpBlock(("fc1",), "fc2", h, h))
+        blocks.append(TpBlock("mlp", ("fc1",), "fc2", h, h))
     elif kind.mlp == "moe" and m.moe_shared_expert_intermediate_size:
-        blocks.append(TpBlock(("shared_fc1",), "shared_fc2", h, h))
+        blocks.append(TpBlock("shared", ("shared_fc1",), "shared_fc2", h, h))
     return blocks
 
 
 def tp_exposed(model: ModelSpec, cfg: ParallelConfig, *, kind: LayerKind, shapes, net: Network, gemm: dict,
-               dgrad: dict, wgrad: dict, overlap: bool, ordered: bool = True) -> tuple[float, float]:
-    """(forward, backward) exposed TP communication of one layer: per `tp_blocks` block, the collectives
+               dgrad: dict, wgrad: dict, overlap: bool, ordered: bool = True) -> tuple[float, float, dict]:
+    """(forward, backward, forward by part) exposed TP communication of one layer: per `tp_blocks` block, the collectives
     around its column-parallel and row-parallel GEMMs. Forward, the column-parallel input's all-gather and the
     row-parallel output's reduce-scatter (with SP; else one all-reduce); backward, the row-parallel mirror
     exposed, the column-parallel re-gather of its input behind its input-gradient GEMMs and its input
     gradient's reduce-scatter (all-reduce) behind its weight-gradient GEMMs. Without `ordered` streams the
     backward hides nothing. A multi-token-prediction depth also runs the vocab-parallel embedding of the
-    shifted tokens, whose output TP reduces (as the first stage's embedding, cost/evaluate.py stage_body)."""
+    shifted tokens, whose output TP reduces (as the first stage's embedding, cost/evaluate.py stage_body). The
+    forward by part: LayerTime.fwd_comm_parts' TP names."""
     if cfg.tp == 1:
-        return 0.0, 0.0
+        return 0.0, 0.0, {}
     tokens = cfg.mbs * model.cfg.seq_length // cfg.cp
 
     priced: dict = {}  # (collective, width) -> seconds: the blocks share widths (h)
@@ -417,6 +422,7 @@ def tp_exposed(model: ModelSpec, cfg: ParallelConfig, *, kind: LayerKind, shapes
         return collective(all_reduce_time, width)
 
     fwd = bwd = 0.0
+    parts = {}
     for block in tp_blocks(model, kind):
         # a traced GEMM named otherwise hides nothing (model/spec.py gemm_role names megatron-core's)
         col_fwd = sum(gemm.get(name, 0.0) for name in block.column)
@@ -429,24 +435,27 @@ def tp_exposed(model: ModelSpec, cfg: ParallelConfig, *, kind: LayerKind, shapes
             fwd += out
             bwd += out if cfg.sp else 0.0
         if overlap:  # userbuffers: needs sequence parallel (a Megatron rule)
-            fwd += (_exposed(gather(block.gather_width), col_fwd, cfg.tp)
-                    + (_exposed(scatter(model.h), row_fwd, cfg.tp) if has_row else 0.0))
+            column, row = (_exposed(gather(block.gather_width), col_fwd, cfg.tp),
+                           _exposed(scatter(model.h), row_fwd, cfg.tp) if has_row else 0.0)
             bwd += ((_exposed(gather(model.h), row_dgrad, cfg.tp) if has_row else 0.0)
                     + _exposed(gather(block.gather_width), col_dgrad, cfg.tp)
                     + _exposed(scatter(block.gather_width), col_wgrad, cfg.tp))
         elif cfg.sp:
-            fwd += gather(block.gather_width) + (scatter(model.h) if has_row else 0.0)
+            column, row = gather(block.gather_width), scatter(model.h) if has_row else 0.0
             hidden_d, hidden_w = (col_dgrad, col_wgrad) if ordered else (0.0, 0.0)
             bwd += ((gather(model.h) if has_row else 0.0) + max(0.0, gather(block.gather_width) - hidden_d)
                     + max(0.0, scatter(block.gather_width) - hidden_w))
         else:
-            fwd += reduce(model.h) if has_row else 0.0
+            column, row = 0.0, reduce(model.h) if has_row else 0.0
             bwd += max(0.0, reduce(block.reduce_width) - (col_wgrad if ordered else 0.0))
+        fwd += column + row
+        parts[f"tp:{block.name}:column"], parts[f"tp:{block.name}:row"] = column, row
     if kind.mtp:
         op = reduce_scatter_time if cfg.sp else all_reduce_time
         fwd += collective(op, model.h)
         bwd += collective(op, model.h)
     if kind.is_moe and cfg.etp > 1:  # the experts under expert TP: an MLP block's exchanges, exposed
-        fwd += gather(model.h) + scatter(model.h) if cfg.sp else reduce(model.h)
+        parts["tp:experts"] = gather(model.h) + scatter(model.h) if cfg.sp else reduce(model.h)
+        fwd += parts["tp:experts"]
         bwd += gather(model.h) + scatter(model.h) if cfg.sp else reduce(model.h)
-    return fwd, bwd
+    return fwd, bwd, parts

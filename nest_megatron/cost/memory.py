@@ -105,16 +105,17 @@ def mtp_memory(model: ModelSpec, cfg: ParallelConfig) -> tuple[float, float, flo
     setting, except that Megatron checkpoints it only with the uniform method and skips the block method
     (multi_token_prediction.py MultiTokenPredictionLayer._checkpointed_forward)."""
     return _mtp_memory(model, cfg.tp, cfg.pp, cfg.ep, cfg.etp, cfg.sp, cfg.cp, cfg.mbs, cfg.recompute,
-                       cfg.recompute_num_layers)
+                       cfg.recompute_num_layers, cfg.recompute_modules)
 
 
 @lru_cache(maxsize=4096)
-def _mtp_memory(model, tp, pp, ep, etp, sp, cp, mbs, recompute, recompute_num_layers) -> tuple[float, float, float]:
+def _mtp_memory(model, tp, pp, ep, etp, sp, cp, mbs, recompute, recompute_num_layers,
+                recompute_modules) -> tuple[float, float, float]:
     kind, depths = model.mtp_kind, model.mtp_depths
     if kind is None:
         return 0.0, 0.0, 0.0
     dense, expert = model.layer_params(tp=tp, ep=ep, etp=etp, kind=kind)
-    act = layer_activation_bytes(model, mbs=mbs, tp=tp, sp=sp, cp=cp, kind=kind, etp=etp)
+    act = layer_activation_bytes(model, mbs=mbs, tp=tp, sp=sp, cp=cp, kind=kind, etp=etp, modules=recompute_modules)
     kept = {"none": "none", "selective": "selective", "full": "full" if recompute_num_layers is None else "none"}
     return (depths * dense + model.mtp_embedding_params(tp=tp, pp=pp), depths * expert,
             depths * act[kept[recompute]])

@@ -20,12 +20,13 @@ from nest_megatron.cost.collectives import Network
 from nest_megatron.cost.compute import ComputeModel
 from nest_megatron.cost.layer import LayerTime, layer_time
 from nest_megatron.cost.placement import Spans
+from nest_megatron.cost.recompute import recompute_seconds
 from nest_megatron.model.kinds import LayerKind
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.layout import as_chunks
 
-NO_TIME = LayerTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+NO_TIME = LayerTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 def _prefix(values: np.ndarray) -> np.ndarray:
@@ -41,7 +42,7 @@ class LayerCosts:
     compute: np.ndarray  # forward + backward computation, s
     fwd: np.ndarray  # forward with its communication: what full recompute runs again, s
     bwd: np.ndarray  # backward with its communication, s
-    core_attention: np.ndarray  # what selective recompute runs again, s
+    selective: np.ndarray  # what selective recompute of the configuration's modules runs again, s, s
     tp_comm: np.ndarray
     cp_comm: np.ndarray
     ep_comm: np.ndarray
@@ -79,13 +80,16 @@ def layer_costs(
         by_kind = np.array([get(*costs) for costs in per_kind], dtype=float)
         return _prefix(by_kind[kind_of_layer])
 
+    reruns = np.array([recompute_seconds(costs[0], model, kind, cfg.selective_modules)
+                       for kind, costs in zip(model.kinds, per_kind)], dtype=float)
+
     kept = "selective" if cfg.recompute == "selective" else "none"
     mtp_kind = model.mtp_kind
     return LayerCosts(
         compute=column(lambda lt, act, p, r: lt.fwd_compute + lt.bwd_compute),
         fwd=column(lambda lt, act, p, r: lt.fwd),
         bwd=column(lambda lt, act, p, r: lt.bwd),
-        core_attention=column(lambda lt, act, p, r: lt.core_attention_fwd),
+        selective=_prefix(reruns[kind_of_layer]),
         tp_comm=column(lambda lt, act, p, r: lt.tp_comm),
         cp_comm=column(lambda lt, act, p, r: lt.cp_comm),
         ep_comm=column(lambda lt, act, p, r: lt.ep_comm),
@@ -104,7 +108,8 @@ def _kind_costs(model: ModelSpec, cfg: ParallelConfig, kind: LayerKind, *, spans
     """(LayerTime, activation bytes by recompute setting, (dense, expert) parameters, TP-replicated parameters)
     of one layer of `kind`."""
     lt = layer_time(model, cfg=cfg, kind=kind, spans=spans, **options) if spans else NO_TIME
-    act = layer_activation_bytes(model, mbs=cfg.mbs, tp=cfg.tp, sp=cfg.sp, cp=cfg.cp, kind=kind, etp=cfg.etp)
+    act = layer_activation_bytes(model, mbs=cfg.mbs, tp=cfg.tp, sp=cfg.sp, cp=cfg.cp, kind=kind, etp=cfg.etp,
+                                 modules=cfg.recompute_modules)
     params = model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, kind=kind)
     replicated = model.mla_replicated_params(kind, cfg.tp) if cfg.sp else 0
     return lt, act, params, replicated
@@ -143,7 +148,7 @@ def range_sums(c: LayerCosts, cfg: ParallelConfig, a, b) -> StageSums:
         r_end = a + 0 * b
     recompute = c.fwd[r_end] - c.fwd[a]
     if cfg.recompute == "selective":
-        recompute = c.core_attention[b] - c.core_attention[a]
+        recompute = c.selective[b] - c.selective[a]
     act = (c.act_checkpoint[r_end] - c.act_checkpoint[a]) + (c.act_kept[b] - c.act_kept[r_end])
     return StageSums(
         layers=b - a,

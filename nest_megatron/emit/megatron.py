@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from nest_megatron.cost.tables import chunk_split
 from nest_megatron.model.spec import ModelSpec
-from nest_megatron.parallel.config import ParallelConfig
+from nest_megatron.parallel.config import DEFAULT_RECOMPUTE_MODULES, ParallelConfig
 from nest_megatron.parallel.layout import ACCOUNT_FIELDS, EVEN, FIRST_LAST_FIELDS, flag_of, simplest_form
 
 # How each ZeRO stage is realised in Megatron-LM. ZeRO-3 builds the model on the meta device and lets
@@ -32,11 +32,12 @@ ZERO_FLAGS = {
 
 
 def recompute_settings(cfg: ParallelConfig, layers_per_chunk: int) -> dict:
-    """Megatron's recompute granularity / method / num_layers for the configuration."""
+    """Megatron's recompute granularity / method / num_layers for the configuration, and with selective recompute
+    its modules."""
     if cfg.recompute == "none":
         return {"granularity": None, "method": None, "num_layers": None}
     if cfg.recompute == "selective":
-        return {"granularity": "selective", "method": None, "num_layers": None}
+        return {"granularity": "selective", "method": None, "num_layers": None, "modules": list(cfg.recompute_modules)}
     if cfg.recompute_num_layers is None:
         return {"granularity": "full", "method": "uniform", "num_layers": 1}
     return {"granularity": "full", "method": "block", "num_layers": min(cfg.recompute_num_layers, layers_per_chunk)}
@@ -209,4 +210,8 @@ def parallel_args(
         args += ["--recompute-granularity", rc["granularity"]]
     if rc["method"]:
         args += ["--recompute-method", rc["method"], "--recompute-num-layers", str(rc["num_layers"])]
+    if rc.get("modules") is not None and tuple(rc["modules"]) != DEFAULT_RECOMPUTE_MODULES:  # Megatron's default
+        args += ["--recompute-modules", *rc["modules"]]
+        if "moe_act" in rc["modules"]:  # recomputes only the grouped experts' activation (transformer_config.py:1964)
+            args.append("--moe-grouped-gemm")
     return args

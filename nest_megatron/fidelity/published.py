@@ -118,22 +118,19 @@ ROW_SETTINGS = {
     # recipes/deepseek/deepseek_v3.py:146-149), forced load balancing, the layout 'Et|(tt|)*30mL' (an embedding
     # stage with 1 layer, 30 stages of 2, the MTP depth and the loss), recompute_modules [mla_up_proj, mlp];
     # mtp_num_layers 1 (deepseek_v3.py:51); moe_permute_fusion (:109); router 8 groups, top 4
-    # (models/deepseek/deepseek_provider.py:178-179 DeepSeekV3Provider). The granular recompute is not modelled
-    # (issue 18 item 3): priced without it. mla_up_proj runs the q / kv up-projections again (1536 x 24,576 +
-    # 512 x 32,768 MACs a token and layer, 8 % of a layer's forward, ~3 % of the step), mlp only the 3 dense layers.
+    # (models/deepseek/deepseek_provider.py:178-179 DeepSeekV3Provider). mla_up_proj runs the q / kv up-projections
+    # again (cost/recompute.py), mlp only the 3 dense layers.
     "mb-25.09-DeepSeekV3-fp8cs": {
         "plan": ["plan.pipeline_model_parallel_layout='Et|(tt|)*30mL'"],
         "model": ["model.mtp_num_layers=1", "model.moe_router_num_groups=8", "model.moe_router_group_topk=4"],
         "optimizations": {"dp_overlap_grad_reduce": False},  # the H100 branch (run_script.py:101-102)
-        "moe_dispatcher": "deepep", "recompute": "none",
-        "recompute_note": "recompute_modules [mla_up_proj, mlp] priced as none (granular recompute not modelled)"},
+        "moe_dispatcher": "deepep", "recompute": "selective", "recompute_modules": ["mla_up_proj", "mlp"]},
     # GPT-OSS 120B (25.11): GPT_OSS_120B_H100_BF16_BASE_CONFIG (configs/gpt_oss/workload_base_configs.py:22-28,58-62
     # at v0.2.0): PP 4, EP 8, MBS 1 (the table's MBS 4 / GA 2 do not multiply to GBS 512 over DP 16; they are the
     # B200 row's), recompute_modules [layernorm, moe_act]: a norm and the experts' activation run again, memory-bound
-    # elementwise work; priced as none (granular recompute not modelled, issue 18 item 3).
-    "mb-25.11-GPT_OSS_120B-bf16": {"layout": {"mbs": 1}, "recompute": "none",
-                                   "recompute_note": "recompute_modules [layernorm, moe_act] priced as none "
-                                                     "(granular recompute not modelled)"},
+    # elementwise work (cost/recompute.py).
+    "mb-25.11-GPT_OSS_120B-bf16": {"layout": {"mbs": 1}, "recompute": "selective",
+                                   "recompute_modules": ["layernorm", "moe_act"]},
 }
 # The same run with FP8 blockwise scaling: Transformer Engine's userbuffers take no blockwise FP8 (the TP overlap rule,
 # parallel/rules.py), so its TP collectives ran without them
@@ -386,7 +383,8 @@ def row_of(entry: dict) -> Row:
     stated = stated or bridge  # the Bridge perf configs state their recomputation (ROW_SETTINGS where it is not none)
     if "recompute" in settings:
         recompute, stated = settings["recompute"], True
-        assumed.append(settings.get("recompute_note", f"recompute={recompute} (the recipe's)"))
+        modules = f" [{', '.join(settings['recompute_modules'])}]" if "recompute_modules" in settings else ""
+        assumed.append(f"recompute={recompute}{modules} (the recipe's)")
     opt = {**(entry.get("optimizations") or {}), **settings.get("optimizations", {})}
     plan = [f"plan.tp={entry['tp']}", f"plan.pp={entry['pp']}", f"plan.cp={entry['cp']}", f"plan.dp={entry['dp']}",
             f"plan.vpp={vp or 1}", f"plan.mbs={mbs}", f"plan.zero={zero}",
@@ -396,6 +394,8 @@ def row_of(entry: dict) -> Row:
     plan.append(f"plan.recompute={recompute}")
     if "recompute_num_layers" in settings:
         plan.append(f"plan.recompute_num_layers={settings['recompute_num_layers']}")
+    if "recompute_modules" in settings:
+        plan.append(f"plan.recompute_modules=[{','.join(settings['recompute_modules'])}]")
     plan += settings.get("plan", [])
     fp8_recipe = next((key for words, key in FP8_RECIPE_OF if words in str(entry.get("fp8_recipe"))), None)
     tp_overlap = bool(opt.get("tp_comm_overlap_userbuffers")) or opt.get("tp_comm_overlap") is True

@@ -20,7 +20,7 @@ from nest_megatron.config.megatron_argv import FLAG_OF_KEY, Scanned, model_value
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.errors import NestError
 from nest_megatron.model.spec import ModelSpec, Numerics
-from nest_megatron.parallel.config import CP_COMM_TYPES, ParallelConfig
+from nest_megatron.parallel.config import CP_COMM_TYPES, DEFAULT_RECOMPUTE_MODULES, ParallelConfig
 from nest_megatron.parallel.layout import (
     ACCOUNT_FIELDS,
     EVEN,
@@ -79,6 +79,11 @@ def _zero(s: Scanned) -> int:
     if s.has("--use-megatron-fsdp"):
         return FSDP_ZERO[s.get("--data-parallel-sharding-strategy", "optim_grads_params")]
     return 1 if s.has("--use-distributed-optimizer") else 0
+
+
+def argv_recompute_modules(s: Scanned) -> tuple[str, ...]:
+    """The argv's --recompute-modules as it lists them, or Megatron's default [core_attn] (transformer_config.py:1940)."""
+    return tuple(s.get("--recompute-modules", DEFAULT_RECOMPUTE_MODULES))
 
 
 def _recompute(s: Scanned) -> tuple[str, int | None, str | None]:
@@ -226,6 +231,14 @@ def _vpp_p2p_overlap(launch: Launch):
     """Virtual stages with --no-overlap-p2p-communication need pp > 2."""
     if _vpp(launch) > 1 and launch.s.has("--no-overlap-p2p-communication") and launch.pp <= 2:
         return "virtual pipeline stages with --no-overlap-p2p-communication need --pipeline-model-parallel-size > 2"
+
+
+def _moe_act_grouped_gemm(launch: Launch):
+    """The moe_act recompute module only with --moe-grouped-gemm (the grouped experts' activation)."""
+    s = launch.s
+    if (_recompute(s)[0] == "selective" and "moe_act" in argv_recompute_modules(s)
+            and not s.has("--moe-grouped-gemm")):
+        return "--recompute-modules moe_act needs --moe-grouped-gemm"
 
 
 def _recompute_flags(launch: Launch):
@@ -397,6 +410,8 @@ ARGV_RULES = (
     Rule("per-virtual-divides", f"{ARGS}:957-975", _per_virtual_divides),
     Rule("vpp-p2p-overlap", f"{ARGS}:1006", _vpp_p2p_overlap),
     Rule("recompute-flags", f"{ARGS}:1426; megatron/core/transformer/transformer_config.py:1901-1931", _recompute_flags),
+    Rule("recompute-moe-act-grouped-gemm", "megatron/core/transformer/transformer_config.py:1964-1967",
+         _moe_act_grouped_gemm),
     Rule("micro-batch", f"{ARGS}:693", _micro_batch),
     Rule("param-gather-optimizer", f"{ARGS}:1025", _param_gather_optimizer),
     Rule("param-gather-grad-reduce", f"{ARGS}:1028", _param_gather_grad_reduce),
@@ -446,7 +461,7 @@ def violations(argv: list[str], *, world_size: int) -> list[str]:
         ep=s.get("--expert-model-parallel-size", 1),
         etp=s.get("--expert-tensor-parallel-size", launch.tp if m.num_experts else 1),
         vpp=vpp, sp=s.has("--sequence-parallel"), mbs=mbs,
-        zero=_zero(s), recompute=kind, recompute_num_layers=recomputed,
+        zero=_zero(s), recompute=kind, recompute_num_layers=recomputed, recompute_modules=argv_recompute_modules(s),
         order="tp-cp-ep-pp-dp" if s.has("--use-tp-pp-dp-mapping") else "tp-cp-ep-dp-pp",
         # a per-layer list of several exchanges is no configuration the planner prices (the rules name it)
         cp_comm_type=comm_types.pop() if len(comm_types) == 1 else " ".join(_cp_comm_types(launch)),

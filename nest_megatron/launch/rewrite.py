@@ -14,7 +14,7 @@ from dataclasses import replace
 from nest_megatron.config.megatron_argv import PLANNER_FLAGS, Scanned, scan
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.errors import NestError
-from nest_megatron.launch.megatron_rules import FSDP_ZERO, argv_form, argv_vpp, name_flags
+from nest_megatron.launch.megatron_rules import FSDP_ZERO, argv_form, argv_recompute_modules, argv_vpp, name_flags
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.rules import violation
@@ -106,13 +106,21 @@ def pinned_values(argv: list[str], names: list[str], *, model: ModelConfig | Non
         out[name] = value
         if name == "recompute" and value == "full" and s.get("--recompute-method") == "block":
             out["recompute_num_layers"] = s.get("--recompute-num-layers")
+        if name == "recompute" and value == "selective":  # the user's modules, as listed (or Megatron's default)
+            out["recompute_modules"] = list(argv_recompute_modules(s))
     return out
 
 
 def pin_overrides(argv: list[str], names: list[str], *, model: ModelConfig | None = None) -> list[str]:
     """`plan.*` overrides holding the pinned names at the argv's values (`pinned_values`)."""
-    return [f"plan.{name}={str(value).lower() if isinstance(value, bool) else value}"
-            for name, value in pinned_values(argv, names, model=model).items()]
+    return [f"plan.{name}={_override_value(value)}" for name, value in pinned_values(argv, names, model=model).items()]
+
+
+def _override_value(value) -> str:
+    """A pinned value in Hydra's override syntax: true / false, [a,b] for a list."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"[{','.join(value)}]" if isinstance(value, list) else str(value)
 
 
 def _alone(name: str, value: int, model: ModelConfig) -> str | None:
@@ -130,6 +138,7 @@ def _alone(name: str, value: int, model: ModelConfig) -> str | None:
 
 
 DISPATCHER = "--moe-token-dispatcher-type"
+GROUPED_GEMM = "--moe-grouped-gemm"
 # The dispatcher's flags: the plan's replace the user's (read into train.moe_dispatcher) in a MoE plan.
 DISPATCHER_FLAG_NAMES = (DISPATCHER, "--moe-flex-dispatcher-backend", "--moe-enable-deepep")
 
@@ -154,6 +163,8 @@ def rewrite(argv: list[str], plan: Plan, *, model_args: list[str] = ()) -> list[
     `model_args` sets again (--bf16, the precision flags it was read into) is dropped: it is said once."""
     s = scan(argv)
     plan_args = planner_part(plan.megatron_args)
+    if s.has(GROUPED_GEMM):  # said once: the user's stands
+        plan_args = [token for token in plan_args if token != GROUPED_GEMM]
     fsdp = "--use-megatron-fsdp" in plan_args
     restated = {token for token in model_args if token.startswith("--")}
 
@@ -162,6 +173,8 @@ def rewrite(argv: list[str], plan: Plan, *, model_args: list[str] = ()) -> list[
             return fsdp or s.get("--ckpt-format") == "fsdp_dtensor"
         if flag in DISPATCHER_FLAG_NAMES:  # a dense plan sets none; Megatron ignores the user's then
             return DISPATCHER in plan_args
+        if flag == GROUPED_GEMM:  # the plan adds it for moe_act recompute; a plan without it keeps the user's
+            return False
         return flag in PLANNER_FLAGS or flag in restated
 
     dropped = {i for flag, start, stop in s.spans if owned(flag) for i in range(start, stop)}

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 RECOMPUTE_KINDS = ("none", "selective", "full")
+# megatron-core's selective recompute modules (--recompute-modules; transformer_config.py recompute_modules, the
+# allowed set at Megatron-LM transformer_config.py:1945-1956 less the gated-DeltaNet and mHC ones) and its default.
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 ZERO_STAGES = (0, 1, 2, 3)
 RANK_ORDERS = ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp")
 # Megatron's --cp-comm-type values the planner prices, Transformer Engine's three exchanges over one CP group:
@@ -29,8 +33,15 @@ class ParallelConfig:
     # With full recompute: layers recomputed per stage (the first n of each virtual stage);
     # None means every layer.
     recompute_num_layers: int | None = None
+    # With selective recompute: the modules recomputed (RECOMPUTE_MODULES, in that order); cost/recompute.py.
+    recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES
     order: str = "tp-cp-ep-dp-pp"
     cp_comm_type: str = "p2p"  # --cp-comm-type with CP > 1 (CP_COMM_TYPES)
+
+    @property
+    def selective_modules(self) -> tuple[str, ...]:
+        """The modules selective recompute runs again; () without selective recompute."""
+        return self.recompute_modules if self.recompute == "selective" else ()
 
     @property
     def world(self) -> int:

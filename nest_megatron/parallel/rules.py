@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nest_megatron.config.schema import ModelConfig
+from nest_megatron.cost.recompute import module_problem
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import CP_COMM_TYPES, RANK_ORDERS, RECOMPUTE_KINDS, ZERO_STAGES, ParallelConfig
 from nest_megatron.parallel.layout import (
@@ -78,6 +79,13 @@ def _recompute_kind(c: Case):
     """Recompute granularity is none, selective or full."""
     if c.cfg.recompute not in RECOMPUTE_KINDS:
         return f"plan.recompute={c.cfg.recompute}: allowed are {', '.join(RECOMPUTE_KINDS)}"
+
+
+def _recompute_modules(c: Case):
+    """Selective recompute's modules are megatron-core's names; mla_up_proj needs MLA; moe_act and layernorm do not
+    recompute under fp8 delayed scaling (cost/recompute.py module_problem)."""
+    if c.cfg.recompute == "selective":
+        return module_problem(c.model, c.cfg.recompute_modules)
 
 
 def _rank_order(c: Case):
@@ -515,6 +523,8 @@ RULES = (
     Rule("positive", "nest: argparse takes any integer; a size below 1 is no configuration", _positive),
     Rule("zero-stage", "nest: the ZeRO stages emit/megatron.py ZERO_FLAGS realises", _zero_stage),
     Rule("recompute-kind", f"{TC}:1904", _recompute_kind),
+    Rule("recompute-modules", f"{TC}:1943-1962 (the names), 1969-1973 (mla_up_proj), 2000-2006 (fp8 delayed)",
+         _recompute_modules),
     Rule("rank-order", "megatron/training/initialize.py:395", _rank_order),
     Rule("fsdp-order", "Megatron-Bridge src/megatron/bridge/training/config.py@4feb11f "
          "(assert not use_tp_pp_dp_mapping with Megatron FSDP)", _fsdp_order),

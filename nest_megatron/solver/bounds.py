@@ -28,7 +28,7 @@ class MemoryFloors:
 
     def floor(self, cfg: ParallelConfig) -> StageMemory:
         key = (cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.etp, cfg.sp, cfg.mbs, cfg.zero, cfg.recompute,
-               cfg.recompute_num_layers)  # neither the rank order nor virtual stages move memory here
+               cfg.recompute_num_layers, cfg.selective_modules)  # neither the rank order nor virtual stages move memory here
         found = self._floors.get(key)
         if found is None:
             found = self._floors[key] = self._compute(cfg)
@@ -42,7 +42,7 @@ class MemoryFloors:
         problem = self.problem
         model, acc = problem.model, problem.accelerator
         # The memory columns depend on neither pp, dp, ZeRO nor the kind of full recompute.
-        costs_key = (cfg.tp, cfg.cp, cfg.ep, cfg.etp, cfg.sp, cfg.mbs, cfg.recompute == "selective")
+        costs_key = (cfg.tp, cfg.cp, cfg.ep, cfg.etp, cfg.sp, cfg.mbs, cfg.selective_modules)
         costs = self._costs.get(costs_key)
         if costs is None:
             costs = self._costs[costs_key] = layer_costs(model, cfg, spans=None, net=None, compute=None)

@@ -44,6 +44,7 @@ from nest_megatron.cost.evaluate import (
 from nest_megatron.cost.layer import layer_time, ordered_streams
 from nest_megatron.cost.memory import activation_bytes, in_flight_chunks, stage_memory
 from nest_megatron.cost.problem import Problem
+from nest_megatron.cost.recompute import recompute_seconds
 from nest_megatron.cost.tables import range_sums
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.layout import EVEN, SplitForm, min_stage_layers, searched_splits
@@ -328,7 +329,7 @@ def layers_work(problem: Problem, cfg: ParallelConfig) -> float:
                         **layer_options(problem, cfg))
         work = lt.fwd_compute + lt.bwd_compute + lt.tp_comm + lt.cp_comm + lt.ep_comm
         if cfg.recompute == "selective":
-            work += lt.core_attention_fwd
+            work += recompute_seconds(lt, problem.model, kind, cfg.recompute_modules)
         elif cfg.recompute == "full" and cfg.recompute_num_layers is None:
             work += lt.fwd
         per_microbatch += count * work
@@ -342,7 +343,7 @@ def context_bound(ctx: Context) -> float:
     c, cfg = ctx.costs, ctx.cfg
     work = np.diff(c.compute + c.tp_comm + c.cp_comm + c.ep_comm)
     if cfg.recompute == "selective":
-        work = work + np.diff(c.core_attention)
+        work = work + np.diff(c.selective)
     elif cfg.recompute == "full" and cfg.recompute_num_layers is None:
         work = work + np.diff(c.fwd)
     empty = range_sums(c, cfg, 0, 0)
@@ -395,8 +396,8 @@ def shared_context(problem: Problem, cfg: ParallelConfig, mapping: np.ndarray | 
     """`context(problem, cfg, rank_to_device=mapping)`, built once for the configurations that
     differ only in what the per-layer costs do not see: ZeRO (but for the stream ordering Megatron-FSDP
     changes, layer.ordered_streams), and full recompute against none (both keep the same columns; only
-    selective changes the activations a layer keeps)."""
-    key = (fields_but(cfg, "zero", "recompute", "recompute_num_layers"), cfg.recompute == "selective",
+    selective changes the activations a layer keeps, by its modules)."""
+    key = (fields_but(cfg, "zero", "recompute", "recompute_num_layers", "recompute_modules"), cfg.selective_modules,
            ordered_streams(cfg), placement)
     base = contexts.get(key)
     if base is None:

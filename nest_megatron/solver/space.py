@@ -9,8 +9,9 @@ from dataclasses import replace
 
 from nest_megatron.config.schema import PlanChoice, SolverConfig
 from nest_megatron.cost.problem import Problem
+from nest_megatron.cost.recompute import ordered, searched_sets
 from nest_megatron.errors import NestError
-from nest_megatron.parallel.config import CP_COMM_TYPES, ParallelConfig
+from nest_megatron.parallel.config import CP_COMM_TYPES, DEFAULT_RECOMPUTE_MODULES, ParallelConfig
 from nest_megatron.parallel.layout import EVEN, MIN_STAGE_LAYERS, SplitForm, chunk_layers, form_vpp
 from nest_megatron.parallel.rules import violation
 
@@ -44,8 +45,10 @@ def choice_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | No
         sp=choice.sp if choice.sp is not None else tp > 1,
         mbs=choice.mbs or default_mbs or 1,
         zero=choice.zero if choice.zero is not None else 1,
-        recompute=choice.recompute or "none",
+        recompute=choice.recompute or ("selective" if choice.recompute_modules is not None else "none"),
         recompute_num_layers=choice.recompute_num_layers,
+        recompute_modules=(ordered(choice.recompute_modules) if choice.recompute_modules is not None
+                           else DEFAULT_RECOMPUTE_MODULES),
         order=choice.order or "tp-cp-ep-dp-pp",
         cp_comm_type=choice.cp_comm_type or "p2p",
     )
@@ -260,8 +263,13 @@ def _configurations(
     pps = axis(pins.pp, stage_counts(model.cfg.num_layers, devices, any_split=any_split))
     mbss = axis(pins.mbs, [micro_batch_size] if micro_batch_size else list(solver.micro_batch_sizes))
     zeros = axis(pins.zero, list(solver.zero_stages))
-    recomputes = axis(pins.recompute, list(solver.recompute))
+    recomputes = axis(pins.recompute, ["selective"] if pins.recompute_modules is not None else list(solver.recompute))
     recomputed_counts = axis(pins.recompute_num_layers, list(solver.recompute_num_layers))
+    # What each recompute kind is searched with: full, the recomputed layer counts; selective, its module sets.
+    variants = {"none": [(None, DEFAULT_RECOMPUTE_MODULES)],
+                "full": [(n, DEFAULT_RECOMPUTE_MODULES) for n in recomputed_counts],
+                "selective": [(None, m) for m in ([ordered(pins.recompute_modules)] if pins.recompute_modules
+                                                  is not None else searched_sets(model))]}
     for tp, cp, pp in itertools.product(tps, cps, pps):
         if devices % (tp * cp * pp):
             yield None, _unused_devices(tp, cp, pp, devices)
@@ -282,9 +290,10 @@ def _configurations(
         comm_types = axis(pins.cp_comm_type, list(solver.cp_comm_types) if cp > 1 else ["p2p"])
         fallback = [t for t in CP_COMM_TYPES if t not in comm_types] if cp > 1 and pins.cp_comm_type is None else []
         for ep, etp, sp, vpp, mbs, zero, recompute, order in itertools.product(eps, etps, sps, vpps, mbss, zeros, recomputes, orders):
-            for recomputed in recomputed_counts if recompute == "full" else [None]:
+            for recomputed, modules in variants.get(recompute, [(None, DEFAULT_RECOMPUTE_MODULES)]):
                 sizes = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
-                             recompute=recompute, recompute_num_layers=recomputed, order=order)
+                             recompute=recompute, recompute_num_layers=recomputed, recompute_modules=modules,
+                             order=order)
                 train_line = train_rule_line(problem, ParallelConfig(**sizes))  # whatever the exchange
                 if train_line is not None:
                     yield None, train_line

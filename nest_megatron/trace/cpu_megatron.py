@@ -249,6 +249,18 @@ def prepare_cpu_megatron() -> None:
 
     multi_latent_attention.HAVE_TE = te_extensions.HAVE_TE
 
+    # Patch 12: CheckpointWithoutOutput (the "layernorm", "moe_act" and "mla_up_proj" recompute modules) sets
+    # `self.fp8 = fp8 is not None` (tensor_parallel/random.py:636), True for its default fp8=False, and then asks
+    # Transformer Engine's FP8GlobalStateManager whether fp8 is on -- a NameError without TE. With TE the answer
+    # outside an fp8 autocast is "no", the fp8=False path: take that path here.
+    init = mp_random.CheckpointWithoutOutput.__init__
+
+    def _init_without_te(self, fp8=False):
+        init(self, fp8)
+        self.fp8 = bool(fp8) and te_extensions.HAVE_TE
+
+    mp_random.CheckpointWithoutOutput.__init__ = _init_without_te
+
     _PREPARED = True
 
 
@@ -292,9 +304,12 @@ def _referenced_bytes(tensors: List[torch.Tensor]) -> int:
     Marks every element each view touches in a boolean map of the storage
     (``as_strided`` reproduces the view's exact addressing, so strided slices and
     stride-0 broadcasts are handled exactly).  Falls back to the storage size when
-    the views disagree on element size (never observed here).
+    the views disagree on element size (never observed here). A storage a recompute
+    module freed after the forward (CheckpointWithoutOutput's discarded output) holds none.
     """
     nbytes = tensors[0].untyped_storage().nbytes()
+    if nbytes == 0:
+        return 0
     item = tensors[0].element_size()
     if any(t.element_size() != item for t in tensors) or nbytes % item:
         return nbytes
@@ -361,6 +376,7 @@ def measure_layer_saved_bytes(
     hidden_dropout: float,
     attention_dropout: float,
     recompute_granularity: Optional[str] = None,
+    recompute_modules: Optional[List[str]] = None,
     normalization: str = "RMSNorm",
     use_rope: bool = True,
     attention_softmax_in_fp32: bool = True,
@@ -426,7 +442,8 @@ def measure_layer_saved_bytes(
     )
     # The one ModelConfig -> TransformerConfig converter (fusions off: plain torch code paths);
     # real weights here, and selective recompute's default modules = ["core_attn"].
-    cfg = transformer_config(shape, perform_initialization=True, recompute_granularity=recompute_granularity)
+    cfg = transformer_config(shape, perform_initialization=True, recompute_granularity=recompute_granularity,
+                             recompute_modules=recompute_modules)
     layer = _build_layer(cfg, normalization)
 
     s, b, h, a = seq_length, micro_batch_size, hidden_size, num_attention_heads
@@ -549,6 +566,7 @@ def measure_layer_saved_bytes(
             hidden_dropout=hidden_dropout,
             attention_dropout=attention_dropout,
             recompute_granularity=recompute_granularity,
+            recompute_modules=recompute_modules,
             normalization=normalization,
             use_rope=use_rope,
             attention_softmax_in_fp32=attention_softmax_in_fp32,
