@@ -92,3 +92,11 @@ def test_launch_passes_flags_it_does_not_know(capsys):
     assert cli.main([*LAUNCH, *MODEL, "--log-interval", "10", "--data-path", "x"]) == 0
     command = capsys.readouterr().out.splitlines()[-1]
     assert " pretrain_gpt.py --num-layers 4 " in command and " --bf16 --log-interval 10 --data-path x " in command
+
+
+@pytest.mark.parametrize("flag", ["--hybrid-layer-pattern", "--hybrid-override-pattern", "--mtp-hybrid-override-pattern"])
+def test_a_hybrid_mamba_pattern_stops_instead_of_a_plain_gpt_plan(flag):
+    """Reproduced: megatron-core 0.16.1's --hybrid-override-pattern (Megatron-LM core_v0.16.1 arguments.py:2828) was
+    neither known nor refused, so a Mamba hybrid's argv was planned as a plain GPT stack."""
+    with pytest.raises(NestError, match=rf"^{flag}: hybrid \(Mamba\) layer patterns are not in the cost model$"):
+        scan(["--num-layers", "4", flag, "M*M*"])

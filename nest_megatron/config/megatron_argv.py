@@ -171,6 +171,9 @@ KNOWN_FLAGS: dict[str, str] = {
 # What the planner cannot price, each with why: these stop the launch instead of a silently wrong plan.
 UNPLANNABLE: dict[str, str] = {
     "--hybrid-layer-pattern": "hybrid (Mamba) layer patterns are not in the cost model",
+    # megatron-core 0.16.1's spelling (Megatron-LM core_v0.16.1 training/arguments.py:2828), deprecated on main since
+    "--hybrid-override-pattern": "hybrid (Mamba) layer patterns are not in the cost model",
+    "--mtp-hybrid-override-pattern": "hybrid (Mamba) layer patterns are not in the cost model",
     # transformer_config.py:2690-2696: deprecated, read as group-limited routing with one group per EP rank
     "--moe-router-topk-limited-devices": "deprecated in Megatron; give --moe-router-num-groups and --moe-router-group-topk",
     "--encoder-num-layers": "encoder-decoder models are not in the cost model; use --num-layers",
