@@ -238,6 +238,39 @@ def test_tp_comm_overlap_hides_all_but_a_chunk_behind_a_longer_gemm():
     assert plain.fwd_comm == close(4 * c)
 
 
+class AttentionOnly(GemmOnly):
+    """Only attention costs time: its FLOPs at 1e12 FLOP/s (one call per ring step, no launch time)."""
+
+    def attention_time(self, flops: float, head_dim: int = 128) -> float:
+        return flops / 1e12
+
+    def gemm_time(self, gemm: Gemm) -> float:
+        return 0.0
+
+
+def _cp_ring_layer(bandwidth: float):
+    m = model()
+    cfg = ParallelConfig(cp=4)
+    topo = Topology("ring", (Level("node", 4, bandwidth, 0.0),))
+    net = Network.for_topology(topo)
+    return layer_time(m, cfg=cfg, kind=DENSE, spans=compute_spans(cfg, topo, identity_placement(4)), net=net,
+                      compute=AttentionOnly())
+
+
+def test_cp_ring_hides_each_transfer_behind_one_step_s_attention_only():
+    # s 32 over cp 4: 8 local queries, each over 16 keys (causal), 64 wide: 4 x 8 x 16 x 64 = 32,768 FLOP of
+    # attention forward = 32.768 ns at 1e12, 8.192 ns a ring step; backward 2.5 x: 20.48 ns a step.
+    # A K/V chunk: 2 B x 8 tokens x (64 + 64) = 2,048 B.
+    # At 200 GB/s a chunk takes 10.24 ns, beyond a forward step: 3 transfers x (10.24 - 8.192) = 6.144 ns
+    # exposed (the old pooled form, 3 x 10.24 - 32.768 < 0, hid it all behind the four steps).
+    # Backward: steps 0 and 3 send one chunk (10.24 <= 20.48: hidden), steps 1, 2 two (20.48: just hidden).
+    lt = _cp_ring_layer(200e9)
+    assert lt.cp_comm == close(3 * (10.24e-9 - 8.192e-9))
+    # at 100 GB/s: forward 3 x (20.48 - 8.192) = 36.864 ns; backward 2 x 0 + 2 x (40.96 - 20.48) = 40.96 ns
+    lt = _cp_ring_layer(100e9)
+    assert lt.cp_comm == close(36.864e-9 + 40.96e-9)
+
+
 # --- MoE ---------------------------------------------------------------------------------------------
 
 def test_experts_are_a_grouped_gemm_of_the_local_experts():

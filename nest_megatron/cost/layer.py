@@ -236,8 +236,12 @@ def _layer_time(model, tp, sp, cp, ep, etp, mbs, kind, tp_shapes, cp_shapes, ep_
                                           dgrad=dgrad, wgrad=wgrad, overlap=tp_comm_overlap, ordered=ordered)
 
     # CP (Transformer Engine's attention/dot_product_attention/context_parallel.py at v2.12), by cp_comm_type:
-    # p2p (AttnFuncWithCPAndKVP2P): a ring of cp - 1 steps, each passing one K/V chunk to the next rank;
-    #   backward passes K/V and their gradients. Each step hides behind the attention of the chunk in hand.
+    # p2p (AttnFuncWithCPAndKVP2P, :1232): cp attention steps, one per K/V chunk, the causal chunks balanced
+    #   (each rank holds chunks r and 2 cp - 1 - r: every step the same FLOPs, attention / cp). Forward (:1539),
+    #   step i issues the next chunk's transfer, runs its attention, and step i + 1 waits for the transfer:
+    #   cp - 1 transfers, each hidden behind one step's attention only. Backward (:2275), step i sends K/V
+    #   (step 0), K/V and the dK/dV so far (steps 1 .. cp - 2) or dK/dV (step cp - 1), waited for after its
+    #   attention backward. What one step cannot hide is exposed; another step's slack does not help.
     # a2a (AttnFuncWithCPAndQKVOA2A, :3268): Q, K and V all-to-all'd from sequence to head shards before
     #   attention and the output back after it; backward the output gradient in, dQ, dK, dV out. Exposed.
     # all_gather (AttnFuncWithCPAndKVAllGather, :2759): K and V all-gathered before attention ("exposed", its
@@ -263,9 +267,10 @@ def _layer_time(model, tp, sp, cp, ep, etp, mbs, kind, tp_shapes, cp_shapes, ep_
                                + worst(reduce_scatter_time, cp_shapes, gathered_v, net))
         else:
             ring_level = max(shape.top_level for shape in cp_shapes)
-            step = p2p_time(ring_level, kv_chunk, net)
-            cp_fwd = max(0.0, (cfg.cp - 1) * step - attention)
-            cp_bwd = max(0.0, 2 * (cfg.cp - 1) * step - attention_bwd)
+            one, both = p2p_time(ring_level, kv_chunk, net), p2p_time(ring_level, 2 * kv_chunk, net)
+            step_fwd, step_bwd = attention / cfg.cp, attention_bwd / cfg.cp
+            cp_fwd = (cfg.cp - 1) * max(0.0, one - step_fwd)
+            cp_bwd = 2 * max(0.0, one - step_bwd) + (cfg.cp - 2) * max(0.0, both - step_bwd)
 
     # EP: dispatch and combine all-to-alls of the copies of this rank's tokens (`routing.dispatch_copies`; with
     # DeepEP, per level: `routing.deepep_level_copies`); the allgather dispatcher gathers the whole group's
