@@ -127,6 +127,7 @@ def choice_keys(est: Estimate, *, num_layers: int, mtp_num_layers: int = 0) -> d
     keys.update({name: (getattr(form, name) or None) if name in ACCOUNT_FIELDS else getattr(form, name)
                  for name in FORM_FIELDS})
     keys["layers_per_stage"] = None  # the form says it (at most one way is given)
+    keys["recompute_modules"] = list(c.selective_modules) or None  # only selective recompute takes modules
     return keys
 
 
@@ -139,6 +140,8 @@ def key_overrides(keys: dict) -> list[str]:
             continue
         if isinstance(value, bool):
             text = str(value).lower()
+        elif isinstance(value, (list, tuple)):  # layers_per_stage, recompute_modules: Hydra's list syntax
+            text = "[" + ",".join(map(str, value)) + "]"
         elif isinstance(value, str) and not re.fullmatch(r"[A-Za-z0-9_-]+", value):
             text = f"'{value}'"
         else:

@@ -36,6 +36,7 @@ from __future__ import annotations
 from nest_megatron.model.kinds import LayerKind
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import RECOMPUTE_MODULES
+from nest_megatron.parallel.rules import module_problem
 
 CORE_ATTENTION_TERMS = ("softmax", "attention_dropout", "softmax_lse")
 MLP_TERMS = ("fc1_output", "swiglu_unfused", "fc2_input")
@@ -146,18 +147,3 @@ def ordered(modules) -> tuple[str, ...]:
     """`modules` in RECOMPUTE_MODULES' order, each once."""
     chosen = set(modules)
     return tuple(m for m in RECOMPUTE_MODULES if m in chosen)
-
-
-def module_problem(model: ModelSpec, modules: tuple[str, ...]) -> str | None:
-    """The first of megatron-core's rules on recompute_modules that `modules` breaks for `model` (one line), or None:
-    known names (Megatron-LM transformer_config.py:1943-1962), mla_up_proj only with MLA (:1969-1973), moe_act and
-    layernorm not with fp8 delayed scaling (:2000-2006). moe_act's --moe-grouped-gemm the emitter adds."""
-    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
-    if unknown:
-        return f"plan.recompute_modules: {', '.join(unknown)} unknown; allowed are {', '.join(RECOMPUTE_MODULES)}"
-    if "mla_up_proj" in modules and not model.cfg.multi_latent_attention:
-        return "plan.recompute_modules: mla_up_proj needs multi-head latent attention (model.multi_latent_attention)"
-    if model.numerics.fp8_recipe == "delayed" and {"moe_act", "layernorm"} & set(modules):
-        return ("plan.recompute_modules: moe_act and layernorm do not recompute with fp8 delayed scaling; "
-                "use another model.fp8_recipe or drop them")
-    return None

@@ -15,9 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nest_megatron.config.schema import ModelConfig
-from nest_megatron.cost.recompute import module_problem
 from nest_megatron.model.spec import ModelSpec
-from nest_megatron.parallel.config import CP_COMM_TYPES, RANK_ORDERS, RECOMPUTE_KINDS, ZERO_STAGES, ParallelConfig
+from nest_megatron.parallel.config import (
+    CP_COMM_TYPES,
+    RANK_ORDERS,
+    RECOMPUTE_KINDS,
+    RECOMPUTE_MODULES,
+    ZERO_STAGES,
+    ParallelConfig,
+)
 from nest_megatron.parallel.layout import (
     EVEN,
     SplitForm,
@@ -81,9 +87,24 @@ def _recompute_kind(c: Case):
         return f"plan.recompute={c.cfg.recompute}: allowed are {', '.join(RECOMPUTE_KINDS)}"
 
 
+def module_problem(model: ModelSpec, modules: tuple[str, ...]) -> str | None:
+    """The first of megatron-core's rules on recompute_modules that `modules` breaks for `model` (one line), or None:
+    known names (Megatron-LM transformer_config.py:1943-1962), mla_up_proj only with MLA (:1969-1973), moe_act and
+    layernorm not with fp8 delayed scaling (:2000-2006). moe_act's --moe-grouped-gemm the emitter adds."""
+    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+    if unknown:
+        return f"plan.recompute_modules: {', '.join(unknown)} unknown; allowed are {', '.join(RECOMPUTE_MODULES)}"
+    if "mla_up_proj" in modules and not model.cfg.multi_latent_attention:
+        return "plan.recompute_modules: mla_up_proj needs multi-head latent attention (model.multi_latent_attention)"
+    if model.numerics.fp8_recipe == "delayed" and {"moe_act", "layernorm"} & set(modules):
+        return ("plan.recompute_modules: moe_act and layernorm do not recompute with fp8 delayed scaling; "
+                "use another model.fp8_recipe or drop them")
+    return None
+
+
 def _recompute_modules(c: Case):
     """Selective recompute's modules are megatron-core's names; mla_up_proj needs MLA; moe_act and layernorm do not
-    recompute under fp8 delayed scaling (cost/recompute.py module_problem)."""
+    recompute under fp8 delayed scaling (module_problem)."""
     if c.cfg.recompute == "selective":
         return module_problem(c.model, c.cfg.recompute_modules)
 
