@@ -15,6 +15,7 @@ from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.tables import chunk_split
 from nest_megatron.emit.megatron import ZERO_FLAGS, model_args, parallel_args, recompute_settings
 from nest_megatron.hardware.accelerator import GIB
+from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.layout import ACCOUNT_FIELDS, EVEN, FORM_FIELDS, simplest_form
 
@@ -56,6 +57,9 @@ class Plan:
     # The calibration that priced it (calibration/profile.py Calibration.to_plan): its constants, its cross-validated
     # errors and the band of the predicted step time; {} in plans written before calibrations
     calibration: dict = field(default_factory=dict)
+    # The vocabulary it priced (vocabulary()): the tokenizer's entries, the embedding's rows its argv sets
+    # (--padded-vocab-size); {} in plans written before it
+    vocabulary: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -152,7 +156,7 @@ def key_overrides(keys: dict) -> list[str]:
 
 def megatron_args(problem: Problem, est: Estimate) -> list[str]:
     """The model and the planner's flags of `est`, as the plan emits them."""
-    return model_args(problem.model) + parallel_args(
+    return model_args(problem.model, tp=est.config.tp) + parallel_args(
         est.config,
         model=problem.model,
         global_batch_size=problem.global_batch_size,
@@ -196,12 +200,20 @@ def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name
         hosts=hosts_by_node_rank(problem.topology, mapping),
         failed_hosts=list(problem.topology.failed_hosts),
         calibration=dict(calibration or {}),
+        vocabulary=vocabulary(model, c.tp),
     )
     if calibration:
         for row in plan.runners_up:
             row["tied_within_error"] = bool(row["fits"]) and overlaps(row["step_time_s"], est.step_time,
                                                                       calibration.get("errors") or ())
     return plan
+
+
+def vocabulary(model: ModelSpec, tp: int) -> dict:
+    """The vocabulary a plan assumes: the tokenizer's entries (model.vocab_size, which no flag of every tokenizer
+    sets), the padding multiple, and the embedding's rows at `tp` (the argv's --padded-vocab-size)."""
+    return {"entries": model.cfg.vocab_size, "make_vocab_size_divisible_by": model.cfg.make_vocab_size_divisible_by,
+            "padded_rows": model.padded_vocab(tp)}
 
 
 def hosts_by_node_rank(topology, rank_to_device) -> list[str]:

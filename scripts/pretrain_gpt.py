@@ -93,8 +93,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     model.add_argument("--kv-channels", type=int, default=None)
     model.add_argument("--seq-length", type=int, required=True)
     model.add_argument("--max-position-embeddings", type=int, default=None)
-    model.add_argument("--vocab-size", type=int, default=128, help="as with Megatron-LM's NullTokenizer")
+    model.add_argument("--vocab-size", type=int, default=128,
+                       help="the tokenizer's size, as Megatron-LM's NullTokenizer reads it")
     model.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    model.add_argument("--padded-vocab-size", type=int, default=None, help="the embedding's rows, as given")
     model.add_argument("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
     model.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     model.add_argument("--swiglu", action="store_true")
@@ -385,7 +387,10 @@ def dump_groups(directory: str, device: str) -> None:
 # Model
 # ---------------------------------------------------------------------------------------------
 def padded_vocab(args) -> int:
-    """Megatron-LM pads the vocabulary to a multiple of make_vocab_size_divisible_by x TP."""
+    """--padded-vocab-size as given, else Megatron-LM pads the vocabulary to a multiple of
+    make_vocab_size_divisible_by x TP (megatron/training/argument_utils.py:474-476)."""
+    if args.padded_vocab_size is not None:
+        return args.padded_vocab_size
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     return math.ceil(args.vocab_size / multiple) * multiple
 
@@ -746,7 +751,8 @@ def train(args, use_cuda: bool) -> None:
         config.grad_sync_func = [c.start_grad_sync for c in chunks] if len(chunks) > 1 else chunks[0].start_grad_sync
     split = layers_per_stage(chunks, ps.get_pipeline_model_parallel_group(), device)
     if dist.get_rank() == 0:
-        print_padded_vocab(args.vocab_size, vocab)
+        if args.padded_vocab_size is None:  # Megatron prints it only where it pads
+            print_padded_vocab(args.vocab_size, vocab)
         print(f"{PREFIX} plan: num_microbatches={num_microbatches} layers_per_stage={split} vocab={vocab} "
               f"device={device}", flush=True)
         sharding = f" {args.data_parallel_sharding_strategy}" if args.use_megatron_fsdp else ""

@@ -96,7 +96,13 @@ def test_vocabulary_from_the_tokenizer_flags(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 151936}))
     hf = [*base, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path)]
     assert model_values(hf)["vocab_size"] == 151936
-    assert model_values([*base, "--padded-vocab-size", "50304"])["make_vocab_size_divisible_by"] == 1
+    # --padded-vocab-size fixes the rows; with nothing else telling the tokenizer's size, the rows bound it
+    assert [model_values([*base, "--padded-vocab-size", "50304"])[k] for k in ("vocab_size", "padded_vocab_size")] == [50304, 50304]
+    # The null tokenizer and TikTokenizer take --vocab-size as their size; TikTokenizer falls back to 2**17 = 131072
+    # without it (megatron/core/tokenizers/text/libraries/tiktoken_tokenizer.py:24, 86)
+    assert model_values([*base, "--tokenizer-type", "NullTokenizer", "--vocab-size", "128256"])["vocab_size"] == 128256
+    assert model_values([*base, "--tokenizer-type", "TikTokenizer", "--vocab-size", "128256"])["vocab_size"] == 128256
+    assert model_values([*base, "--tokenizer-type", "TikTokenizer"])["vocab_size"] == 131072
     assert model_values(base, vocab_size=777)["vocab_size"] == 777
 
 

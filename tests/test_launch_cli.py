@@ -56,7 +56,8 @@ TINY = ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=2", 
 # tiny_gpt's YAML (hydra_configs/model/tiny_gpt.yaml) as Megatron flags, written out by hand.
 TINY_MODEL = ("--num-layers 4 --hidden-size 256 --ffn-hidden-size 1024 --num-attention-heads 8 --seq-length 128 "
               "--max-position-embeddings 128 --position-embedding-type learned_absolute --normalization LayerNorm "
-              "--hidden-dropout 0.1 --attention-dropout 0.1 --make-vocab-size-divisible-by 128 --bf16 --vocab-size 1024").split()
+              "--hidden-dropout 0.1 --attention-dropout 0.1 --make-vocab-size-divisible-by 128 --padded-vocab-size 1024 --bf16 "
+              "--vocab-size 1024").split()  # 1024 entries pad to a multiple of 128 x TP 2: 1024 rows
 # tp 2 x dp 1, micro-batch 2, global 8, distributed optimizer; TP>1 turns sequence parallel on.
 TINY_PARALLEL = ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --context-parallel-size 1 "
                  "--micro-batch-size 2 --global-batch-size 8 --sequence-parallel --use-distributed-optimizer").split()

@@ -353,6 +353,11 @@ def _check_model(m: ModelConfig) -> None:
                      ("moe_router_group_topk", MAX_EXPERTS)):
         _integer(f"model.{key}", getattr(m, key), 1, cap)
     _integer("model.num_query_groups", m.num_query_groups, 1, m.num_attention_heads, "model.num_attention_heads")
+    _integer("model.padded_vocab_size", m.padded_vocab_size, 1, MAX_VOCAB)
+    if m.padded_vocab_size and m.padded_vocab_size < m.vocab_size:  # Megatron does not check it
+        raise NestError(f"model.padded_vocab_size={m.padded_vocab_size} is below model.vocab_size={m.vocab_size}: the "
+                        f"tokenizer's last ids would index past the embedding; give at least {m.vocab_size} or leave "
+                        "it unset (Megatron pads the vocabulary itself)")
     if m.num_experts:
         _integer("model.moe_router_topk", m.moe_router_topk, 1, m.num_experts, "model.num_experts")
     else:

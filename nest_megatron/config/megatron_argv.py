@@ -40,6 +40,7 @@ MODEL_FLAGS: dict[str, tuple[str, str, object]] = {
     "--seq-length": ("seq_length", "int", None),
     "--vocab-size": ("vocab_size", "int", None),
     "--make-vocab-size-divisible-by": ("make_vocab_size_divisible_by", "int", 128),
+    "--padded-vocab-size": ("padded_vocab_size", "int", None),
     "--swiglu": ("swiglu", "true", False),
     "--untie-embeddings-and-output-weights": ("untie_embeddings_and_output_weights", "true", False),
     "--position-embedding-type": ("position_embedding_type", "str", "learned_absolute"),
@@ -89,7 +90,6 @@ HINT_FLAGS: dict[str, str] = {
     "--group-query-attention": "true",
     "--use-rotary-position-embeddings": "true",
     "--max-position-embeddings": "int",
-    "--padded-vocab-size": "int",
     "--tokenizer-type": "str",
     "--tokenizer-model": "str",
     "--vocab-file": "str",
@@ -191,8 +191,9 @@ NEAR_REAL_FLAGS = frozenset({"--no-bias-gelu-fusion", "--pad-vocab-size", "--no-
 # 0.9 or more from a known one besides NEAR_REAL_FLAGS and the --no-X / --disable-X negations.
 TYPO_SIMILARITY = 0.9
 
-# Vocabulary sizes of the tokenizers whose size is fixed by their type.
-TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257}
+# Vocabulary sizes of the tokenizers whose size is fixed by their type: GPT-2's BPE; TikTokenizer without
+# --vocab-size falls back to 2**17 (megatron/core/tokenizers/text/libraries/tiktoken_tokenizer.py:24, 86).
+TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257, "TikTokenizer": 2**17}
 
 FLAG_OF_KEY: dict[str, str] = {f"model.{key}": flag for flag, (key, _, _) in MODEL_FLAGS.items()}
 FLAG_OF_KEY["train.global_batch_size"] = "--global-batch-size"
@@ -303,13 +304,14 @@ def has_model(argv: list[str] | Scanned) -> bool:
     return scanned.has("--num-layers")
 
 
-def _vocab_size(s: Scanned) -> int | None:
-    """The vocabulary size from --vocab-size, --padded-vocab-size or what the tokenizer flags tell."""
+def tokenizer_vocab(s: Scanned) -> int | None:
+    """The size of the tokenizer the argv builds, the vocabulary Megatron pads (None: the flags do not tell): its
+    --vocab-size (which the null tokenizers and TikTokenizer take as their size, their end-of-document id inside it:
+    megatron/core/tokenizers/text/libraries/null_tokenizer.py:18-19), a fixed size, a BERT vocab file or a Hugging
+    Face model folder."""
+    tokenizer = s.get("--tokenizer-type")
     if s.has("--vocab-size"):
         return s.get("--vocab-size")
-    if s.has("--padded-vocab-size"):
-        return s.get("--padded-vocab-size")
-    tokenizer = s.get("--tokenizer-type")
     if tokenizer in TOKENIZER_VOCAB:
         return TOKENIZER_VOCAB[tokenizer]
     vocab_file = s.get("--vocab-file")
@@ -462,15 +464,13 @@ def model_values(argv: list[str] | Scanned, *, name: str = "megatron_argv", fami
             if s.has(flag):
                 raise NestError(f"{flag} without --num-experts: a dense model has no experts")
 
-    size = _vocab_size(s) or vocab_size
+    size = tokenizer_vocab(s) or vocab_size or s.get("--padded-vocab-size")  # the rows bound it when nothing tells
     if size is None:
         raise NestError(
             f"--vocab-size: the vocabulary size is not known from the arguments (--tokenizer-type "
             f"{s.get('--tokenizer-type')}); add --vocab-size N or the override model.vocab_size=N"
         )
     values["vocab_size"] = size
-    if s.has("--padded-vocab-size") and not s.has("--vocab-size"):
-        values["make_vocab_size_divisible_by"] = 1  # already padded: Megatron uses it as it is
     return values
 
 

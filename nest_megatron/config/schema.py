@@ -30,6 +30,9 @@ class ModelConfig:
     seq_length: int = MISSING
     vocab_size: int = MISSING
     make_vocab_size_divisible_by: int = 128
+    # Megatron's --padded-vocab-size: the embedding's rows as given, not padded further (None: vocab_size padded to
+    # make_vocab_size_divisible_by x TP); megatron/training/argument_utils.py:474-476
+    padded_vocab_size: Optional[int] = None
     swiglu: bool = False
     untie_embeddings_and_output_weights: bool = False
     position_embedding_type: str = "learned_absolute"  # learned_absolute | rope

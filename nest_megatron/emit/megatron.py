@@ -52,9 +52,11 @@ def fp8_format(recipe: str) -> str:
     return "e4m3" if recipe == "mxfp8" else "hybrid"
 
 
-def model_args(model: ModelSpec) -> list[str]:
-    """The model-shape flags, so that the argv is complete for pretrain_gpt.py, and the datatypes it is
-    priced in (model.numerics): with fp8 Megatron's FP8 flags (`fp8_format`; bf16 stays the dtype of the rest), bf16 gradient reduction, the fused cross entropy, the precision-aware optimizer."""
+def model_args(model: ModelSpec, *, tp: int) -> list[str]:
+    """The model-shape flags, so that the argv is complete for pretrain_gpt.py, the embedding's rows as priced at
+    `tp` (--padded-vocab-size: whatever the tokenizer, Megatron builds that many,
+    megatron/training/argument_utils.py:474-476), and the datatypes
+    it is priced in (model.numerics): with fp8 Megatron's FP8 flags (`fp8_format`; bf16 stays the dtype of the rest), bf16 gradient reduction, the fused cross entropy, the precision-aware optimizer."""
     m = model.cfg
     args = [
         "--num-layers", str(m.num_layers),
@@ -68,6 +70,7 @@ def model_args(model: ModelSpec) -> list[str]:
         "--hidden-dropout", str(m.hidden_dropout),
         "--attention-dropout", str(m.attention_dropout),
         "--make-vocab-size-divisible-by", str(m.make_vocab_size_divisible_by),
+        "--padded-vocab-size", str(model.padded_vocab(tp)),
         "--bf16",
     ]
     numerics = model.numerics

@@ -29,6 +29,7 @@ from nest_megatron.launch.megatron_rules import violations
 from nest_megatron.launch.placement import HostAssignment, host_assignments, hosts_in_device_order, master_host
 from nest_megatron.launch.rewrite import model_part, parse_pins, pin_overrides, planner_part, rewrite
 from nest_megatron.launch.torchrun import NodeCommand, node_command, torchrun_flags
+from nest_megatron.launch.vocabulary import vocabulary_flags
 from nest_megatron.plan import Plan
 
 KEEP_KEY = "solver.keep_user_parallelism"
@@ -123,18 +124,22 @@ def prepare(*, overrides: list[str], script: str, script_args: list[str], device
     except NestError as err:
         raise _with_flags(err, flags_given) from None
 
+    present = scan(script_args)
+    try:
+        vocab_args, vocab_notes = vocabulary_flags(present, loaded.config.model, plan.vocabulary["padded_rows"],
+                                                   model_from_argv=flags_given)
+    except NestError as err:
+        raise _with_flags(err, flags_given) from None
     model_args = []
     if not flags_given:  # the model came from model=...: the script needs its shape too
-        present = scan(script_args)
         model_args = [a for a in model_part(plan.megatron_args)
                       if not (a == "--bf16" and (present.has("--bf16") or present.has("--fp16")))]
-        model_args += ["--vocab-size", str(loaded.config.model.vocab_size)]
-    final = rewrite(script_args, plan, model_args=model_args)
+    final = rewrite(script_args, plan, model_args=model_args + vocab_args)
     broken = violations(final, world_size=plan.world_size)
     if broken:
         raise NestError(f"the rewritten argv breaks a Megatron rule (a planner bug, please report): {broken[0]}")
     changes = change_lines(script_args, final, reasons=flag_reasons(planner_part(plan.megatron_args), script_args),
-                           layout=lambda argv: layout_why(argv, loaded, plan))
+                           layout=lambda argv: layout_why(argv, loaded, plan)) + vocab_notes
 
     commands, this_node = _commands(plan, devices, script, final, user_torchrun_flags)
     return Prepared(plan=plan, loaded=loaded, devices=devices, script_args=final, commands=commands, this_node=this_node,

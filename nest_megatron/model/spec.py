@@ -232,7 +232,11 @@ class ModelSpec:
         return self.h * (2 if self.cfg.normalization == "LayerNorm" else 1)
 
     def padded_vocab(self, tp: int) -> int:
-        """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by * tp."""
+        """The embedding's rows: --padded-vocab-size as given, else Megatron pads the vocabulary to a multiple of
+        make_vocab_size_divisible_by * tp (megatron/core/tokenizers/utils/build_tokenizer.py:133-152;
+        megatron/training/argument_utils.py:474-476)."""
+        if self.cfg.padded_vocab_size:
+            return self.cfg.padded_vocab_size
         multiple = self.cfg.make_vocab_size_divisible_by * tp
         return math.ceil(self.cfg.vocab_size / multiple) * multiple
 

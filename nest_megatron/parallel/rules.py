@@ -149,6 +149,13 @@ def _tp_query_groups(c: Case):
         return f"plan.tp={c.cfg.tp}: must divide num_query_groups={c.model.query_groups}"
 
 
+def _tp_padded_vocab(c: Case):
+    """TP divides a --padded-vocab-size (Megatron pads any other vocabulary to a multiple of TP itself)."""
+    rows = c.model.cfg.padded_vocab_size
+    if rows and rows % c.cfg.tp:
+        return f"plan.tp={c.cfg.tp}: must divide the embedding's rows, model.padded_vocab_size={rows}"
+
+
 def _sp_tp(c: Case):
     """Sequence parallel needs TP > 1."""
     if c.cfg.sp and c.cfg.tp == 1:
@@ -555,6 +562,8 @@ RULES = (
     Rule("tp-heads", f"{TC}:1446", _tp_heads),
     Rule("tp-query-groups", f"{TC}:1462 (stricter: Megatron also takes tp a multiple of the groups, replicating "
          "KV heads, which the cost model does not price)", _tp_query_groups),
+    Rule("tp-padded-vocab", f"{MC}tensor_parallel/layers.py:268 (VocabParallelEmbedding), "
+         f"{MC}tensor_parallel/utils.py:118 (divide)", _tp_padded_vocab),
     Rule("sp-tp", f"{MC}model_parallel_config.py:504 ({ARGS}:1433 turns it off silently)", _sp_tp),
     Rule("moe-sp", f"{MC}transformer/moe/moe_layer.py:636", _moe_sp),
     Rule("cp-unfused", f"{MC}transformer/dot_product_attention.py:58; "

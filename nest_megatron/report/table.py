@@ -59,6 +59,10 @@ def render(plan: Plan, console: Console, *, megatron_args: list[str] | None = No
     head.add_row("ZeRO / recompute", f"stage {plan.zero_stage}  /  {plan.recompute['granularity'] or 'none'}"
                  + (f" ({plan.recompute['method']}, {plan.recompute['num_layers']} layers)" if plan.recompute['method'] else ""))
     head.add_row("layers per stage", " ".join(map(str, plan.layers_per_stage)))
+    if plan.vocabulary:
+        v = plan.vocabulary
+        head.add_row("vocabulary", f"{v['entries']:,} tokenizer entries in {v['padded_rows']:,} embedding rows "
+                                   "(--padded-vocab-size)")
     node_order = "torchrun's" if plan.rank_to_device == sorted(plan.rank_to_device) else "permuted (see rank_to_device)"
     head.add_row("placement", f"{plan.rank_order}, node order {node_order}   groups cross: "
                  + ", ".join(f"{k}={v}" for k, v in plan.group_levels.items() if v))
