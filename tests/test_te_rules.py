@@ -190,6 +190,46 @@ def test_mla_exchange_in_the_argv_evaluate_and_the_search():
     assert violations(argv, world_size=plan.world_size) == []
 
 
+@pytest.mark.parametrize("softmax", ["off-by-one", "learnable"])
+@pytest.mark.parametrize("comm_type, allowed", [("p2p", False), ("a2a", True), ("all_gather", False)])
+def test_off_by_one_and_learnable_softmax_with_cp_exchange_by_a2a(softmax, comm_type, allowed):
+    """TE utils.py:715-717 turns flash-attn off for a softmax_type other than vanilla, :733-741 cuDNN's fused attention
+    with CP unless cp_comm_type is a2a, :755-759 the unfused attention with any CP: with p2p or all_gather no backend is
+    left (dot_product_attention.py:1425-1431 raises), and context_parallel.py:4045-4047 asserts a2a itself. a2a also
+    splits the heads: 32 heads and 8 groups at TP 1 over CP 2, 16 and 4 a rank, so it runs."""
+    line = broken(spec(softmax_type=softmax), cp=2, cp_comm_type=comm_type)
+    if allowed:
+        assert line is None, line
+    else:
+        assert line == (f"plan.cp_comm_type={comm_type} with plan.cp=2 and model.softmax_type={softmax}: Transformer "
+                        f"Engine's context parallelism runs the {softmax} softmax only in cuDNN's fused attention with "
+                        "a2a; use plan.cp_comm_type=a2a, or plan.cp=1")
+    assert broken(spec(softmax_type=softmax), cp=1, cp_comm_type=comm_type) is None  # no CP: cuDNN or unfused run it
+    assert broken(spec(), cp=2, cp_comm_type=comm_type) is None  # the vanilla softmax: every exchange
+
+
+def test_a_learnable_softmax_with_a_window_exchanges_by_a2a_only():
+    """The window refuses p2p (context_parallel.py:4026), the softmax all_gather (:4045): a2a is left."""
+    model = spec(softmax_type="learnable", **WINDOW)
+    assert broken(model, cp=2, cp_comm_type="a2a") is None
+    assert broken(model, cp=2, cp_comm_type="all_gather").startswith(
+        "plan.cp_comm_type=all_gather with plan.cp=2 and model.softmax_type=learnable")
+
+
+@pytest.mark.parametrize("backend, allowed", [("flash", False), ("fused", True), ("auto", True), ("unfused", True)])
+def test_the_flash_backend_runs_only_the_vanilla_softmax(backend, allowed):
+    """TE utils.py:715-717 turns flash-attn off for softmax_type off-by-one; --attention-backend flash turns cuDNN's
+    and the unfused attention off (language_module.py:133-136), so no backend is left (dot_product_attention.py:
+    1425-1431); the other backends keep one (cuDNN's fused, or TE's unfused, attention)."""
+    line = broken(spec(attention_backend=backend, softmax_type="off-by-one"))
+    if allowed:
+        assert line is None, line
+    else:
+        assert line == ("model.attention_backend=flash with model.softmax_type=off-by-one: flash-attn has only the "
+                        "vanilla softmax, and Megatron turns the other backends off; use attention_backend=auto|fused")
+    assert broken(spec(attention_backend=backend)) is None  # vanilla: every backend
+
+
 def test_bert_padding_mask_has_no_cp():
     """megatron-core's BERT layers take AttnMaskType.padding (models/bert/bert_layer_specs.py); TE's flash and fused
     attention assert `not context_parallel` for a padding mask (backends.py:821-824, 1860-1863)."""
@@ -369,6 +409,13 @@ def argv_problems(extra: str, *, world: int = 8, mbs: int = 1) -> list[str]:
     ("--context-parallel-size 2 --cp-comm-type " + " ".join(["a2a"] * 8), None),  # one per layer
     ("--context-parallel-size 2 --cp-comm-type a2a+p2p",
      "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes"),
+    # the generated --softmax-type (TransformerConfig.softmax_type) with Megatron's default exchange, p2p
+    ("--context-parallel-size 2 --softmax-type learnable",
+     "--cp-comm-type=p2p with --context-parallel-size=2 and model.softmax_type=learnable: Transformer Engine's context "
+     "parallelism runs the learnable softmax only in cuDNN's fused attention with a2a"),
+    ("--context-parallel-size 2 --softmax-type learnable --cp-comm-type a2a", None),
+    ("--attention-backend flash --softmax-type off-by-one",
+     "model.attention_backend=flash with model.softmax_type=off-by-one: flash-attn has only the vanilla softmax"),
     ("--attention-backend fused --window-size 64,0",  # Megatron's --attention-dropout default is 0.1
      "model.attention_backend=fused with model.window_size=64 and model.attention_dropout=0.1: cuDNN's fused attention"),
     ("--attention-backend fused --window-size 64,0 --attention-dropout 0.0", None),
@@ -435,6 +482,20 @@ def test_the_planner_chooses_a_working_exchange_for_the_window():
     other = "all_gather" if chosen == "a2a" else "a2a"
     slower = api.evaluate([*EXAMPLE, *pins, f"plan.cp_comm_type={other}"]).predicted["step_time_s"]
     assert plan.predicted["step_time_s"] <= slower
+
+
+def test_the_planner_exchanges_a_learnable_softmax_by_a2a():
+    """model.softmax_type=learnable with CP 2 pinned: the planner's default exchange (p2p) and all_gather are refused
+    (TE context_parallel.py:4045-4047), so it prices a2a and emits it; `evaluate` refuses Megatron's default."""
+    keys = ["model=llama3_8b", "model.softmax_type=learnable", "cluster=dgx_h100_superpod", "cluster.num_devices=64"]
+    plan = api.plan([*keys, "plan.cp=2", "plan.tp=1", "plan.pp=1"])
+    argv = plan.megatron_args
+    assert plan.parallel["cp"] == 2 and plan.parallel["cp_comm_type"] == "a2a"
+    assert argv[argv.index("--cp-comm-type") + 1] == "a2a" and argv[argv.index("--softmax-type") + 1] == "learnable"
+    assert violations(argv, world_size=plan.world_size) == []
+    with pytest.raises(NestError, match=r"^invalid configuration: plan\.cp_comm_type=p2p with plan\.cp=2 and "
+                                        r"model\.softmax_type=learnable"):
+        api.evaluate([*keys, *CP2])
 
 
 @pytest.mark.slow

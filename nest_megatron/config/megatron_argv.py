@@ -82,6 +82,8 @@ MODEL_FLAGS: dict[str, tuple[str, str, object]] = {
     "--window-size": ("window_size", "str", None),
     # arguments.py:2387: moe_freq_type, an integer N (every N-th layer full attention) or a list pattern
     "--window-attn-skip-freq": ("window_attn_skip_freq", "str", None),
+    # TransformerConfig.softmax_type (core/transformer/transformer_config.py:170), a generated flag of its Literal choices
+    "--softmax-type": ("softmax_type", "str", "vanilla"),
 }
 
 # Flags read (to complete the model, or by the launch rules) that set no schema field of their own; they pass through.

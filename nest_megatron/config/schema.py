@@ -79,6 +79,10 @@ class ModelConfig:
     window_size: Optional[int] = None
     # N: every N-th layer keeps full attention, the others slide (None: every layer slides)
     window_attn_skip_freq: Optional[int] = None
+    # the attention softmax (megatron-core TransformerConfig.softmax_type): vanilla | off-by-one (a zero logit added
+    # to each row's denominator) | learnable (a learnt per-head logit, attention sinks); Transformer Engine runs the
+    # last two in cuDNN's fused attention or its unfused one, not flash-attn, and with CP only by a2a
+    softmax_type: str = "vanilla"
     # Where the per-layer costs come from: analytic (the formulas of model/spec.py and cost/), or a
     # traced model whose parameters, GEMMs, attention FLOPs and saved activations replace them:
     # megatron (megatron-core's GPTModel of these keys, on the meta device), hf (the shape read from
