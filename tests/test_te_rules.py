@@ -432,6 +432,31 @@ def test_the_argv_check_refuses_what_te_refuses(extra, line):
         assert any(f.startswith(line) for f in found), found
 
 
+MOE_ARGV = "--num-experts 8 --moe-router-topk 2 --moe-grouped-gemm --fine-grained-activation-offloading"
+
+
+@pytest.mark.parametrize("extra, refused", [
+    ("--fp8-format hybrid --offload-modules expert_fc1", True),  # Megatron's default recipe is delayed
+    ("--fp8-format hybrid --fp8-recipe delayed --offload-modules moe_act expert_fc1", True),
+    ("--fp8-format hybrid --fp8-recipe tensorwise --offload-modules expert_fc1", False),  # Float8CurrentScalingQuantizer
+    ("--fp8-format hybrid --fp8-recipe mxfp8 --offload-modules expert_fc1", False),  # main keeps the quantized input
+    ("--offload-modules expert_fc1", False),  # bf16: no input quantizer
+    ("--fp8-format hybrid --offload-modules moe_act", False),  # FC1's input stays quantized
+])
+def test_offloading_the_grouped_experts_fc1_input_takes_no_delayed_fp8(extra, refused):
+    """megatron-core's TEGroupedMLP with expert_fc1 offloaded sets linear_fc1.save_original_input (experts.py:278-284,
+    unless MXFP8 / NVFP4); TE's GroupedLinear forward raises for it when the input quantizer is a Float8Quantizer, the
+    delayed-scaling one (grouped_linear.py:107-108; tensorwise's is a Float8CurrentScalingQuantizer, another class)."""
+    found = argv_problems(f"{MOE_ARGV} {extra}")
+    line = ("--offload-modules expert_fc1 with --moe-grouped-gemm and --fp8-recipe delayed (Megatron's default recipe): "
+            "the grouped experts' FC1 then keeps its unquantized input, which Transformer Engine's GroupedLinear "
+            "refuses under delayed scaling; use --fp8-recipe tensorwise, blockwise or mxfp8, or drop expert_fc1")
+    assert (line in found) == refused, found
+    # the sequential experts (no --moe-grouped-gemm) and the legacy GroupedMLP are no GroupedLinear
+    assert line not in argv_problems(f"{MOE_ARGV.replace(' --moe-grouped-gemm', '')} {extra}")
+    assert line not in argv_problems(f"{MOE_ARGV} --moe-use-legacy-grouped-gemm {extra}")
+
+
 def test_the_argv_check_on_hierarchical_cp():
     """a2a+p2p with --hierarchical-context-parallel-sizes whose product is the CP size is Megatron-LM's
     (arguments.py:580-585); the planner does not price it, which the configuration rule says."""

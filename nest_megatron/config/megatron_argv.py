@@ -99,6 +99,10 @@ HINT_FLAGS: dict[str, str] = {
     "--fp16": "true",
     "--no-overlap-p2p-communication": "true",  # read by launch/megatron_rules.py (interleaved schedule, pp 2)
     "--hierarchical-context-parallel-sizes": "list",  # what --cp-comm-type a2a+p2p needs (launch/megatron_rules.py)
+    # what launch/megatron_rules.py reads of the grouped experts (TEGroupedMLP) and their activation offloading
+    "--moe-use-legacy-grouped-gemm": "true",
+    "--fine-grained-activation-offloading": "true",
+    "--offload-modules": "list",
     # FP8 (train_overrides): TransformerConfig.fp8 is the flag --fp8-format {e4m3,hybrid}, default None (no FP8), and
     # fp8_recipe --fp8-recipe {tensorwise,delayed,mxfp8,blockwise,custom}, default delayed (Megatron-LM d98e8a6
     # megatron/core/transformer/transformer_config.py:587-599; arguments.py:2373-2374 generates both from it)
