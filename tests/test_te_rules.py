@@ -591,6 +591,17 @@ def test_a_launch_keeps_the_users_exchange(capsys):
         "Transformer Engine's context parallelism runs sliding-window attention only with a2a or all_gather"), err
 
 
+def test_a_launch_with_a_learnable_softmax_plans_a2a(capsys):
+    """The argv's --softmax-type learnable is the model's (config/megatron_argv.py), so with CP 2 pinned the rewritten
+    launch line exchanges by a2a, the one TE runs it with (context_parallel.py:4045-4047), where Megatron would ring."""
+    model = [*MODEL[:MODEL.index("--window-size")], *MODEL[MODEL.index("--window-size") + 2:]]
+    assert cli.main([*LAUNCH, "--pin", "cp", "--", "pretrain_gpt.py", *model, "--context-parallel-size", "2",
+                     "--softmax-type", "learnable"]) == 0
+    command = next(line for line in capsys.readouterr().out.splitlines() if " torchrun " in line).split()
+    assert command[command.index("--cp-comm-type") + 1] == "a2a"
+    assert command.count("--softmax-type") == 1 and command[command.index("--softmax-type") + 1] == "learnable"
+
+
 # -- the cost model prices the exchange it emits --------------------------------------------------------------------
 
 @pytest.mark.parametrize("comm_type, exposed_s", [
