@@ -211,8 +211,8 @@ class SolverConfig:
     max_virtual_stages: int = 4  # largest --num-layers-per-virtual-pipeline-stage split tried (per rank)
     max_context_parallel: int = 8  # largest context-parallel size tried
     # --cp-comm-type values tried with CP > 1: Megatron's p2p (the K/V ring behind attention) | a2a | all_gather. Where
-    # Transformer Engine runs none of them for a configuration (sliding-window attention refuses p2p:
-    # parallel/rules.py), the others it runs are tried instead; [p2p, a2a, all_gather] tries all (a slower search).
+    # Transformer Engine runs none of them for a configuration (sliding-window attention refuses p2p, an off-by-one or
+    # learnable softmax all but a2a: parallel/rules.py), the others it runs are tried instead; [p2p, a2a, all_gather] tries all (a slower search).
     cp_comm_types: list[str] = field(default_factory=lambda: ["p2p"])
     top_k: int = 10  # how many runners-up the Plan keeps
     # Plans may leave devices idle, when nothing uses them all or fewer are faster (false: every device runs
