@@ -96,6 +96,7 @@ MODEL_KEYS = {
     "moe_router_num_groups": ("2", 2), "moe_router_group_topk": ("1", 1), "kv_lora_rank": ("64", 64),
     "qk_head_dim": ("64", 64), "qk_pos_emb_head_dim": ("32", 32), "v_head_dim": ("64", 64),
     "mtp_num_layers": ("1", 1), "mtp_loss_scaling_factor": ("0.3", 0.3), "transformer_impl": ("local", "local"),
+    "softmax_type": ("off-by-one", "off-by-one"),
     # MLA excludes the query groups set above: tests/test_layer_kinds.py loads MLA models
     "multi_latent_attention": ("false", False), "q_lora_rank": ("null", None),
     # model.source and its paths: tests/test_trace.py loads the traced sources and their errors.
@@ -244,6 +245,9 @@ BAD = {
     "bad attention backend": (["model.attention_backend=fast"],
                               r"model\.attention_backend=fast: allowed are auto, flash, fused, unfused, local",
                               ["model.attention_backend=unfused"]),
+    # megatron-core's TransformerConfig.softmax_type choices; "sink" is no softmax of its
+    "bad softmax type": (["model.softmax_type=sink"], r"model\.softmax_type=sink: allowed are vanilla, off-by-one, learnable",
+                         ["model.softmax_type=learnable"]),
     # Megatron-LM's --cp-comm-type help spells it allgather; Transformer Engine knows all_gather only
     "bad cp exchange": (["plan.cp_comm_type=allgather"], r"plan\.cp_comm_type=allgather: allowed are p2p, a2a, all_gather",
                         ["plan.cp_comm_type=all_gather"]),

@@ -190,6 +190,46 @@ def test_mla_exchange_in_the_argv_evaluate_and_the_search():
     assert violations(argv, world_size=plan.world_size) == []
 
 
+@pytest.mark.parametrize("softmax", ["off-by-one", "learnable"])
+@pytest.mark.parametrize("comm_type, allowed", [("p2p", False), ("a2a", True), ("all_gather", False)])
+def test_off_by_one_and_learnable_softmax_with_cp_exchange_by_a2a(softmax, comm_type, allowed):
+    """TE utils.py:715-717 turns flash-attn off for a softmax_type other than vanilla, :733-741 cuDNN's fused attention
+    with CP unless cp_comm_type is a2a, :755-759 the unfused attention with any CP: with p2p or all_gather no backend is
+    left (dot_product_attention.py:1425-1431 raises), and context_parallel.py:4045-4047 asserts a2a itself. a2a also
+    splits the heads: 32 heads and 8 groups at TP 1 over CP 2, 16 and 4 a rank, so it runs."""
+    line = broken(spec(softmax_type=softmax), cp=2, cp_comm_type=comm_type)
+    if allowed:
+        assert line is None, line
+    else:
+        assert line == (f"plan.cp_comm_type={comm_type} with plan.cp=2 and model.softmax_type={softmax}: Transformer "
+                        f"Engine's context parallelism runs the {softmax} softmax only in cuDNN's fused attention with "
+                        "a2a; use plan.cp_comm_type=a2a, or plan.cp=1")
+    assert broken(spec(softmax_type=softmax), cp=1, cp_comm_type=comm_type) is None  # no CP: cuDNN or unfused run it
+    assert broken(spec(), cp=2, cp_comm_type=comm_type) is None  # the vanilla softmax: every exchange
+
+
+def test_a_learnable_softmax_with_a_window_exchanges_by_a2a_only():
+    """The window refuses p2p (context_parallel.py:4026), the softmax all_gather (:4045): a2a is left."""
+    model = spec(softmax_type="learnable", **WINDOW)
+    assert broken(model, cp=2, cp_comm_type="a2a") is None
+    assert broken(model, cp=2, cp_comm_type="all_gather").startswith(
+        "plan.cp_comm_type=all_gather with plan.cp=2 and model.softmax_type=learnable")
+
+
+@pytest.mark.parametrize("backend, allowed", [("flash", False), ("fused", True), ("auto", True), ("unfused", True)])
+def test_the_flash_backend_runs_only_the_vanilla_softmax(backend, allowed):
+    """TE utils.py:715-717 turns flash-attn off for softmax_type off-by-one; --attention-backend flash turns cuDNN's
+    and the unfused attention off (language_module.py:133-136), so no backend is left (dot_product_attention.py:
+    1425-1431); the other backends keep one (cuDNN's fused, or TE's unfused, attention)."""
+    line = broken(spec(attention_backend=backend, softmax_type="off-by-one"))
+    if allowed:
+        assert line is None, line
+    else:
+        assert line == ("model.attention_backend=flash with model.softmax_type=off-by-one: flash-attn has only the "
+                        "vanilla softmax, and Megatron turns the other backends off; use attention_backend=auto|fused")
+    assert broken(spec(attention_backend=backend)) is None  # vanilla: every backend
+
+
 def test_bert_padding_mask_has_no_cp():
     """megatron-core's BERT layers take AttnMaskType.padding (models/bert/bert_layer_specs.py); TE's flash and fused
     attention assert `not context_parallel` for a padding mask (backends.py:821-824, 1860-1863)."""
@@ -369,6 +409,13 @@ def argv_problems(extra: str, *, world: int = 8, mbs: int = 1) -> list[str]:
     ("--context-parallel-size 2 --cp-comm-type " + " ".join(["a2a"] * 8), None),  # one per layer
     ("--context-parallel-size 2 --cp-comm-type a2a+p2p",
      "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes"),
+    # the generated --softmax-type (TransformerConfig.softmax_type) with Megatron's default exchange, p2p
+    ("--context-parallel-size 2 --softmax-type learnable",
+     "--cp-comm-type=p2p with --context-parallel-size=2 and model.softmax_type=learnable: Transformer Engine's context "
+     "parallelism runs the learnable softmax only in cuDNN's fused attention with a2a"),
+    ("--context-parallel-size 2 --softmax-type learnable --cp-comm-type a2a", None),
+    ("--attention-backend flash --softmax-type off-by-one",
+     "model.attention_backend=flash with model.softmax_type=off-by-one: flash-attn has only the vanilla softmax"),
     ("--attention-backend fused --window-size 64,0",  # Megatron's --attention-dropout default is 0.1
      "model.attention_backend=fused with model.window_size=64 and model.attention_dropout=0.1: cuDNN's fused attention"),
     ("--attention-backend fused --window-size 64,0 --attention-dropout 0.0", None),
@@ -383,6 +430,31 @@ def test_the_argv_check_refuses_what_te_refuses(extra, line):
         assert found == []
     else:
         assert any(f.startswith(line) for f in found), found
+
+
+MOE_ARGV = "--num-experts 8 --moe-router-topk 2 --moe-grouped-gemm --fine-grained-activation-offloading"
+
+
+@pytest.mark.parametrize("extra, refused", [
+    ("--fp8-format hybrid --offload-modules expert_fc1", True),  # Megatron's default recipe is delayed
+    ("--fp8-format hybrid --fp8-recipe delayed --offload-modules moe_act expert_fc1", True),
+    ("--fp8-format hybrid --fp8-recipe tensorwise --offload-modules expert_fc1", False),  # Float8CurrentScalingQuantizer
+    ("--fp8-format hybrid --fp8-recipe mxfp8 --offload-modules expert_fc1", False),  # main keeps the quantized input
+    ("--offload-modules expert_fc1", False),  # bf16: no input quantizer
+    ("--fp8-format hybrid --offload-modules moe_act", False),  # FC1's input stays quantized
+])
+def test_offloading_the_grouped_experts_fc1_input_takes_no_delayed_fp8(extra, refused):
+    """megatron-core's TEGroupedMLP with expert_fc1 offloaded sets linear_fc1.save_original_input (experts.py:278-284,
+    unless MXFP8 / NVFP4); TE's GroupedLinear forward raises for it when the input quantizer is a Float8Quantizer, the
+    delayed-scaling one (grouped_linear.py:107-108; tensorwise's is a Float8CurrentScalingQuantizer, another class)."""
+    found = argv_problems(f"{MOE_ARGV} {extra}")
+    line = ("--offload-modules expert_fc1 with --moe-grouped-gemm and --fp8-recipe delayed (Megatron's default recipe): "
+            "the grouped experts' FC1 then keeps its unquantized input, which Transformer Engine's GroupedLinear "
+            "refuses under delayed scaling; use --fp8-recipe tensorwise, blockwise or mxfp8, or drop expert_fc1")
+    assert (line in found) == refused, found
+    # the sequential experts (no --moe-grouped-gemm) and the legacy GroupedMLP are no GroupedLinear
+    assert line not in argv_problems(f"{MOE_ARGV.replace(' --moe-grouped-gemm', '')} {extra}")
+    assert line not in argv_problems(f"{MOE_ARGV} --moe-use-legacy-grouped-gemm {extra}")
 
 
 def test_the_argv_check_on_hierarchical_cp():
@@ -435,6 +507,20 @@ def test_the_planner_chooses_a_working_exchange_for_the_window():
     other = "all_gather" if chosen == "a2a" else "a2a"
     slower = api.evaluate([*EXAMPLE, *pins, f"plan.cp_comm_type={other}"]).predicted["step_time_s"]
     assert plan.predicted["step_time_s"] <= slower
+
+
+def test_the_planner_exchanges_a_learnable_softmax_by_a2a():
+    """model.softmax_type=learnable with CP 2 pinned: the planner's default exchange (p2p) and all_gather are refused
+    (TE context_parallel.py:4045-4047), so it prices a2a and emits it; `evaluate` refuses Megatron's default."""
+    keys = ["model=llama3_8b", "model.softmax_type=learnable", "cluster=dgx_h100_superpod", "cluster.num_devices=64"]
+    plan = api.plan([*keys, "plan.cp=2", "plan.tp=1", "plan.pp=1"])
+    argv = plan.megatron_args
+    assert plan.parallel["cp"] == 2 and plan.parallel["cp_comm_type"] == "a2a"
+    assert argv[argv.index("--cp-comm-type") + 1] == "a2a" and argv[argv.index("--softmax-type") + 1] == "learnable"
+    assert violations(argv, world_size=plan.world_size) == []
+    with pytest.raises(NestError, match=r"^invalid configuration: plan\.cp_comm_type=p2p with plan\.cp=2 and "
+                                        r"model\.softmax_type=learnable"):
+        api.evaluate([*keys, *CP2])
 
 
 @pytest.mark.slow
@@ -503,6 +589,17 @@ def test_a_launch_keeps_the_users_exchange(capsys):
         "nest-megatron launch: error: no plan keeps what the launch line fixes (pinned cp; --cp-comm-type p2p): no "
         "launchable configuration: plan.cp_comm_type=p2p with plan.cp=2 and --window-size (model.window_size)=4096: "
         "Transformer Engine's context parallelism runs sliding-window attention only with a2a or all_gather"), err
+
+
+def test_a_launch_with_a_learnable_softmax_plans_a2a(capsys):
+    """The argv's --softmax-type learnable is the model's (config/megatron_argv.py), so with CP 2 pinned the rewritten
+    launch line exchanges by a2a, the one TE runs it with (context_parallel.py:4045-4047), where Megatron would ring."""
+    model = [*MODEL[:MODEL.index("--window-size")], *MODEL[MODEL.index("--window-size") + 2:]]
+    assert cli.main([*LAUNCH, "--pin", "cp", "--", "pretrain_gpt.py", *model, "--context-parallel-size", "2",
+                     "--softmax-type", "learnable"]) == 0
+    command = next(line for line in capsys.readouterr().out.splitlines() if " torchrun " in line).split()
+    assert command[command.index("--cp-comm-type") + 1] == "a2a"
+    assert command.count("--softmax-type") == 1 and command[command.index("--softmax-type") + 1] == "learnable"
 
 
 # -- the cost model prices the exchange it emits --------------------------------------------------------------------

@@ -40,7 +40,14 @@ from nest_megatron.hardware import slurm_tree
 from nest_megatron.hardware.accelerator import accelerator_from_config
 from nest_megatron.hardware.hostlist import expand
 from nest_megatron.hardware.topology import BUILDERS, Topology, without_hosts
-from nest_megatron.model.spec import ATTENTION_BACKENDS, DTYPE_BYTES, ModelSpec, Numerics, OptimizerDtypes
+from nest_megatron.model.spec import (
+    ATTENTION_BACKENDS,
+    DTYPE_BYTES,
+    SOFTMAX_TYPES,
+    ModelSpec,
+    Numerics,
+    OptimizerDtypes,
+)
 from nest_megatron.parallel.config import CP_COMM_TYPES, RANK_ORDERS, RECOMPUTE_KINDS, RECOMPUTE_MODULES, ZERO_STAGES
 from nest_megatron.parallel.layout import EXCLUSIONS, SplitForm, excluded_pair, form_vpp, layout_problem
 from nest_megatron.parallel.rules import model_violation
@@ -382,6 +389,7 @@ def _check_model(m: ModelConfig) -> None:
         _integer("model.moe_layer_freq", m.moe_layer_freq, 1, MAX_LAYERS)
     _real("model.mtp_loss_scaling_factor", m.mtp_loss_scaling_factor, 0)
     _one_of("model.transformer_impl", m.transformer_impl, ("transformer_engine", "local"))
+    _one_of("model.softmax_type", m.softmax_type, SOFTMAX_TYPES)
     if m.q_lora_rank is not None and not m.multi_latent_attention:
         raise NestError(f"model.q_lora_rank={m.q_lora_rank} without model.multi_latent_attention=true: only MLA has a "
                         "query latent; set multi_latent_attention or drop q_lora_rank")

@@ -83,6 +83,8 @@ MODEL_FLAGS: dict[str, tuple[str, str, object]] = {
     "--window-size": ("window_size", "str", None),
     # arguments.py:2387: moe_freq_type, an integer N (every N-th layer full attention) or a list pattern
     "--window-attn-skip-freq": ("window_attn_skip_freq", "str", None),
+    # TransformerConfig.softmax_type (core/transformer/transformer_config.py:170), a generated flag of its Literal choices
+    "--softmax-type": ("softmax_type", "str", "vanilla"),
 }
 
 # Flags read (to complete the model, or by the launch rules) that set no schema field of their own; they pass through.
@@ -97,6 +99,10 @@ HINT_FLAGS: dict[str, str] = {
     "--fp16": "true",
     "--no-overlap-p2p-communication": "true",  # read by launch/megatron_rules.py (interleaved schedule, pp 2)
     "--hierarchical-context-parallel-sizes": "list",  # what --cp-comm-type a2a+p2p needs (launch/megatron_rules.py)
+    # what launch/megatron_rules.py reads of the grouped experts (TEGroupedMLP) and their activation offloading
+    "--moe-use-legacy-grouped-gemm": "true",
+    "--fine-grained-activation-offloading": "true",
+    "--offload-modules": "list",
     # FP8 (train_overrides): TransformerConfig.fp8 is the flag --fp8-format {e4m3,hybrid}, default None (no FP8), and
     # fp8_recipe --fp8-recipe {tensorwise,delayed,mxfp8,blockwise,custom}, default delayed (Megatron-LM d98e8a6
     # megatron/core/transformer/transformer_config.py:587-599; arguments.py:2373-2374 generates both from it)

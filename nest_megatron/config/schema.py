@@ -82,6 +82,10 @@ class ModelConfig:
     window_size: Optional[int] = None
     # N: every N-th layer keeps full attention, the others slide (None: every layer slides)
     window_attn_skip_freq: Optional[int] = None
+    # the attention softmax (megatron-core TransformerConfig.softmax_type): vanilla | off-by-one (a zero logit added
+    # to each row's denominator) | learnable (a learnt per-head logit, attention sinks); Transformer Engine runs the
+    # last two in cuDNN's fused attention or its unfused one, not flash-attn, and with CP only by a2a
+    softmax_type: str = "vanilla"
     # Where the per-layer costs come from: analytic (the formulas of model/spec.py and cost/), or a
     # traced model whose parameters, GEMMs, attention FLOPs and saved activations replace them:
     # megatron (megatron-core's GPTModel of these keys, on the meta device), hf (the shape read from
@@ -210,8 +214,8 @@ class SolverConfig:
     max_virtual_stages: int = 4  # largest --num-layers-per-virtual-pipeline-stage split tried (per rank)
     max_context_parallel: int = 8  # largest context-parallel size tried
     # --cp-comm-type values tried with CP > 1: Megatron's p2p (the K/V ring behind attention) | a2a | all_gather. Where
-    # Transformer Engine runs none of them for a configuration (sliding-window attention refuses p2p:
-    # parallel/rules.py), the others it runs are tried instead; [p2p, a2a, all_gather] tries all (a slower search).
+    # Transformer Engine runs none of them for a configuration (sliding-window attention refuses p2p, an off-by-one or
+    # learnable softmax all but a2a: parallel/rules.py), the others it runs are tried instead; [p2p, a2a, all_gather] tries all (a slower search).
     cp_comm_types: list[str] = field(default_factory=lambda: ["p2p"])
     top_k: int = 10  # how many runners-up the Plan keeps
     # Plans may leave devices idle, when nothing uses them all or fewer are faster (false: every device runs

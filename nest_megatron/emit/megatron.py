@@ -100,6 +100,8 @@ def model_args(model: ModelSpec, *, tp: int) -> list[str]:
         args += ["--window-size", f"{m.window_size},0"]
         if m.window_attn_skip_freq:
             args += ["--window-attn-skip-freq", str(m.window_attn_skip_freq)]
+    if m.softmax_type != "vanilla":  # Megatron's default; the others decide which CP exchange runs (parallel/rules.py)
+        args += ["--softmax-type", m.softmax_type]
     if m.untie_embeddings_and_output_weights:
         args.append("--untie-embeddings-and-output-weights")
     if not m.add_bias_linear:

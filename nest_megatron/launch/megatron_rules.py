@@ -399,6 +399,18 @@ def _first_last_bf16_delayed(launch: Launch):
                 "not support it; use --fp8-recipe tensorwise, blockwise or mxfp8")
 
 
+def _offload_expert_fc1_delayed(launch: Launch):
+    """Offloading the grouped experts' FC1 input not with FP8 delayed scaling."""
+    s = launch.s
+    grouped = s.has("--num-experts") and s.has("--moe-grouped-gemm") and not s.has("--moe-use-legacy-grouped-gemm")
+    offloaded = s.has("--fine-grained-activation-offloading") and "expert_fc1" in s.get("--offload-modules", ())
+    if grouped and offloaded and s.has("--fp8-format") and s.get("--fp8-recipe", "delayed") == "delayed":
+        return ("--offload-modules expert_fc1 with --moe-grouped-gemm and --fp8-recipe delayed (Megatron's default "
+                "recipe): the grouped experts' FC1 then keeps its unquantized input, which Transformer Engine's "
+                "GroupedLinear refuses under delayed scaling; use --fp8-recipe tensorwise, blockwise or mxfp8, or drop "
+                "expert_fc1")
+
+
 ARGS = "megatron/training/arguments.py"
 # The flag combinations Megatron-LM (and Transformer Engine) reject; the sizes are checked by parallel.rules.RULES on
 # the configuration.
@@ -436,6 +448,10 @@ ARGV_RULES = (
     Rule("cp-comm-type-layers", "megatron/core/transformer/transformer_config.py:3103-3113", _cp_comm_type_layers),
     Rule("cp-hierarchical", f"{ARGS}:580-585", _cp_hierarchical),
     Rule("cp-comm-type-known", f"{DPA}context_parallel.py:4076-4110", _cp_comm_type_known),
+    Rule("offload-expert-fc1-delayed", f"{TE}pytorch/module/grouped_linear.py:107-108 (Float8Quantizer: delayed "
+         "scaling); megatron/core/transformer/moe/experts.py:254-257, 278-284 (TEGroupedMLP's linear_fc1 saves its "
+         "original input unless MXFP8 or NVFP4; megatron-core 0.16.1 experts.py:598-601 with every recipe)",
+         _offload_expert_fc1_delayed),
 )
 
 

@@ -21,6 +21,9 @@ from nest_megatron.model.layer_graph import LayerGraph, LayerTrace
 # fused kernel keeping no s x s tensor: auto lets Transformer Engine pick cuDNN's fused attention or flash-attn.
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 FUSED_ATTENTION_BACKENDS = ("auto", "flash", "fused")
+# megatron-core's softmax_type values (transformer/transformer_config.py:170): the softmax, with a zero logit added
+# to each row (off-by-one), or a learnt per-head one (learnable).
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
 @dataclass(frozen=True)

@@ -422,6 +422,15 @@ def _cp_mla(c: Case):
                 "with p2p; use plan.cp_comm_type=p2p, or plan.cp=1")
 
 
+def _cp_softmax_type(c: Case):
+    """With an off-by-one or learnable softmax, context parallel exchanges by a2a."""
+    cfg, softmax = c.cfg, c.model.cfg.softmax_type
+    if cfg.cp > 1 and softmax != "vanilla" and cfg.cp_comm_type != "a2a":
+        return (f"plan.cp_comm_type={cfg.cp_comm_type} with plan.cp={cfg.cp} and model.softmax_type={softmax}: "
+                f"Transformer Engine's context parallelism runs the {softmax} softmax only in cuDNN's fused attention "
+                "with a2a; use plan.cp_comm_type=a2a, or plan.cp=1")
+
+
 def _cp_a2a_heads(c: Case):
     """With a2a, CP divides each TP rank's attention heads and query groups."""
     cfg, m = c.cfg, c.model
@@ -455,6 +464,14 @@ def _flash_head_dim(c: Case):
     if c.model.cfg.attention_backend == "flash" and (d > 256 or d % 8):
         return (f"model.attention_backend=flash with kv_channels={d}: flash-attn takes head sizes up to 256 in "
                 "multiples of 8, and Megatron turns the other backends off; use attention_backend=auto|fused")
+
+
+def _flash_softmax_type(c: Case):
+    """The flash backend runs only the vanilla softmax."""
+    m = c.model.cfg
+    if m.attention_backend == "flash" and m.softmax_type != "vanilla":
+        return (f"model.attention_backend=flash with model.softmax_type={m.softmax_type}: flash-attn has only the "
+                "vanilla softmax, and Megatron turns the other backends off; use attention_backend=auto|fused")
 
 
 def _fp8_gemm_dims(c: Case):
@@ -527,6 +544,9 @@ TE_RULES = (
     Rule("cp-mla", f"{DPA}context_parallel.py:4031-4035 (`enable_mla = k.shape[-1] != v.shape[-1]`: p2p or a2a+p2p); "
          f"{MC}transformer/multi_latent_attention.py:214-215 (k_channels, v_channels), "
          f"{MC}extensions/transformer_engine.py:2176", _cp_mla),
+    Rule("cp-softmax-type", f"{DPA}utils.py:715-717 (flash-attn off), 733-741 (cuDNN's fused attention off unless "
+         "a2a), 755-759 (unfused off with CP), dot_product_attention.py:1425-1431 (no backend left); "
+         "context_parallel.py:4042-4047", _cp_softmax_type),
     Rule("cp-a2a-heads", f"{DPA}context_parallel.py:3365-3367", _cp_a2a_heads),
     Rule("cp-head-dim", f"{DPA}context_parallel.py:2806 (all_gather), 3320 (a2a)", _cp_head_dim),
     Rule("fused-window-dropout", f"{DPA}utils.py:874-885, dot_product_attention.py:1425-1431 (no backend left: "
@@ -534,6 +554,8 @@ TE_RULES = (
          _fused_window_dropout),
     Rule("flash-head-dim", f"{DPA}utils.py:627-646 (flash-attn 2), 648-650 (3), dot_product_attention.py:1425-1431 "
          f"(no backend left: {MC}models/common/language_module/language_module.py:133-136)", _flash_head_dim),
+    Rule("flash-softmax-type", f"{DPA}utils.py:715-717, dot_product_attention.py:1425-1431 (no backend left: "
+         f"{MC}models/common/language_module/language_module.py:133-136)", _flash_softmax_type),
     Rule("fp8-gemm-dims", f"{TE}pytorch/utils.py:439-447 (module/linear.py:177, layernorm_linear.py:160); "
          "common/gemm/cublaslt_gemm.cu:157, 205-210, 248, 291-298 (FP8 leading dimensions; in Hopper's TN GEMMs "
          "the reduction dimension, the tokens in the weight gradient); MXFP8: pytorch/csrc/quantizer.cpp:876-878; "

@@ -39,6 +39,7 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
         attention_softmax_in_fp32=cfg.attention_softmax_in_fp32,
+        softmax_type=cfg.softmax_type,  # learnable: a per-head softmax_offset parameter
         params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16,
         bf16=True,
