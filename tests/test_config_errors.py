@@ -84,7 +84,10 @@ MODEL_KEYS = {
     "name": ("m", "m"), "family": ("gpt", "gpt"), "num_layers": ("48", 48), "hidden_size": ("8192", 8192),
     "ffn_hidden_size": ("16384", 16384), "num_attention_heads": ("32", 32), "num_query_groups": ("4", 4),
     "kv_channels": ("128", 128), "seq_length": ("2048", 2048), "vocab_size": ("32000", 32000),
-    "make_vocab_size_divisible_by": ("64", 64), "padded_vocab_size": ("131072", 131072), "swiglu": ("false", False),
+    "make_vocab_size_divisible_by": ("64", 64), "padded_vocab_size": ("131072", 131072),
+    # a hybrid pattern and its Mamba sizes: tests/test_mamba_hybrid.py loads hybrid models
+    "hybrid_layer_pattern": ("null", None), "mamba_state_dim": ("64", 64), "mamba_head_dim": ("32", 32),
+    "mamba_num_groups": ("4", 4), "mamba_num_heads": ("16", 16), "swiglu": ("false", False),
     "untie_embeddings_and_output_weights": ("false", False), "position_embedding_type": ("learned_absolute", "learned_absolute"),
     "normalization": ("LayerNorm", "LayerNorm"), "add_bias_linear": ("true", True), "hidden_dropout": ("0.1", 0.1),
     "attention_dropout": ("0.05", 0.05), "attention_backend": ("unfused", "unfused"),

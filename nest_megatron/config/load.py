@@ -40,6 +40,7 @@ from nest_megatron.hardware import slurm_tree
 from nest_megatron.hardware.accelerator import accelerator_from_config
 from nest_megatron.hardware.hostlist import expand
 from nest_megatron.hardware.topology import BUILDERS, Topology, without_hosts
+from nest_megatron.model.kinds import HYBRID_KINDS
 from nest_megatron.model.spec import (
     ATTENTION_BACKENDS,
     DTYPE_BYTES,
@@ -379,7 +380,7 @@ def _check_model(m: ModelConfig) -> None:
     if m.num_attention_heads % groups:
         raise NestError(f"model.num_query_groups={groups}: must divide model.num_attention_heads={m.num_attention_heads}")
     for key, allowed in (("attention_backend", ATTENTION_BACKENDS), ("normalization", ("LayerNorm", "RMSNorm")),
-                         ("position_embedding_type", ("learned_absolute", "rope"))):
+                         ("position_embedding_type", ("learned_absolute", "rope", "none"))):
         _one_of(f"model.{key}", getattr(m, key), allowed)
     for key in ("hidden_dropout", "attention_dropout"):
         if not 0 <= getattr(m, key) < 1:
@@ -398,12 +399,44 @@ def _check_model(m: ModelConfig) -> None:
         raise NestError(line)
     if m.squared_relu and m.swiglu:  # Megatron-LM megatron/training/argument_utils.py:320-321 asserts it
         raise NestError("model.squared_relu=true and model.swiglu=true: one MLP activation; choose one")
+    if m.hybrid_layer_pattern is not None:
+        _check_hybrid(m)
     _integer("model.window_size", m.window_size, 1, m.seq_length - 1, "model.seq_length - 1: a window of the whole "
              "sequence is full attention; set null")
     _integer("model.window_attn_skip_freq", m.window_attn_skip_freq, 1, m.num_layers, "model.num_layers")
     if m.window_attn_skip_freq is not None and m.window_size is None:
         raise NestError(f"model.window_attn_skip_freq={m.window_attn_skip_freq} without model.window_size: no layer "
                         "has sliding-window attention; set model.window_size or drop it")
+
+
+def _check_hybrid(m: ModelConfig) -> None:
+    """A hybrid stack: one of megatron-core's symbols a layer (M, *, -, E; '|' segments and '/' MTP depths are not
+    planned), the MoE flags only with 'E' layers, the Mamba sizes megatron-core asserts (ssm/mamba_mixer.py:262-274);
+    what the planner prices of it: Transformer Engine's spec, the analytic source, no MLA, no MTP."""
+    pattern = m.hybrid_layer_pattern
+    wrong = [symbol for symbol in dict.fromkeys(pattern) if symbol not in HYBRID_KINDS]
+    if wrong:
+        raise NestError(f"model.hybrid_layer_pattern: '{wrong[0]}' is no layer the planner prices; allowed are M "
+                        "(Mamba), * (attention), - (MLP), E (MoE), one a layer ('|' segments, '/' MTP are not planned)")
+    if len(pattern) != m.num_layers:
+        raise NestError(f"model.hybrid_layer_pattern has {len(pattern)} layers but model.num_layers={m.num_layers}: "
+                        "one symbol a layer")
+    if ("E" in pattern) != bool(m.num_experts):
+        raise NestError("model.hybrid_layer_pattern: 'E' layers and model.num_experts go together; give both or "
+                        "neither")
+    for key, value in (("multi_latent_attention", m.multi_latent_attention), ("mtp_num_layers", m.mtp_num_layers),
+                       ("transformer_impl", m.transformer_impl == "local"), ("source", m.source != "analytic")):
+        if value:
+            raise NestError(f"model.{key}={getattr(m, key)} with model.hybrid_layer_pattern: a hybrid stack is planned "
+                            "with attention, Transformer Engine's layers and the analytic model only")
+    for key in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads"):
+        _integer(f"model.{key}", getattr(m, key), 1, MAX_HIDDEN)
+    heads = m.mamba_num_heads or 2 * m.hidden_size // m.mamba_head_dim
+    if m.mamba_num_heads is None and 2 * m.hidden_size % m.mamba_head_dim:
+        raise NestError(f"model.mamba_head_dim={m.mamba_head_dim}: must divide 2 x model.hidden_size (the Mamba "
+                        "inner width), or give model.mamba_num_heads")
+    if heads % m.mamba_num_groups:
+        raise NestError(f"model.mamba_num_groups={m.mamba_num_groups}: must divide the {heads} Mamba heads")
 
 
 def _check_accelerator(a: AcceleratorConfig, device_memory_gib: float | None) -> None:

@@ -41,6 +41,13 @@ MODEL_FLAGS: dict[str, tuple[str, str, object]] = {
     "--vocab-size": ("vocab_size", "int", None),
     "--make-vocab-size-divisible-by": ("make_vocab_size_divisible_by", "int", 128),
     "--padded-vocab-size": ("padded_vocab_size", "int", None),
+    # A hybrid stack (arguments.py:3652 at d98e8a6; megatron-core 0.16.1's --hybrid-override-pattern, core_v0.16.1
+    # arguments.py:2828, is read as it: _hybrid_pattern) and its Mamba mixer (TransformerConfig's mamba_* fields)
+    "--hybrid-layer-pattern": ("hybrid_layer_pattern", "str", None),
+    "--mamba-state-dim": ("mamba_state_dim", "int", 128),
+    "--mamba-head-dim": ("mamba_head_dim", "int", 64),
+    "--mamba-num-groups": ("mamba_num_groups", "int", 8),
+    "--mamba-num-heads": ("mamba_num_heads", "int", None),
     "--swiglu": ("swiglu", "true", False),
     "--untie-embeddings-and-output-weights": ("untie_embeddings_and_output_weights", "true", False),
     "--position-embedding-type": ("position_embedding_type", "str", "learned_absolute"),
@@ -92,6 +99,7 @@ HINT_FLAGS: dict[str, str] = {
     "--group-query-attention": "true",
     "--use-rotary-position-embeddings": "true",
     "--max-position-embeddings": "int",
+    "--hybrid-override-pattern": "str",
     "--tokenizer-type": "str",
     "--tokenizer-model": "str",
     "--vocab-file": "str",
@@ -176,10 +184,7 @@ KNOWN_FLAGS: dict[str, str] = {
 
 # What the planner cannot price, each with why: these stop the launch instead of a silently wrong plan.
 UNPLANNABLE: dict[str, str] = {
-    "--hybrid-layer-pattern": "hybrid (Mamba) layer patterns are not in the cost model",
-    # megatron-core 0.16.1's spelling (Megatron-LM core_v0.16.1 training/arguments.py:2828), deprecated on main since
-    "--hybrid-override-pattern": "hybrid (Mamba) layer patterns are not in the cost model",
-    "--mtp-hybrid-override-pattern": "hybrid (Mamba) layer patterns are not in the cost model",
+    "--mtp-hybrid-override-pattern": "multi-token prediction in a hybrid (Mamba) stack is not in the cost model",
     # transformer_config.py:2690-2696: deprecated, read as group-limited routing with one group per EP rank
     "--moe-router-topk-limited-devices": "deprecated in Megatron; give --moe-router-num-groups and --moe-router-group-topk",
     "--encoder-num-layers": "encoder-decoder models are not in the cost model; use --num-layers",
@@ -333,6 +338,15 @@ def tokenizer_vocab(s: Scanned) -> int | None:
 MAX_PATTERN = 2**14  # entries of a --moe-layer-freq list: config/load.py's MAX_LAYERS
 
 
+def _hybrid_pattern(s: Scanned) -> str | None:
+    """--hybrid-layer-pattern, or megatron-core 0.16.1's --hybrid-override-pattern (one of them: arguments.py:745-748)."""
+    new, old = s.get("--hybrid-layer-pattern"), s.get("--hybrid-override-pattern")
+    if new is not None and old is not None:
+        raise NestError("--hybrid-layer-pattern and --hybrid-override-pattern: one pattern; Megatron asserts it, give "
+                        "--hybrid-layer-pattern")
+    return new if new is not None else old
+
+
 def _moe_layer_freq(text: str) -> int | list[int]:
     """--moe-layer-freq as Megatron's moe_freq_type reads it (arguments.py:327): an integer N, or, when it has a
     '[', a Python list expression of lists, '+' and '*' ("([0]*3+[1]*58)"), which Megatron evaluates with eval
@@ -416,6 +430,9 @@ def model_values(argv: list[str] | Scanned, *, name: str = "megatron_argv", fami
     values = {key: (s.has(flag) if kind == "true" else not s.has(flag) if kind == "false" else s.get(flag, default))
               for flag, (key, kind, default) in MODEL_FLAGS.items()}
     values.update(num_layers=_required(s, "--num-layers"), seq_length=_required(s, "--seq-length"), name=name, family=family)
+    values["hybrid_layer_pattern"] = _hybrid_pattern(s)
+    if values["hybrid_layer_pattern"] is not None:  # Megatron counts the layers of the pattern (arguments.py:787-797)
+        values["num_layers"] = len(values["hybrid_layer_pattern"])
 
     gqa = s.has("--group-query-attention")
     if s.has("--num-query-groups") and not gqa:

@@ -30,12 +30,21 @@ class ModelConfig:
     seq_length: int = MISSING
     vocab_size: int = MISSING
     make_vocab_size_divisible_by: int = 128
+    # A hybrid stack (megatron-core MambaModel): one symbol per layer, M a Mamba-2 mixer, * attention, - an MLP,
+    # E a MoE MLP (megatron/core/ssm/mamba_hybrid_layer_allocation.py Symbols); None: a transformer (GPTModel)
+    hybrid_layer_pattern: Optional[str] = None
+    # The Mamba-2 mixer's state size, head size and B/C groups; its heads (None: 2 x hidden_size / mamba_head_dim,
+    # MambaMixer's expand 2); megatron-core 0.16.1 transformer_config.py:846-857
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: Optional[int] = None
     # Megatron's --padded-vocab-size: the embedding's rows as given, not padded further (None: vocab_size padded to
     # make_vocab_size_divisible_by x TP); megatron/training/argument_utils.py:474-476
     padded_vocab_size: Optional[int] = None
     swiglu: bool = False
     untie_embeddings_and_output_weights: bool = False
-    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope
+    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | none
     normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
     add_bias_linear: bool = True
     hidden_dropout: float = 0.1

@@ -28,7 +28,7 @@ size are sequence-sharded) and T without it; q and kv are the query and key/valu
                              input over every token, as the dense MLP's at its width / t
 
 The terms are kept per block of the layer's kind (model/kinds.py): the mixer's (standard attention
-above; MLA's latents and Q, K, V: `_mla_terms`), the MLP's (dense or MoE), a multi-token-prediction
+above; MLA's latents and Q, K, V: `_mla_terms`; a Mamba-2 mixer's: `_mamba_terms`), the MLP's (dense or MoE), a multi-token-prediction
 depth's own (`_mtp_terms`); a block that is "none" keeps nothing.
 
 With fp8 GEMMs (model.numerics) the inputs of the linears (FP8_SAVED_INPUTS) are kept as
@@ -51,9 +51,10 @@ from nest_megatron.parallel.config import DEFAULT_RECOMPUTE_MODULES
 BF16, FP32, MASK, INT64 = 2, 4, 1, 8
 
 # The inputs of the linears (QKV, projection, FC1, FC2, the experts' FC1, the shared expert's FC2, MLA's down and
-# up projections, MTP's eh_proj): kept in fp8 with fp8 GEMMs.
+# up projections, MTP's eh_proj, Mamba's in_proj and out_proj): kept in fp8 with fp8 GEMMs.
 FP8_SAVED_INPUTS = ("qkv_input", "proj_input", "fc1_input", "fc2_input", "expert_input", "shared_fc2_input",
-                    "mla_down_input", "q_latent_norm", "kv_latent_norm", "eh_proj_input")
+                    "mla_down_input", "q_latent_norm", "kv_latent_norm", "eh_proj_input", "in_proj_input",
+                    "out_proj_input")
 
 
 def _qkv_bytes(model: ModelSpec, *, tokens: float, tp: int, core_attn: bool) -> float:
@@ -105,6 +106,8 @@ def _mixer_terms(model: ModelSpec, kind: LayerKind, *, tokens: float, tokens_sp:
     if kind.mixer == "none":
         return {}
     terms = {"norm1_input": BF16 * h * tokens_sp}
+    if kind.mixer == "mamba":
+        return terms | _mamba_terms(model, tokens=tokens, tokens_sp=tokens_sp, tp=tp)
     if kind.mixer == "attention":
         terms |= {"qkv_input": BF16 * h * tokens_sp,
                   "qkv": _qkv_bytes(model, tokens=tokens, tp=tp, core_attn=core_attn),
@@ -123,6 +126,23 @@ def _mixer_terms(model: ModelSpec, kind: LayerKind, *, tokens: float, tokens_sp:
         if dropped:
             terms["attention_dropout"] = dropped * heads * tokens * s
     return terms
+
+
+def _mamba_terms(model: ModelSpec, *, tokens: float, tokens_sp: float, tp: int) -> dict[str, float]:
+    """What a Mamba-2 mixer keeps (megatron-core 0.16.1 ssm/mamba_mixer.py forward and _ssm_training; mamba_ssm
+    ops/triton/ssd_combined.py MambaSplitConv1dScanCombinedFn, which recomputes the conv and the scan's states
+    in backward), d_inner D, groups G, state N, heads H:
+      in_proj_input   2 h T_sp            the normed hidden state (TE's fused norm keeps its output)
+      mamba_zxbcdt    2 T (2D + 2GN + H)/t  in_proj's output, the scan kernel's saved input
+      mamba_scan_out  2 T D / t           the scan's output before the gate (out_x)
+      mamba_norm_input 2 T D / t          the gated output, the gated RMSNorm's input (and 4 T G / t of rstd)
+      out_proj_input  2 T D / t           the norm's output, out_proj's input"""
+    inner = model.mamba_inner / tp
+    return {"in_proj_input": BF16 * model.h * tokens_sp,
+            "mamba_zxbcdt": BF16 * tokens * model.mamba_in_proj_width / tp,
+            "mamba_scan_out": BF16 * tokens * inner,
+            "mamba_norm_input": BF16 * tokens * inner + FP32 * tokens * model.cfg.mamba_num_groups / tp,
+            "out_proj_input": BF16 * tokens * inner}
 
 
 def _mla_terms(model: ModelSpec, *, tokens: float, tokens_sp: float, tp: int) -> dict[str, float]:

@@ -5,7 +5,8 @@ at d98e8a6: every GEMM counted 3 times (forward, dgrad, wgrad) x 2 FLOPs per mul
 the attention square per sequence with half of it for a causal mask. Per decoder layer of each kind
 (model/kinds.py): the mixer's projections (standard attention's QKV and output; MLA's latent, up and output
 projections with Megatron's "+1" per latent for its norm), the dense MLP or the routed experts (topk of them)
-and the shared expert; the multi-token-prediction depths count as layers of the decoder's last kind, with
+and the shared expert; a Mamba-2 mixer as Megatron's mamba_layer_flops counts it (in_proj, the scan, out_proj, at
+d_in = 2 h whatever mamba_num_heads; hybrid_flops :964); the multi-token-prediction depths count as layers of the decoder's last kind, with
 their norms and eh_proj, and one more pass of the output layer each.
 """
 
@@ -35,6 +36,10 @@ def _mixer_linear(model: ModelSpec, kind: LayerKind) -> float:
     m, h = model.cfg, model.cfg.hidden_size
     if kind.mixer == "attention":
         return GEMM_PASSES * (h * (model.q_size + 2 * model.kv_size) + model.q_size * h)
+    if kind.mixer == "mamba":  # training.py:885-903: 2 x in_proj + 7 d_in state (the scan) + 2 x out_proj, x 3
+        d_in, groups, state = 2 * h, m.mamba_num_groups, m.mamba_state_dim
+        per_pass = 2 * h * (2 * d_in + 2 * groups * state + model.mamba_heads) + 7 * d_in * state + 2 * d_in * h
+        return 3 * per_pass
     if kind.mixer != "mla":
         return 0.0
     heads, q_head = m.num_attention_heads, model.mla_qk_head_dim

@@ -130,9 +130,14 @@ def elementwise_terms(model: ModelSpec, *, tokens: int, cfg: ParallelConfig, kin
                 elements["qk_norm"] = 2 * tokens * (model.q_size + model.kv_size) / t
         elif kind.mixer == "mla":
             elements |= _mla_elements(model, tokens=tokens, tokens_sp=tokens_sp, tp=t)
+        elif kind.mixer == "mamba":
+            # The fused conv + scan kernel reads in_proj's output and writes its gated output; the gated RMSNorm
+            # reads that and writes out_proj's input (the scan's FLOPs: ModelSpec.mamba_scan_flops).
+            elements["mamba_scan_io"] = tokens * (model.mamba_in_proj_width + model.mamba_inner) / t
+            elements["mamba_norm"] = 2 * tokens * model.mamba_inner / t
         if m.hidden_dropout > 0:
             elements["dropout1"] = 2 * h * tokens_sp
-        if not model.fused_attention:
+        if not model.fused_attention and kind.mixer != "mamba":
             elements["softmax"] = 2 * (model.heads / t) * tokens * m.seq_length * (2 if m.attention_dropout > 0 else 1)
     if kind.mlp != "none":
         elements |= {"norm2": 2 * h * tokens_sp, "residual2": 3 * h * tokens_sp}
@@ -249,7 +254,14 @@ def _layer_time(model, tp, sp, cp, ep, etp, mbs, kind, tp_shapes, cp_shapes, ep_
     # The widths are the mixer's (`attention_widths`, `cp_kv_width`): MLA's K is as wide as its Q, its V and the
     # output as wide as the values.
     cp_fwd = cp_bwd = 0.0
-    if cfg.cp > 1 and kind.mixer != "none":
+    if cfg.cp > 1 and kind.mixer == "mamba":
+        # megatron-core 0.16.1 ssm/mamba_context_parallel.py: in_proj's output all-to-all'd from sequence to head
+        # shards before the conv and scan (pre_conv_ssm, :133-192), their output back after (post_conv_ssm,
+        # :194-205); backward the mirror. Exposed.
+        zxbcdt = BF16 * tokens * model.mamba_in_proj_width / cfg.tp
+        scanned = BF16 * tokens * model.mamba_inner / cfg.tp
+        cp_fwd = cp_bwd = worst(all_to_all_time, cp_shapes, zxbcdt, net) + worst(all_to_all_time, cp_shapes, scanned, net)
+    elif cfg.cp > 1 and kind.mixer != "none":
         qk_width, v_width = model.attention_widths(kind)
         kv_chunk = BF16 * tokens * model.cp_kv_width(kind) / cfg.tp  # this rank's keys and values
         if cp_comm_type == "a2a":
@@ -373,7 +385,8 @@ class TpBlock:
 
 
 def tp_blocks(model: ModelSpec, kind: LayerKind) -> list[TpBlock]:
-    """The TP-split blocks of a layer of `kind`: attention (QKV, projection); MLA (its query and KV up
+    """The TP-split blocks of a layer of `kind`: attention (QKV, projection), a Mamba-2 mixer (in_proj, out_proj);
+    MLA (its query and KV up
     projections -- linear_q_proj without a query latent -- read the latents gathered with the one RoPE key,
     q_lora + kv_lora + rope wide, the duplicated down projections no collective); the dense MLP, or a MoE layer's
     shared expert (the routed experts exchange tokens by EP instead, or by expert TP as an MLP block); a
@@ -384,6 +397,8 @@ def tp_blocks(model: ModelSpec, kind: LayerKind) -> list[TpBlock]:
         blocks.append(TpBlock("eh_proj", ("eh_proj",), None, 2 * h, 2 * h, output_gather_width=h))
     if kind.mixer == "attention":
         blocks.append(TpBlock("attention", ("qkv",), "proj", h, h))
+    elif kind.mixer == "mamba":
+        blocks.append(TpBlock("mamba", ("in_proj",), "out_proj", h, h))
     elif kind.mixer == "mla":
         q_name, q_width = ("q_proj", h) if m.q_lora_rank is None else ("q_up", m.q_lora_rank)
         blocks.append(TpBlock("mla", (q_name, "kv_up"), "proj", q_width + m.kv_lora_rank + m.qk_pos_emb_head_dim,

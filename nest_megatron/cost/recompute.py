@@ -39,6 +39,8 @@ from nest_megatron.parallel.config import RECOMPUTE_MODULES
 from nest_megatron.parallel.rules import module_problem
 
 CORE_ATTENTION_TERMS = ("softmax", "attention_dropout", "softmax_lse")
+# The mixers with a core attention that "core_attn" recomputes (attention.py's checkpoint; a Mamba mixer has none).
+ATTENTION_MIXERS = ("attention", "mla")
 MLP_TERMS = ("fc1_output", "swiglu_unfused", "fc2_input")
 SHARED_EXPERT_TERMS = ("shared_fc1_output", "shared_swiglu_unfused", "shared_fc2_input")
 
@@ -78,7 +80,7 @@ def rerun_parts(model: ModelSpec, kind: LayerKind, modules: tuple[str, ...]) -> 
     """The forward parts (LayerTime.fwd_parts, fwd_comm_parts) a layer of `kind` runs again with `modules`."""
     input_norm, mlp_norm = separate_norms(model, kind)
     parts = set()
-    if "core_attn" in modules and kind.mixer != "none":
+    if "core_attn" in modules and kind.mixer in ATTENTION_MIXERS:
         parts |= {"core_attention", "softmax"}
     if "layernorm" in modules:
         parts |= {"norm1"} if input_norm else set()
@@ -110,7 +112,7 @@ def applies(model: ModelSpec, module: str) -> bool:
     """Whether recomputing `module` changes anything in `model`: a layer it recomputes exists."""
     kinds = model.kinds
     if module == "core_attn":
-        return any(k.mixer != "none" for k in kinds)
+        return any(k.mixer in ATTENTION_MIXERS for k in kinds)
     if module == "layernorm":
         return any(any(separate_norms(model, k)) for k in kinds)
     if module == "mla_up_proj":

@@ -102,6 +102,11 @@ def model_args(model: ModelSpec, *, tp: int) -> list[str]:
             args += ["--window-attn-skip-freq", str(m.window_attn_skip_freq)]
     if m.softmax_type != "vanilla":  # Megatron's default; the others decide which CP exchange runs (parallel/rules.py)
         args += ["--softmax-type", m.softmax_type]
+    if m.hybrid_layer_pattern:  # a MambaModel (pretrain_mamba.py): its pattern and the Mamba mixer's sizes
+        args += ["--hybrid-layer-pattern", m.hybrid_layer_pattern, "--mamba-state-dim", str(m.mamba_state_dim),
+                 "--mamba-head-dim", str(m.mamba_head_dim), "--mamba-num-groups", str(m.mamba_num_groups)]
+        if m.mamba_num_heads:
+            args += ["--mamba-num-heads", str(m.mamba_num_heads)]
     if m.untie_embeddings_and_output_weights:
         args.append("--untie-embeddings-and-output-weights")
     if not m.add_bias_linear:

@@ -20,8 +20,9 @@ from typing import NamedTuple
 from nest_megatron.errors import NestError
 
 # The mixers: attention (megatron-core SelfAttention), mla (MLASelfAttention: --multi-latent-attention),
-# none (a layer without one). The MLPs: dense (MLP), moe (MoELayer), none.
-MIXERS = ("attention", "mla", "none")
+# mamba (a Mamba-2 MambaMixer: a hybrid pattern's 'M'), none (a layer without one). The MLPs: dense (MLP),
+# moe (MoELayer), none.
+MIXERS = ("attention", "mla", "mamba", "none")
 MLPS = ("dense", "moe", "none")
 
 
@@ -62,6 +63,13 @@ class LayerKind(_Kind):
         base = label.removeprefix("mtp:")
         mixer, _, mlp = base.rpartition("+")
         return cls(mixer=mixer or "attention", mlp=mlp, mtp=mtp)
+
+
+# A hybrid pattern's symbols (megatron-core 0.16.1 ssm/mamba_hybrid_layer_allocation.py:25-32) and the layer each
+# builds (ssm/mamba_block.py MambaStack): a Mamba layer, a transformer layer with attention only, one with an MLP
+# only, one with a MoE MLP only.
+HYBRID_KINDS = {"M": LayerKind("mamba", "none"), "*": LayerKind("attention", "none"),
+                "-": LayerKind("none", "dense"), "E": LayerKind("none", "moe")}
 
 
 def is_kind_label(label: str) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
 from nest_megatron.config.schema import ModelConfig
-from nest_megatron.model.kinds import LayerKind
+from nest_megatron.model.kinds import HYBRID_KINDS, LayerKind
 from nest_megatron.model.layer_graph import LayerGraph, LayerTrace
 
 # Megatron's --attention-backend values (megatron/core/transformer/enums.py AttnBackend), and those that run a
@@ -24,6 +24,9 @@ FUSED_ATTENTION_BACKENDS = ("auto", "flash", "fused")
 # megatron-core's softmax_type values (transformer/transformer_config.py:170): the softmax, with a zero logit added
 # to each row (off-by-one), or a learnt per-head one (learnable).
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+# MambaMixer's constructor defaults, which no Megatron flag changes (megatron-core 0.16.1 ssm/mamba_mixer.py:149-151)
+MAMBA_CONV_KERNEL = 4  # d_conv
+MAMBA_EXPAND = 2  # d_inner = expand x hidden_size, without mamba_num_heads
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,10 @@ class ModelSpec:
 
     @cached_property
     def layer_kinds(self) -> tuple[LayerKind, ...]:
-        """The kind of every decoder layer, in order."""
+        """The kind of every decoder layer, in order: a hybrid pattern's symbol each (HYBRID_KINDS), else the
+        mixer with the MLP --moe-layer-freq gives it."""
+        if self.cfg.hybrid_layer_pattern:
+            return tuple(HYBRID_KINDS[symbol] for symbol in self.cfg.hybrid_layer_pattern)
         return tuple(LayerKind(self.mixer, "moe" if moe else "dense") for moe in self.moe_pattern)
 
     @cached_property
@@ -229,6 +235,39 @@ class ModelSpec:
     def fc1_factor(self) -> int:
         """FC1 produces gate and up projections with SwiGLU."""
         return 2 if self.cfg.swiglu else 1
+
+    # --- the Mamba-2 mixer (megatron-core 0.16.1 ssm/mamba_mixer.py MambaMixer: d_conv 4, expand 2) ------------
+    @property
+    def mamba_heads(self) -> int:
+        """Its heads: mamba_num_heads, else expand x h / head_dim (mamba_mixer.py:237-243)."""
+        return self.cfg.mamba_num_heads or MAMBA_EXPAND * self.h // self.cfg.mamba_head_dim
+
+    @property
+    def mamba_inner(self) -> int:
+        """d_inner, the width the scan runs at: heads x head_dim."""
+        return self.mamba_heads * self.cfg.mamba_head_dim
+
+    @property
+    def mamba_in_proj_width(self) -> int:
+        """in_proj's output, z x B C dt: 2 d_inner + 2 groups x state + heads (mamba_mixer.py:276-278)."""
+        m = self.cfg
+        return 2 * self.mamba_inner + 2 * m.mamba_num_groups * m.mamba_state_dim + self.mamba_heads
+
+    @property
+    def mamba_conv_width(self) -> int:
+        """The causal conv1d's channels, x B C: d_inner + 2 groups x state (mamba_mixer.py:302)."""
+        return self.mamba_inner + 2 * self.cfg.mamba_num_groups * self.cfg.mamba_state_dim
+
+    def mamba_params(self, tp: int) -> int:
+        """MambaMixer's parameters on one TP rank, and the input norm TE fuses into in_proj: in_proj
+        (column-parallel), the depthwise conv1d's weights (d_conv a channel) and biases, dt_bias, A_log and D (one
+        a head), the gated RMSNorm (d_inner) and out_proj (row-parallel, no bias: mamba_mixer.py:290), all split
+        over TP (:280-373)."""
+        h = self.h
+        conv = self.mamba_conv_width // tp * (MAMBA_CONV_KERNEL + 1)
+        per_head = 3 * self.mamba_heads // tp  # dt_bias, A_log, D
+        inner = self.mamba_inner // tp
+        return h * self.mamba_in_proj_width // tp + conv + per_head + inner + inner * h + self.norm_params
 
     @property
     def norm_params(self) -> int:
@@ -281,7 +320,9 @@ class ModelSpec:
 
     def attention_head_dim(self, kind: LayerKind) -> int:
         """The head dimension the attention kernel runs at (its efficiency depends on it): for MLA, the
-        query/key head dimension."""
+        query/key head dimension; for a Mamba mixer, the scan's."""
+        if kind.mixer == "mamba":
+            return self.cfg.mamba_head_dim
         return self.mla_qk_head_dim if kind.mixer == "mla" else self.head_dim
 
     # --- parameters on one device ------------------------------------------------------------
@@ -320,6 +361,8 @@ class ModelSpec:
             return self.attention_params(tp)
         if kind.mixer == "mla":
             return self.mla_params(tp)
+        if kind.mixer == "mamba":
+            return self.mamba_params(tp)
         return 0
 
     def mla_replicated_params(self, kind: LayerKind, tp: int) -> int:
@@ -436,6 +479,9 @@ class ModelSpec:
         if kind.mixer == "attention":
             return [Gemm("qkv", tokens, (self.q_size + 2 * self.kv_size) // tp, h),
                     Gemm("proj", tokens, h, self.q_size // tp)]
+        if kind.mixer == "mamba":
+            return [Gemm("in_proj", tokens, self.mamba_in_proj_width // tp, h),
+                    Gemm("out_proj", tokens, h, self.mamba_inner // tp)]
         if kind.mixer != "mla":
             return []
         m = self.cfg
@@ -504,10 +550,18 @@ class ModelSpec:
         if traced:  # what the traced kernels compute (the local spec's unfused attention: the full square)
             graph, layer = traced
             return layer.attention_flops * micro_batch / (graph.micro_batch_size * cp)
+        if kind.mixer == "mamba":
+            return self.mamba_scan_flops(tokens=micro_batch * self.cfg.seq_length // cp, tp=tp)
         qk, v = self.attention_widths(kind)
         s = self.cfg.seq_length
         causal = 0.5 if self.cfg.family == "gpt" else 1.0
         return 2.0 * micro_batch * (s // cp) * self.mean_keys_per_query(s, causal) * (qk + v) / tp
+
+    def mamba_scan_flops(self, *, tokens: float, tp: int) -> float:
+        """Forward FLOPs of the chunked SSD scan (mamba_split_conv1d_scan_combined) on one TP rank: Megatron-LM's
+        own count, 7 per token, inner channel and state element (training.py:885-903 at d98e8a6, which calls
+        it a small share of the layer), at this mixer's d_inner."""
+        return 7.0 * tokens * self.mamba_inner * self.cfg.mamba_state_dim / tp
 
     def mean_keys_per_query(self, s: int, causal: float) -> float:
         """Keys one query attends to, averaged over the layers: s x causal with full attention; a

@@ -156,6 +156,47 @@ def _tp_padded_vocab(c: Case):
         return f"plan.tp={c.cfg.tp}: must divide the embedding's rows, model.padded_vocab_size={rows}"
 
 
+def _mamba_tp(c: Case):
+    """TP divides a Mamba mixer's heads and its B/C groups."""
+    if "M" not in (c.model.cfg.hybrid_layer_pattern or ""):
+        return None
+    heads, groups = c.model.mamba_heads, c.model.cfg.mamba_num_groups
+    if heads % c.cfg.tp or groups % c.cfg.tp:
+        return f"plan.tp={c.cfg.tp}: must divide the Mamba heads ({heads}) and groups (model.mamba_num_groups={groups})"
+
+
+def _mamba_cp(c: Case):
+    """CP divides each TP rank's Mamba heads, and its groups or they CP (each CP rank takes whole heads)."""
+    if "M" not in (c.model.cfg.hybrid_layer_pattern or "") or c.cfg.cp == 1:
+        return None
+    heads, groups, cp = c.model.mamba_heads // c.cfg.tp, c.model.cfg.mamba_num_groups // c.cfg.tp, c.cfg.cp
+    if heads % cp or (groups % cp if groups >= cp else cp % groups):
+        return (f"plan.cp={cp}: must divide the {heads} Mamba heads of a TP rank, and divide or be a multiple of its "
+                f"{groups} groups")
+
+
+def _hybrid_split(c: Case):
+    """A hybrid pattern splits evenly over the pipeline, without virtual stages: Megatron takes virtual stages
+    only from '|' segments in the pattern and refuses the embedding / loss accounting and a layout with it; the
+    planner writes no segments (nest)."""
+    if not c.model.cfg.hybrid_layer_pattern:
+        return None
+    cfg, layers = c.cfg, c.model.cfg.num_layers
+    if cfg.vpp > 1:
+        return f"plan.vpp={cfg.vpp}: a hybrid pattern (model.hybrid_layer_pattern) runs without virtual stages"
+    if c.form.given:
+        return f"plan.{c.form.given[0]}: a hybrid pattern splits evenly over the pipeline; drop it"
+    if layers % cfg.pp or c.layers_per_stage is not None and len(set(c.layers_per_stage)) > 1:
+        return f"plan.pp={cfg.pp}: a hybrid pattern of {layers} layers splits evenly over the pipeline ({layers} % pp = 0)"
+
+
+def _mamba_fp8(c: Case):
+    """With FP8, a Mamba mixer's in_proj output (2 d_inner + 2 groups x state + heads) is a multiple of 16."""
+    if "M" in (c.model.cfg.hybrid_layer_pattern or "") and c.model.numerics.fp8_recipe and c.model.mamba_in_proj_width % 16:
+        return (f"model.fp8_recipe={c.model.numerics.fp8_recipe}: the Mamba in_proj output of "
+                f"{c.model.mamba_in_proj_width} is not a multiple of 16")
+
+
 def _sp_tp(c: Case):
     """Sequence parallel needs TP > 1."""
     if c.cfg.sp and c.cfg.tp == 1:
@@ -584,6 +625,10 @@ RULES = (
     Rule("tp-heads", f"{TC}:1446", _tp_heads),
     Rule("tp-query-groups", f"{TC}:1462 (stricter: Megatron also takes tp a multiple of the groups, replicating "
          "KV heads, which the cost model does not price)", _tp_query_groups),
+    Rule("mamba-tp", f"{MC}ssm/mamba_mixer.py:262, 270", _mamba_tp),
+    Rule("mamba-cp", f"{MC}ssm/mamba_context_parallel.py:108, 122, 129", _mamba_cp),
+    Rule("hybrid-split", f"{ARGS}:813-837, 844-847; nest: no '|' segments, an even split", _hybrid_split),
+    Rule("mamba-fp8", f"{MC}ssm/mamba_mixer.py:256", _mamba_fp8),
     Rule("tp-padded-vocab", f"{MC}tensor_parallel/layers.py:268 (VocabParallelEmbedding), "
          f"{MC}tensor_parallel/utils.py:118 (divide)", _tp_padded_vocab),
     Rule("sp-tp", f"{MC}model_parallel_config.py:504 ({ARGS}:1433 turns it off silently)", _sp_tp),

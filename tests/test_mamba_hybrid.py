@@ -1,0 +1,126 @@
+"""Hybrid Mamba-2 / attention / MLP stacks (megatron-core MambaModel, --hybrid-layer-pattern): the Mamba mixer's
+parameters, FLOPs and saved activations worked out by hand, the rules megatron-core asserts, the argv read and
+written, and the shipped Nemotron-H 56B planned."""
+
+from __future__ import annotations
+
+import pytest
+
+from nest_megatron import api
+from nest_megatron.config.load import load
+from nest_megatron.config.megatron_argv import model_values, scan
+from nest_megatron.config.schema import ModelConfig
+from nest_megatron.cost.activations import layer_activation_terms
+from nest_megatron.cost.flops import megatron_model_flops
+from nest_megatron.errors import NestError
+from nest_megatron.model.kinds import LayerKind
+from nest_megatron.model.spec import ModelSpec
+
+MAMBA = LayerKind("mamba", "none")
+# h 256 and Mamba head 64: d_inner = 2 x 256 = 512, 8 heads; 8 groups of state 128.
+TINY = dict(name="tiny_hybrid", num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=16,
+            seq_length=128, vocab_size=1024, hybrid_layer_pattern="M*M-", normalization="RMSNorm",
+            add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0)
+TINY_KEYS = ["model=tiny_gpt", "model.num_attention_heads=16", "model.hybrid_layer_pattern=M*M-",
+             "model.normalization=RMSNorm", "model.add_bias_linear=false", "model.hidden_dropout=0.0",
+             "model.attention_dropout=0.0", "cluster=dgx_h100_superpod", "cluster.num_devices=8",
+             "train.global_batch_size=64", "plan.mbs=1", "plan.zero=1", "plan.recompute=none"]
+
+
+def tiny() -> ModelSpec:
+    return ModelSpec(ModelConfig(**TINY))
+
+
+def test_the_pattern_gives_each_layer_its_blocks():
+    assert tiny().layer_kinds == (MAMBA, LayerKind("attention", "none"), MAMBA, LayerKind("none", "dense"))
+
+
+def test_mamba_mixer_parameters_by_hand():
+    # in_proj: 256 x (2 x 512 + 2 x 8 x 128 + 8) = 256 x 3080 = 788,480; conv1d: (512 + 2048) channels x (4 weights
+    # + 1 bias) = 12,800; dt_bias, A_log, D: 3 x 8 = 24; gated norm: 512; out_proj: 512 x 256 = 131,072; the input
+    # norm (RMSNorm): 256. Sum 933,144.
+    assert tiny().mixer_params(MAMBA, tp=1) == 933_144
+    # TP 2 splits every one of them but the input norm: 394,240 + 6,400 + 12 + 256 + 65,536 + 256 = 466,700.
+    assert tiny().mixer_params(MAMBA, tp=2) == 466_700
+
+
+def test_mamba_gemms_and_scan_flops_by_hand():
+    gemms = tiny().mixer_gemms(MAMBA, tokens=128, tp=2, sp=True)
+    assert [(g.name, g.m, g.n, g.k) for g in gemms] == [("in_proj", 128, 1540, 256), ("out_proj", 128, 256, 256)]
+    # Megatron-LM's scan count, 7 x tokens x d_inner x state, on a TP rank: 7 x 128 x 512 x 128 / 2 = 29,360,128.
+    assert tiny().attention_flops(micro_batch=1, tp=2, cp=1, kind=MAMBA) == 29_360_128
+
+
+def test_megatron_s_hybrid_flops_by_hand():
+    """megatron/training/training.py hybrid_flops at d98e8a6 for one sequence of 128 (x 3 for fwd + bwd):
+    Mamba, 2 T h (2 d_in + 2 G N + H) + 7 T d_in N + 2 T d_in h = 2 T 256 x 3080 + 7 T 512 x 128 + 2 T 512 x 256
+    = T (1,576,960 + 458,752 + 262,144) = 2,297,856 T; attention (16 heads of 16, no GQA), its projections
+    2 T h (q + 2 kv) + 2 T q h = 2 T 256 x 768 + 2 T 256 x 256 = 524,288 T and its square 2 x 2 T s h x 0.5
+    (causal) = 2 T 128 x 256 = 65,536 T; the MLP (squared ReLU off: GELU, h -> f -> h) 2 x 2 T h f = 1,048,576 T;
+    the logits 2 T h V = 524,288 T. Per token 2 x 2,297,856 + 524,288 + 65,536 + 1,048,576 + 524,288
+    = 6,758,400, x 3 x 128 tokens = 2,595,225,600."""
+    assert megatron_model_flops(tiny(), batch_size=1, tp=1) == 2_595_225_600
+
+
+def test_mamba_activations_by_hand():
+    # One micro-batch of 128 tokens at TP 2 with SP (64 tokens a rank outside the mixer): the input norm's input and
+    # output 2 x 256 x 64 each; in_proj's output 2 x 128 x 1540; the scan's output, the gated norm's input and its
+    # output 2 x 128 x 256 each, and the norm's rstd 4 x 128 x 4.
+    terms = layer_activation_terms(tiny(), mbs=1, tp=2, sp=True, cp=1, kind=MAMBA)
+    assert terms == {"norm1_input": 32_768, "in_proj_input": 32_768, "mamba_zxbcdt": 394_240,
+                     "mamba_scan_out": 65_536, "mamba_norm_input": 65_536 + 2_048, "out_proj_input": 65_536}
+
+
+@pytest.mark.parametrize("keys, message", [
+    # 8 Mamba heads do not split over TP 16 (the 16 attention heads would)
+    (["plan.tp=16", "cluster.num_devices=16", "plan.dp=1", "plan.pp=1"],
+     r"plan.tp=16: must divide the Mamba heads \(8\) and groups"),
+    # TP 2 leaves 4 heads a rank: CP 8 cannot split them
+    (["plan.tp=2", "plan.cp=8", "cluster.num_devices=16", "plan.dp=1", "plan.pp=1"],
+     r"plan.cp=8: must divide the 4 Mamba heads of a TP rank"),
+    (["plan.tp=1", "plan.pp=2", "plan.vpp=2", "plan.dp=4"], r"plan.vpp=2: a hybrid pattern .* without virtual stages"),
+    (["plan.tp=1", "plan.pp=2", "plan.dp=4", "plan.decoder_first_pipeline_num_layers=1"],
+     r"plan.decoder_first_pipeline_num_layers: a hybrid pattern splits evenly"),
+])
+def test_megatron_core_s_mamba_rules(keys, message):
+    with pytest.raises(NestError, match=message):
+        api.evaluate([*TINY_KEYS, *keys])
+    # TP 2 x CP 2 keeps 2 whole heads and 2 groups a rank: it runs
+    api.evaluate([*TINY_KEYS, "plan.tp=2", "plan.cp=2", "plan.dp=2", "plan.pp=1"])
+
+
+@pytest.mark.parametrize("keys, message", [
+    (["model.hybrid_layer_pattern=M*G-"], r"'G' is no layer the planner prices; allowed are M \(Mamba\)"),
+    (["model.hybrid_layer_pattern=M*-"], r"has 3 layers but model.num_layers=4"),
+    (["model.hybrid_layer_pattern=M*E-"], r"'E' layers and model.num_experts go together"),
+    (["model.mamba_num_groups=3"], r"model.mamba_num_groups=3: must divide the 8 Mamba heads"),
+])
+def test_a_wrong_hybrid_model_is_one_line(keys, message):
+    with pytest.raises(NestError, match=message):
+        load([*TINY_KEYS, *keys])
+
+
+def test_the_plan_s_argv_reads_back_as_the_same_hybrid():
+    plan = api.evaluate([*TINY_KEYS, "plan.tp=2", "plan.dp=4", "plan.pp=1"])
+    read = model_values(scan(plan.megatron_args))
+    assert (read["hybrid_layer_pattern"], read["mamba_state_dim"], read["mamba_head_dim"], read["mamba_num_groups"]) == (
+        "M*M-", 128, 64, 8)
+    # megatron-core 0.16.1's spelling is the same pattern; both at once Megatron refuses (arguments.py:745-748)
+    base = "--num-layers 4 --hidden-size 256 --num-attention-heads 16 --seq-length 128 --vocab-size 1024".split()
+    assert model_values([*base, "--hybrid-override-pattern", "M*M-"])["hybrid_layer_pattern"] == "M*M-"
+    with pytest.raises(NestError, match="--hybrid-layer-pattern and --hybrid-override-pattern: one pattern"):
+        model_values([*base, "--hybrid-override-pattern", "M*M-", "--hybrid-layer-pattern", "M*M-"])
+
+
+def test_nemotron_h_56b_has_its_56_billion_parameters_and_plans():
+    model = ModelSpec(load(["model=nemotron_h_56b"]).config.model)
+    # By hand at TP 1: a Mamba layer 8192 x (2 x 16384 + 2 x 8 x 256 + 256) + 20480 x 5 + 3 x 256 + 16384
+    # + 16384 x 8192 + 8192 = 438,432,512 (54 of them); an MLP layer 2 x 8192 x 32768 + 8192 = 536,879,104 (54);
+    # an attention layer 8192 x (8192 + 2 x 1024) + 8192 x 8192 + 8192 = 151,003,136 (10); the embedding and the
+    # untied output layer 131072 x 8192 each, the final norm 8192: 56,324,350,464 in all.
+    total = (sum(n * sum(model.layer_params(tp=1, kind=k)) for k, n in model.kind_counts.items())
+             + model.embedding_params(1) + model.output_params(tp=1, pp=2))
+    assert total == 54 * 438_432_512 + 54 * 536_879_104 + 10 * 151_003_136 + 2 * 131072 * 8192 + 8192 == 56_324_350_464
+    plan = api.plan(["model=nemotron_h_56b", "cluster=dgx_h100_superpod", "cluster.num_devices=256"])
+    assert "--hybrid-layer-pattern" in plan.megatron_args and plan.parallel["vpp"] == 1
+    assert 8 % plan.parallel["tp"] == 0  # megatron-core splits the 8 groups (and 256 heads) over TP
