@@ -109,6 +109,11 @@ HINT_FLAGS: dict[str, str] = {
     "--main-params-dtype": "str",
     "--exp-avg-dtype": "str",
     "--exp-avg-sq-dtype": "str",
+    # train.cuda_graphs (cost/host.py): --cuda-graph-impl none | local | transformer_engine | full_iteration
+    # (transformer_config.py:1075); the deprecated spellings read as local and transformer_engine (arguments.py:619-630)
+    "--cuda-graph-impl": "str",
+    "--enable-cuda-graph": "true",
+    "--external-cuda-graph": "true",
 }
 
 # Flags the planner decides (launch/rewrite.py removes them and inserts the plan's), with their arity.
@@ -514,6 +519,8 @@ def train_overrides(argv: list[str] | Scanned) -> list[str]:
     out.append(f"train.tp_comm_overlap={_hydra(s.has('--tp-comm-overlap'))}")
     out.append(f"train.grad_reduce_in_bf16={_hydra(s.has('--grad-reduce-in-bf16'))}")
     out.append(f"train.cross_entropy_fusion={_hydra(s.has('--cross-entropy-loss-fusion'))}")
+    graphs = s.get("--cuda-graph-impl", "none") != "none" or s.has("--enable-cuda-graph") or s.has("--external-cuda-graph")
+    out.append(f"train.cuda_graphs={_hydra(graphs)}")
     out += _dispatcher_override(s)
     out.append(f"train.precision_aware_optimizer={_hydra(s.has('--use-precision-aware-optimizer'))}")
     for flag in ("--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype"):
