@@ -208,7 +208,8 @@ FLAG_OF_KEY |= {"train.precision": "--fp8-format", "train.fp8_recipe": "--fp8-re
                 "train.main_params_dtype": "--main-params-dtype", "train.exp_avg_dtype": "--exp-avg-dtype",
                 "train.exp_avg_sq_dtype": "--exp-avg-sq-dtype", "train.moe_dispatcher": "--moe-token-dispatcher-type"}
 FP8_FORMATS = ("e4m3", "hybrid")  # transformer_config.py:587
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")  # :594, less custom (a quantizer of the user's code)
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")  # transformer_config.py:1075  # :594, less custom (a quantizer of the user's code)
 
 
 @dataclass
@@ -519,7 +520,10 @@ def train_overrides(argv: list[str] | Scanned) -> list[str]:
     out.append(f"train.tp_comm_overlap={_hydra(s.has('--tp-comm-overlap'))}")
     out.append(f"train.grad_reduce_in_bf16={_hydra(s.has('--grad-reduce-in-bf16'))}")
     out.append(f"train.cross_entropy_fusion={_hydra(s.has('--cross-entropy-loss-fusion'))}")
-    graphs = s.get("--cuda-graph-impl", "none") != "none" or s.has("--enable-cuda-graph") or s.has("--external-cuda-graph")
+    impl = s.get("--cuda-graph-impl", "none")
+    if impl not in CUDA_GRAPH_IMPLS:
+        raise NestError(f"--cuda-graph-impl {impl}: allowed are {', '.join(CUDA_GRAPH_IMPLS)}")
+    graphs = impl != "none" or s.has("--enable-cuda-graph") or s.has("--external-cuda-graph")
     out.append(f"train.cuda_graphs={_hydra(graphs)}")
     out += _dispatcher_override(s)
     out.append(f"train.precision_aware_optimizer={_hydra(s.has('--use-precision-aware-optimizer'))}")
