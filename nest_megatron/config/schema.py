@@ -192,7 +192,8 @@ class TrainConfig:
     # backend, --moe-flex-dispatcher-backend deepep: a token sent once to each rank that holds one of its experts).
     moe_dispatcher: str = "alltoall"
     # CUDA graphs (--cuda-graph-impl local | transformer_engine, or the deprecated --enable-cuda-graph /
-    # --external-cuda-graph): each layer's pass is one graph replay for the host (cost/host.py)
+    # --external-cuda-graph): each layer's pass is one graph replay for the host (cost/host.py). Read from the argv;
+    # the plan does not emit the flag (its other requirements are the user's: Megatron-LM arguments.py:1239-1262)
     cuda_graphs: bool = False
 
 
