@@ -193,7 +193,7 @@ class TrainConfig:
     moe_dispatcher: str = "alltoall"
     # CUDA graphs (--cuda-graph-impl local | transformer_engine, or the deprecated --enable-cuda-graph /
     # --external-cuda-graph): each layer's pass is one graph replay for the host (cost/host.py). Read from the argv;
-    # the plan does not emit the flag (its other requirements are the user's: Megatron-LM arguments.py:1239-1262)
+    # the plan does not emit the flag (its other requirements are the user's: Megatron-LM arguments.py:1953-1971)
     cuda_graphs: bool = False
 
 
