@@ -32,7 +32,7 @@ from nest_megatron.model.kinds import LayerKind
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
 
-# The router's operators besides its GEMM (megatron/core/transformer/moe/router.py TopKRouter.routing :746-830
+# The router's operators besides its GEMM (megatron/core/transformer/moe/router.py TopKRouter.routing :746-838
 # at d98e8a64: the score function, top-k, the routing map's scatter, the auxiliary load-balancing loss's
 # token counts and products) and the dispatcher's preprocessing (token_dispatcher.py dispatch_preprocess
 # :624-680: tokens per expert, the splits copied to the host): about 12 forward, 6 backward.
