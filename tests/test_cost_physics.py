@@ -1,7 +1,7 @@
 """The calibrated cost model's terms against numbers worked out by hand: flash attention's backward
 and head size, fp8 GEMMs and their casts, what TP communication Megatron hides behind which GEMM,
-the cross entropy's bytes, fp8 and bf16-gradient memory, MoE grouped GEMMs and permutation, and
-sliding-window attention.
+the cross entropy's bytes, fp8 and bf16-gradient memory, MoE grouped GEMMs and permutation,
+sliding-window attention, and the host time hidden behind the GPU's work (or not, or removed by CUDA graphs).
 
 The objects are the 64-wide synthetic GPT of tests/test_cost_terms.py; every expectation is derived
 in its comment from literal numbers, not from the code under test.
@@ -25,6 +25,7 @@ from nest_megatron.cost.evaluate import (
     pipeline_sends,
     stage_parts,
 )
+from nest_megatron.cost.host import layer_operators
 from nest_megatron.cost.layer import (
     elementwise_bytes,
     layer_time,
@@ -442,3 +443,15 @@ def test_1f1b_synchronises_the_host_after_each_pipeline_transfer():
     for cfg, exposed in ((ParallelConfig(pp=2, mbs=1), 7.5e-6 - 2 * LAYER_FWD_S), (ParallelConfig(pp=2, vpp=2, mbs=1), 0.0)):
         ctx = context(dataclasses.replace(problem, global_batch_size=4), cfg, compute=GemmOnly())
         assert stage_parts(ctx, stage_sums(ctx.costs, cfg, (2, 2), 0), stage=0)["host"] == close(exposed)
+
+
+def test_operators_count_tp_collectives_and_fp8_casts():
+    # The 12 / 16 operators above; TP 2 with sequence parallel adds per block (attention, MLP) an all-gather and a
+    # reduce-scatter forward, and the row's gather, the column's re-gather and its reduce-scatter backward: 16 / 22.
+    # Without sequence parallel one all-reduce per block each way: 14 / 18. fp8 casts each GEMM's input forward
+    # and its output gradient backward: 4 more each way.
+    m = model(num_layers=4)
+    assert layer_operators(m, ParallelConfig(mbs=1), DENSE) == (12, 16)
+    assert layer_operators(m, ParallelConfig(tp=2, sp=True, mbs=1), DENSE) == (16, 22)
+    assert layer_operators(m, ParallelConfig(tp=2, sp=False, mbs=1), DENSE) == (14, 18)
+    assert layer_operators(with_numerics(m, fp8_recipe="delayed"), ParallelConfig(mbs=1), DENSE) == (16, 20)
