@@ -11,7 +11,9 @@ Spans end where the host waits for the device. 1F1B without interleaving batches
 virtual stages) and synchronises the device after each (megatron/core/pipeline_parallel/
 p2p_communication.py:421-424, batch_p2p_sync True by default, model_parallel_config.py:395): each
 micro-batch's forward and backward are spans of their own. Without pipeline transfers, or interleaved
-(the transfers overlapped, not synchronised), a micro-batch's forward and backward are one span.
+(the transfers overlapped, not synchronised), a micro-batch's forward and backward are one span. Left out:
+the MoE alltoall dispatcher copies its token counts to the host in each MoE layer's forward
+(moe/token_dispatcher.py _maybe_dtoh_and_synchronize :921-960), which ends a span there too.
 
 With CUDA graphs (--cuda-graph-impl local | transformer_engine, or the deprecated --enable-cuda-graph /
 --external-cuda-graph: transformer_config.py:1049-1075) each layer's pass is one graph replay, one
