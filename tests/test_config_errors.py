@@ -110,7 +110,8 @@ ACCELERATOR_KEYS = {
     "hbm_bandwidth_gb_per_s": ("1000", 1000.0), "gemm_efficiency": ("0.5", 0.5), "attention_efficiency": ("0.4", 0.4),
     "memory_bound_efficiency": ("0.7", 0.7), "reserved_memory_gib": ("2", 2.0),
     "peak_fp8_tflops": ("1000", 1000.0), "mxfp8": ("true", True), "gemm_fp8_efficiency": ("0.5", 0.5),
-    "sm_count": ("108", 108), "kernel_overhead_us": ("10", 10.0), "fp8_gemm_any_layout": ("true", True),
+    "sm_count": ("108", 108), "kernel_overhead_us": ("10", 10.0), "host_overhead_us": ("5", 5.0),
+    "fp8_gemm_any_layout": ("true", True),
 }
 CLUSTER_KEYS = {
     "name": ("c", "c"), "topology": ("hierarchical", "hierarchical"), "num_devices": ("64", 64),
@@ -128,7 +129,7 @@ TRAIN_KEYS = {
     "overlap_param_gather": ("false", False), "precision": ("bf16", "bf16"), "fp8_recipe": ("tensorwise", "tensorwise"),
     "tp_comm_overlap": ("true", True), "grad_reduce_in_bf16": ("true", True), "cross_entropy_fusion": ("true", True),
     "precision_aware_optimizer": ("true", True), "main_params_dtype": ("fp16", "fp16"), "exp_avg_dtype": ("bf16", "bf16"),
-    "exp_avg_sq_dtype": ("fp8", "fp8"), "moe_dispatcher": ("deepep", "deepep"),
+    "exp_avg_sq_dtype": ("fp8", "fp8"), "moe_dispatcher": ("deepep", "deepep"), "cuda_graphs": ("true", True),
 }
 SOLVER_KEYS = {
     "name": ("enumerate", "enumerate"), "micro_batch_sizes": ("[1,2]", [1, 2]), "zero_stages": ("[1]", [1]),

@@ -1,7 +1,7 @@
 """The calibrated cost model's terms against numbers worked out by hand: flash attention's backward
 and head size, fp8 GEMMs and their casts, what TP communication Megatron hides behind which GEMM,
-the cross entropy's bytes, fp8 and bf16-gradient memory, MoE grouped GEMMs and permutation, and
-sliding-window attention.
+the cross entropy's bytes, fp8 and bf16-gradient memory, MoE grouped GEMMs and permutation,
+sliding-window attention, and the host time hidden behind the GPU's work (or not, or removed by CUDA graphs).
 
 The objects are the 64-wide synthetic GPT of tests/test_cost_terms.py; every expectation is derived
 in its comment from literal numbers, not from the code under test.
@@ -17,7 +17,15 @@ from test_cost_terms import GemmOnly, accelerator, close, memory_of, model
 from nest_megatron.cost.activations import layer_activation_terms, logits_bytes
 from nest_megatron.cost.collectives import Network, all_gather_time, reduce_scatter_time
 from nest_megatron.cost.compute import RooflineCompute, head_dim_factor
-from nest_megatron.cost.evaluate import CROSS_ENTROPY_BYTES_PER_LOGIT, adam_step_bytes, context, estimate, pipeline_sends
+from nest_megatron.cost.evaluate import (
+    CROSS_ENTROPY_BYTES_PER_LOGIT,
+    adam_step_bytes,
+    context,
+    estimate,
+    pipeline_sends,
+    stage_parts,
+)
+from nest_megatron.cost.host import layer_operators
 from nest_megatron.cost.layer import (
     elementwise_bytes,
     layer_time,
@@ -381,3 +389,69 @@ def test_interleaved_sends_hide_behind_the_next_chunk():
         assert backward == close(2 * max(1e-6, send - chunk_bwd))
         # without the layers (a bound) only the latency of each chunk's send
         assert pipeline_sends(ctx, stage=0) == (2e-6, 2e-6)
+
+
+# --- host time --------------------------------------------------------------------------------------
+
+# The 64-wide GPT's layer issues 12 operators forward (4 GEMMs: qkv, proj, fc1, fc2; the attention kernel; 7
+# memory-bound terms: norm1, residual1, dropout1, norm2, residual2, the GeLU, dropout2) and 16 backward (8 GEMMs,
+# the attention backward, the 7 terms' backward). The embedding is 1 operator each way; the output layer 24 forward
+# (final norm, logits GEMM, 22 of the cross entropy) and 9 backward (2 GEMMs, the norm, 6 of the cross entropy).
+# Its GEMMs at 1e12 FLOP/s (GemmOnly), 32 tokens: forward 2 x 32 x 64 x (192 + 64 + 256 + 256) = 3,145,728 FLOPs
+# = 3.145728 us a layer, backward twice that; the logits 2 x 32 x 1024 x 64 = 4.194304 us forward, twice backward.
+LAYER_FWD_S, LAYER_BWD_S, LOGITS_S = 3.145728e-6, 2 * 3.145728e-6, 4.194304e-6
+
+
+def host_problem(seconds_per_operator, *, devices=1, cuda_graphs=False):
+    topo = Topology("t", (Level("node", devices, 1e9, 0.0),))
+    return Problem(model=model(num_layers=4), accelerator=accelerator(host_overhead_s=seconds_per_operator),
+                   topology=topo, global_batch_size=1, cuda_graphs=cuda_graphs)
+
+
+def test_host_time_hides_behind_longer_gpu_work():
+    # One device, one micro-batch: GPU 4 (3.145728 + 6.291456) + 3 x 4.194304 = 50.331648 us. The host issues
+    # 4 (12 + 16) + (1 + 24) + (1 + 9) = 147 operators: at 0.1 us each 14.7 us, hidden behind the GPU's work.
+    est = estimate(host_problem(0.1e-6), ParallelConfig(mbs=1), compute=GemmOnly())
+    assert est.breakdown["host"] == 0.0
+    assert est.step_time == close(4 * (LAYER_FWD_S + LAYER_BWD_S) + 3 * LOGITS_S)
+
+
+def test_host_time_longer_than_the_gpu_work_is_paid_as_the_difference():
+    # At 1 us an operator the host needs 147 us for what the GPU runs in 50.331648 us: the step waits 96.668352 us
+    # for the host, and takes the host's 147 us.
+    est = estimate(host_problem(1e-6), ParallelConfig(mbs=1), compute=GemmOnly())
+    assert est.breakdown["host"] == close(147e-6 - 50.331648e-6)
+    assert est.step_time == close(147e-6)
+
+
+def test_cuda_graphs_make_each_layer_pass_one_operator():
+    # With CUDA graphs a layer's forward and backward are one graph replay each: 4 x 2 + 25 + 10 = 43 operators,
+    # 43 us at 1 us each, hidden behind the 50.331648 us of GPU work the eager run waited on (the test above).
+    est = estimate(host_problem(1e-6, cuda_graphs=True), ParallelConfig(mbs=1), compute=GemmOnly())
+    assert est.breakdown["host"] == 0.0
+    # at 2 us an operator the eager operators of the embedding and the output layer (35) and the 8 replays show
+    assert estimate(host_problem(2e-6, cuda_graphs=True), ParallelConfig(mbs=1),
+                    compute=GemmOnly()).breakdown["host"] == close(86e-6 - 50.331648e-6)
+
+
+def test_1f1b_synchronises_the_host_after_each_pipeline_transfer():
+    # Two stages of 2 layers, 1F1B: each micro-batch's forward and backward are spans of their own
+    # (p2p_communication.py batch_p2p_sync). The first stage issues 2 x 12 + 1 = 25 operators forward, 7.5 us at
+    # 0.3 us each, for 2 x 3.145728 = 6.291456 us of GPU work: 1.208544 us exposed; backward 2 x 16 + 1 = 33,
+    # 9.9 us, behind 12.582912 us: none. One span of both (interleaved) would hide all: 17.4 < 18.874368 us.
+    problem = host_problem(0.3e-6, devices=2)
+    for cfg, exposed in ((ParallelConfig(pp=2, mbs=1), 7.5e-6 - 2 * LAYER_FWD_S), (ParallelConfig(pp=2, vpp=2, mbs=1), 0.0)):
+        ctx = context(dataclasses.replace(problem, global_batch_size=4), cfg, compute=GemmOnly())
+        assert stage_parts(ctx, stage_sums(ctx.costs, cfg, (2, 2), 0), stage=0)["host"] == close(exposed)
+
+
+def test_operators_count_tp_collectives_and_fp8_casts():
+    # The 12 / 16 operators above; TP 2 with sequence parallel adds per block (attention, MLP) an all-gather and a
+    # reduce-scatter forward, and the row's gather, the column's re-gather and its reduce-scatter backward: 16 / 22.
+    # Without sequence parallel one all-reduce per block each way: 14 / 18. fp8 casts each GEMM's input forward
+    # and its output gradient backward: 4 more each way.
+    m = model(num_layers=4)
+    assert layer_operators(m, ParallelConfig(mbs=1), DENSE) == (12, 16)
+    assert layer_operators(m, ParallelConfig(tp=2, sp=True, mbs=1), DENSE) == (16, 22)
+    assert layer_operators(m, ParallelConfig(tp=2, sp=False, mbs=1), DENSE) == (14, 18)
+    assert layer_operators(with_numerics(m, fp8_recipe="delayed"), ParallelConfig(mbs=1), DENSE) == (16, 20)

@@ -45,7 +45,20 @@ def test_argv_precision_and_overlap_become_train_overrides(argv, precision, reci
         precision, recipe, overlap)
 
 
+@pytest.mark.parametrize("argv, graphs", [
+    ([], "false"),  # Megatron's cuda_graph_impl "none" (transformer_config.py:1075)
+    (["--cuda-graph-impl", "none"], "false"),
+    (["--cuda-graph-impl", "transformer_engine"], "true"),
+    (["--cuda-graph-impl=local"], "true"),
+    (["--enable-cuda-graph"], "true"),  # deprecated: read as local (arguments.py:619-623)
+    (["--external-cuda-graph"], "true"),  # deprecated: read as transformer_engine (:625-630)
+])
+def test_argv_cuda_graphs_become_a_train_key(argv, graphs):
+    assert train_keys(argv)["train.cuda_graphs"] == graphs
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--cuda-graph-impl", "cudnn"], "--cuda-graph-impl cudnn: allowed are none, local, transformer_engine, full_iteration"),
     (["--fp8-format", "e5m2"], "--fp8-format e5m2: allowed are e4m3, hybrid"),
     (["--fp8-format", "hybrid", "--fp8-recipe", "custom"], "--fp8-recipe custom: the planner prices delayed, "
                                                           "tensorwise, blockwise, mxfp8"),

@@ -165,6 +165,8 @@ BAD = [
     ("accelerator.sm_count=0", r"^accelerator\.sm_count=0: allowed 1\.\.4096$", "accelerator.sm_count=1"),
     ("accelerator.kernel_overhead_us=-1", r"^accelerator\.kernel_overhead_us=-1\.0: must be a finite number >= 0$",
      "accelerator.kernel_overhead_us=0"),
+    ("accelerator.host_overhead_us=-1", r"^accelerator\.host_overhead_us=-1\.0: must be a finite number >= 0$",
+     "accelerator.host_overhead_us=0"),
     ("accelerator.gemm_fp8_efficiency=0", r"^accelerator\.gemm_fp8_efficiency=0\.0: must be in \(0, 1\]$",
      "accelerator.gemm_fp8_efficiency=1"),
     ("model.moe_load_imbalance=0.5", r"^model\.moe_load_imbalance=0\.5: must be a finite number >= 1$",

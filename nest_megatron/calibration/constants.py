@@ -88,6 +88,8 @@ CONSTANTS: dict[str, Constant] = {c.name: c for c in (
                           doc="elementwise, norm, cast and optimizer kernels (RooflineCompute.memory_time)"),
     _accelerator_constant("kernel_overhead_us", "kernel_overhead_s", unit="µs", bounds=(0.0, 500.0), scale=50.0,
                           to_si=1e-6, doc="launch, host and tail time of each GEMM or attention kernel"),
+    _accelerator_constant("host_overhead_us", "host_overhead_s", unit="µs", bounds=(0.0, 500.0), scale=20.0,
+                          to_si=1e-6, doc="host time to issue one operator, hidden behind longer GPU work (cost/host.py)"),
     *(_level_constant(i) for i in range(MAX_LEVELS)),
 )}
 

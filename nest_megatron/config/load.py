@@ -447,6 +447,7 @@ def _check_accelerator(a: AcceleratorConfig, device_memory_gib: float | None) ->
             raise NestError(f"accelerator.{key}={getattr(a, key)}: must be in (0, 1]")
     _integer("accelerator.sm_count", a.sm_count, 1, MAX_SMS)
     _real("accelerator.kernel_overhead_us", a.kernel_overhead_us, 0)
+    _real("accelerator.host_overhead_us", a.host_overhead_us, 0)
     _real("accelerator.reserved_memory_gib", a.reserved_memory_gib, 0)
     memory = device_memory_gib or a.memory_gib  # what the cluster models a device to hold (checked before)
     if a.reserved_memory_gib >= memory:
@@ -759,4 +760,5 @@ def _problem(root: RootConfig, tracer=None) -> Problem:
         overlap_param_gather=t.overlap_param_gather,
         tp_comm_overlap=t.tp_comm_overlap,
         moe_dispatcher=t.moe_dispatcher,
+        cuda_graphs=t.cuda_graphs,
     )

@@ -123,6 +123,11 @@ HINT_FLAGS: dict[str, str] = {
     "--main-params-dtype": "str",
     "--exp-avg-dtype": "str",
     "--exp-avg-sq-dtype": "str",
+    # train.cuda_graphs (cost/host.py): --cuda-graph-impl none | local | transformer_engine | full_iteration
+    # (transformer_config.py:1075); the deprecated spellings read as local and transformer_engine (arguments.py:619-630)
+    "--cuda-graph-impl": "str",
+    "--enable-cuda-graph": "true",
+    "--external-cuda-graph": "true",
 }
 
 # Flags the planner decides (launch/rewrite.py removes them and inserts the plan's), with their arity.
@@ -215,7 +220,8 @@ FLAG_OF_KEY |= {"train.precision": "--fp8-format", "train.fp8_recipe": "--fp8-re
                 "train.main_params_dtype": "--main-params-dtype", "train.exp_avg_dtype": "--exp-avg-dtype",
                 "train.exp_avg_sq_dtype": "--exp-avg-sq-dtype", "train.moe_dispatcher": "--moe-token-dispatcher-type"}
 FP8_FORMATS = ("e4m3", "hybrid")  # transformer_config.py:587
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")  # :594, less custom (a quantizer of the user's code)
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")  # transformer_config.py:1075  # :594, less custom (a quantizer of the user's code)
 
 
 @dataclass
@@ -537,6 +543,11 @@ def train_overrides(argv: list[str] | Scanned) -> list[str]:
     out.append(f"train.tp_comm_overlap={_hydra(s.has('--tp-comm-overlap'))}")
     out.append(f"train.grad_reduce_in_bf16={_hydra(s.has('--grad-reduce-in-bf16'))}")
     out.append(f"train.cross_entropy_fusion={_hydra(s.has('--cross-entropy-loss-fusion'))}")
+    impl = s.get("--cuda-graph-impl", "none")
+    if impl not in CUDA_GRAPH_IMPLS:
+        raise NestError(f"--cuda-graph-impl {impl}: allowed are {', '.join(CUDA_GRAPH_IMPLS)}")
+    graphs = impl != "none" or s.has("--enable-cuda-graph") or s.has("--external-cuda-graph")
+    out.append(f"train.cuda_graphs={_hydra(graphs)}")
     out += _dispatcher_override(s)
     out.append(f"train.precision_aware_optimizer={_hydra(s.has('--use-precision-aware-optimizer'))}")
     for flag in ("--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype"):

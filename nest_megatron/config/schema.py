@@ -126,6 +126,7 @@ class AcceleratorConfig:
     gemm_fp8_efficiency: float = 0.6  # fraction of the fp8 peak a large fp8 GEMM reaches
     sm_count: int = 132  # streaming multiprocessors: a GEMM's output tiles run in waves of this many
     kernel_overhead_us: float = 0.0  # launch and tail time of one GEMM or attention kernel, microseconds
+    host_overhead_us: float = 0.0  # host (CPU) time eager PyTorch spends issuing one operator, microseconds
     # CUDA context, NCCL buffers, cuBLAS workspace and allocator fragmentation, GiB.
     reserved_memory_gib: float = 3.0
 
@@ -206,6 +207,10 @@ class TrainConfig:
     # The MoE token dispatcher (--moe-token-dispatcher-type): alltoall | allgather | deepep (flex with the DeepEP
     # backend, --moe-flex-dispatcher-backend deepep: a token sent once to each rank that holds one of its experts).
     moe_dispatcher: str = "alltoall"
+    # CUDA graphs (--cuda-graph-impl local | transformer_engine, or the deprecated --enable-cuda-graph /
+    # --external-cuda-graph): each layer's pass is one graph replay for the host (cost/host.py). Read from the argv;
+    # the plan does not emit the flag (its other requirements are the user's: Megatron-LM arguments.py:1953-1971)
+    cuda_graphs: bool = False
 
 
 @dataclass

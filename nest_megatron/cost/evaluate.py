@@ -23,6 +23,7 @@ from nest_megatron.cost.collectives import (
 )
 from nest_megatron.cost.compute import BF16, ComputeModel
 from nest_megatron.cost.flops import megatron_model_flops
+from nest_megatron.cost.host import exposed_host_time, head_operators
 from nest_megatron.cost.memory import StageMemory, memory_of_rank, memory_per_stage, mtp_memory
 from nest_megatron.cost.placement import Spans, spans_for
 from nest_megatron.cost.problem import Problem
@@ -250,29 +251,44 @@ def stage_body(ctx: Context, sums: StageSums, *, first: bool, last: bool) -> dic
     model, cfg, spans, net = ctx.problem.model, ctx.cfg, ctx.spans, ctx.net
     tokens = cfg.mbs * model.cfg.seq_length // cfg.cp
     compute_s, recompute, tp_comm, cp_comm, ep_comm = sums.compute, sums.recompute, sums.tp_comm, sums.cp_comm, sums.ep_comm
+    gpu_fwd, gpu_bwd = sums.fwd, sums.bwd + sums.recompute  # the GPU work of the host's spans (host.py)
+    host_fwd, host_bwd = _layer_operators(ctx, sums)
     heads = 1 + model.mtp_depths  # the output layer runs once more per multi-token-prediction depth
     if last:
         # Output layer: logits GEMM forward and its two backward GEMMs (bf16: Megatron keeps the
-        # output layer out of fp8), and the cross entropy.
+        # output layer out of fp8), and the cross entropy (with the forward's span).
         logits = Gemm("output", tokens, model.padded_vocab(cfg.tp) // cfg.tp, model.h)
         bf16 = ctx.compute.with_bf16_gemms()
-        compute_s = (compute_s + heads * (sum(bf16.gemm_time(g) for g in (logits, logits.dgrad, logits.wgrad))
-                                          + ctx.compute.memory_time(cross_entropy_bytes(model) * tokens * logits.n)))
+        head_fwd = heads * (bf16.gemm_time(logits) + ctx.compute.memory_time(cross_entropy_bytes(model) * tokens * logits.n))
+        head_bwd = heads * (bf16.gemm_time(logits.dgrad) + bf16.gemm_time(logits.wgrad))
+        compute_s = compute_s + head_fwd + head_bwd
+        gpu_fwd, gpu_bwd = gpu_fwd + head_fwd, gpu_bwd + head_bwd
         mtp, depths = ctx.costs.mtp, ctx.costs.mtp_depths
         if depths:  # each depth a layer (LayerCosts.mtp), recomputed as memory.mtp_memory says
             compute_s = compute_s + depths * (mtp.fwd_compute + mtp.bwd_compute)
+            mtp_recompute = 0.0
             if cfg.recompute == "selective":
-                recompute = recompute + depths * recompute_seconds(mtp, model, model.mtp_kind, cfg.recompute_modules)
+                mtp_recompute = depths * recompute_seconds(mtp, model, model.mtp_kind, cfg.recompute_modules)
             elif cfg.recompute == "full" and cfg.recompute_num_layers is None:
-                recompute = recompute + depths * mtp.fwd
+                mtp_recompute = depths * mtp.fwd
+            recompute = recompute + mtp_recompute
             tp_comm, cp_comm, ep_comm = (tp_comm + depths * mtp.tp_comm, cp_comm + depths * mtp.cp_comm,
                                          ep_comm + depths * mtp.ep_comm)
+            gpu_fwd, gpu_bwd = gpu_fwd + depths * mtp.fwd, gpu_bwd + depths * mtp.bwd + mtp_recompute
+            graphed = ctx.problem.cuda_graphs
+            host_fwd = host_fwd + depths * (1 if graphed else ctx.costs.mtp_host[0])
+            host_bwd = host_bwd + depths * (1 if graphed else ctx.costs.mtp_host[1])
     head_tp = 0.0
     if cfg.tp > 1 and (first or last):
         # The vocab-parallel embedding all-reduces (reduce-scatters with SP) its output, the
         # output layer all-gathers its input with SP; each has its mirror in backward.
         op = reduce_scatter_time if cfg.sp else all_reduce_time
         head_tp = 2 * worst(op, spans.tp, BF16 * tokens * model.h, net) * (first + heads * last)
+    head_ops = head_operators(model, cfg, first=first, last=last)
+    seconds = ctx.problem.accelerator.host_overhead_s
+    # 1F1B without virtual stages synchronises the device after each pipeline transfer (host.py)
+    host = exposed_host_time(seconds * (host_fwd + head_ops[0]), seconds * (host_bwd + head_ops[1]),
+                             gpu_fwd + head_tp / 2, gpu_bwd + head_tp / 2, synchronised=cfg.pp > 1 and cfg.vpp == 1)
     return {
         "compute": compute_s,
         "recompute": recompute,
@@ -280,7 +296,16 @@ def stage_body(ctx: Context, sums: StageSums, *, first: bool, last: bool) -> dic
         "cp_comm": cp_comm,
         "ep_comm": ep_comm,
         "zero_comm": _sharded_dp_per_microbatch(ctx, sums, first=first, last=last),
+        "host": host,
     }
+
+
+def _layer_operators(ctx: Context, sums: StageSums) -> tuple:
+    """(forward, backward) operators the host issues for a rank's layers and one micro-batch (host.py): every
+    layer's (and a full recompute's forward again), or with CUDA graphs one graph replay per layer and pass."""
+    if ctx.problem.cuda_graphs:
+        return sums.layers, sums.layers
+    return sums.host_fwd, sums.host_bwd + sums.host_recompute
 
 
 def _stage_params(ctx: Context, sums: StageSums, *, first: bool, last: bool):

@@ -26,6 +26,7 @@ class Problem:
     moe_dispatcher: str = "alltoall"
     moe_router: str = "learned"
     moe_permute_fusion: bool = False  # --moe-permute-fusion: Transformer Engine's fused (un)permutation
+    cuda_graphs: bool = False  # train.cuda_graphs: each layer's pass one graph replay for the host (cost/host.py)
     compute: ComputeModel | None = None  # None: the accelerator's roofline; a profile's fitted model otherwise
 
     @property

@@ -28,7 +28,7 @@ from nest_megatron.cost.evaluate import Context, after_pipeline, pipeline_sends,
 from nest_megatron.cost.tables import stage_sums
 
 # The kinds of work a rank's timeline holds, in drawing order; idle gaps are the bubbles.
-KINDS = ("forward", "backward", "recompute", "p2p", "zero_comm", "imbalance",
+KINDS = ("forward", "backward", "recompute", "p2p", "zero_comm", "host", "imbalance",
          "dp_grad_sync", "dp_param_gather", "optimizer")
 
 
@@ -103,9 +103,10 @@ def _pieces(ctx: Context, split: tuple[int, ...], stage: int, pace: float) -> tu
     layer_work = parts["compute"] + parts["tp_comm"] + parts["cp_comm"] + parts["ep_comm"]
     layer_time = float(sums.fwd + sums.bwd)
     forward_share = float(sums.fwd) / layer_time if layer_time > 0 else 0.5  # a rank of empty stages has no layer work
-    forward = [("forward", forward_share * layer_work), ("p2p", send_forward)]
+    # the GPU's wait for the host (host.py), shared out like the layer work
+    forward = [("forward", forward_share * layer_work), ("host", forward_share * parts["host"]), ("p2p", send_forward)]
     backward = [("recompute", parts["recompute"]), ("backward", (1 - forward_share) * layer_work),
-                ("zero_comm", parts["zero_comm"]), ("p2p", send_backward)]
+                ("host", (1 - forward_share) * parts["host"]), ("zero_comm", parts["zero_comm"]), ("p2p", send_backward)]
     busy = float(sum(parts.values()))
     stretch = pace - busy
     forward.append(("imbalance", stretch * sum(d for _, d in forward) / busy))

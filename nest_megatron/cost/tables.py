@@ -18,6 +18,7 @@ import numpy as np
 from nest_megatron.cost.activations import layer_activation_bytes
 from nest_megatron.cost.collectives import Network
 from nest_megatron.cost.compute import ComputeModel
+from nest_megatron.cost.host import layer_operators
 from nest_megatron.cost.layer import LayerTime, layer_time
 from nest_megatron.cost.placement import Spans
 from nest_megatron.cost.recompute import recompute_seconds
@@ -52,11 +53,15 @@ class LayerCosts:
     expert_params: np.ndarray
     # of dense_params, linear weights duplicated over TP (MLA's down projections); None: none
     tp_replicated_params: np.ndarray | None
+    # operators the host issues for a layer's forward and backward (host.layer_operators)
+    host_fwd: np.ndarray
+    host_bwd: np.ndarray
     act_rebuilt: float  # the most bytes one fully recomputed layer rebuilds during its backward
     # The multi-token-prediction depths, all on the last pipeline stage (model.mtp_kind): one depth's times
     # (NO_TIME without them, or for a memory-only table); `mtp_memory` has their parameters and activations.
     mtp: LayerTime = NO_TIME
     mtp_depths: int = 0
+    mtp_host: tuple[float, float] = (0.0, 0.0)  # one depth's host operators, forward and backward
 
     @property
     def num_layers(self) -> int:
@@ -85,6 +90,8 @@ def layer_costs(
 
     kept = "selective" if cfg.recompute == "selective" else "none"
     mtp_kind = model.mtp_kind
+    operators = np.array([layer_operators(model, cfg, kind, dispatcher=dispatcher, permute_fusion=permute_fusion)
+                          for kind in model.kinds], dtype=float)
     return LayerCosts(
         compute=column(lambda lt, act, p, r: lt.fwd_compute + lt.bwd_compute),
         fwd=column(lambda lt, act, p, r: lt.fwd),
@@ -99,8 +106,12 @@ def layer_costs(
         expert_params=column(lambda lt, act, p, r: p[1]),
         tp_replicated_params=column(lambda lt, act, p, r: r) if any(r for *_, r in per_kind) else None,
         act_rebuilt=max(act["none"] for _, act, _, _ in per_kind),
+        host_fwd=_prefix(operators[kind_of_layer, 0]),
+        host_bwd=_prefix(operators[kind_of_layer, 1]),
         mtp=_kind_costs(model, cfg, mtp_kind, **options)[0] if mtp_kind else NO_TIME,
         mtp_depths=model.mtp_depths,
+        mtp_host=(layer_operators(model, cfg, mtp_kind, dispatcher=dispatcher, permute_fusion=permute_fusion)
+                  if mtp_kind else (0.0, 0.0)),
     )
 
 
@@ -132,6 +143,11 @@ class StageSums(NamedTuple):
     dense_params: object
     expert_params: object
     tp_replicated_params: object  # of dense_params, the weights duplicated over TP (LayerCosts.tp_replicated_params)
+    # operators the host issues per micro-batch (LayerCosts.host_fwd, .host_bwd), and those a full recompute issues
+    # again (a selective one reruns a few kernels per layer: left out)
+    host_fwd: object = 0.0
+    host_bwd: object = 0.0
+    host_recompute: object = 0.0
 
 
 def range_sums(c: LayerCosts, cfg: ParallelConfig, a, b) -> StageSums:
@@ -165,6 +181,9 @@ def range_sums(c: LayerCosts, cfg: ParallelConfig, a, b) -> StageSums:
         expert_params=c.expert_params[b] - c.expert_params[a],
         tp_replicated_params=(np.zeros(np.broadcast(a, b).shape) if c.tp_replicated_params is None
                               else c.tp_replicated_params[b] - c.tp_replicated_params[a]),
+        host_fwd=c.host_fwd[b] - c.host_fwd[a],
+        host_bwd=c.host_bwd[b] - c.host_bwd[a],
+        host_recompute=c.host_fwd[r_end] - c.host_fwd[a],  # r_end = a unless fully recomputed
     )
 
 

@@ -22,6 +22,7 @@ class Accelerator:
     gemm_fp8_efficiency: float = 0.6  # fraction of the fp8 peak a large fp8 GEMM reaches
     sm_count: int = 132  # streaming multiprocessors: a GEMM's tiles run in waves of this many
     kernel_overhead_s: float = 0.0  # launch and tail time of one GEMM or attention kernel, s
+    host_overhead_s: float = 0.0  # host time to issue one operator, s (cost/host.py)
     peak_fp8_flops: float | None = None  # dense fp8 tensor-core peak, FLOP/s; None: no fp8 tensor cores
     mxfp8: bool = False  # block-scaled MXFP8 in hardware (Blackwell)
 
@@ -40,6 +41,7 @@ def accelerator_from_config(cfg: AcceleratorConfig, *, memory_gib: float | None 
         gemm_fp8_efficiency=cfg.gemm_fp8_efficiency,
         sm_count=cfg.sm_count,
         kernel_overhead_s=cfg.kernel_overhead_us * 1e-6,
+        host_overhead_s=cfg.host_overhead_us * 1e-6,
         peak_fp8_flops=cfg.peak_fp8_tflops * 1e12 if cfg.peak_fp8_tflops is not None else None,
         mxfp8=cfg.mxfp8,
     )

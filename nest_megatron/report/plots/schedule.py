@@ -15,6 +15,7 @@ STYLE = {  # kind -> (colour, legend label)
     "recompute": ("#8172B3", "recompute"),
     "p2p": ("#2CA9B7", "pipeline send (p2p)"),
     "zero_comm": ("#937860", "ZeRO traffic (exposed)"),
+    "host": ("#8C8C3C", "waits on the host (eager launches)"),
     "imbalance": ("#C8C8C8", "waits on the slowest stage"),
     "dp_grad_sync": ("#55A868", "DP gradient sync (exposed)"),
     "dp_param_gather": ("#B5A642", "DP weight all-gather (exposed)"),
