@@ -58,7 +58,7 @@ def layer_operators(model: ModelSpec, cfg: ParallelConfig, kind: LayerKind, *, d
     # fp8: Transformer Engine quantises each linear's input (forward) and output gradient (backward), a grouped
     # GEMM's per expert (GroupedLinear's quantizers, one per GEMM); the router stays in bf16
     casts = sum(g.count for g in gemms if g.name != "router") if model.numerics.fp8_recipe is not None else 0
-    attention = cfg.cp if kind.mixer != "none" else 0
+    attention = {"none": 0, "mamba": 1}.get(kind.mixer, cfg.cp)  # attention: a kernel per CP step; Mamba: its scan
     comm_fwd, comm_bwd = _collectives(model, cfg, kind)
     router_fwd, router_bwd = ROUTER_OPERATORS if kind.is_moe else (0, 0)
     forward = len(gemms) + casts + attention + memory + comm_fwd + router_fwd
@@ -74,7 +74,9 @@ def _collectives(model: ModelSpec, cfg: ParallelConfig, kind: LayerKind) -> tupl
     if cfg.tp > 1:
         blocks = len(tp_blocks(model, kind)) + (1 if kind.is_moe and cfg.etp > 1 else 0) + (1 if kind.mtp else 0)
         fwd, bwd = (2 * blocks, 3 * blocks) if cfg.sp else (blocks, blocks)
-    if cfg.cp > 1 and kind.mixer != "none":
+    if cfg.cp > 1 and kind.mixer == "mamba":  # z, x, B, C, dt in and the output back (mamba_context_parallel.py:155-201)
+        fwd, bwd = fwd + 6, bwd + 6
+    elif cfg.cp > 1 and kind.mixer != "none":
         per_type = {"a2a": (4, 4), "all_gather": (2, 4)}  # Q, K, V, O / their gradients; K, V gathered (and dK, dV)
         cp_fwd, cp_bwd = per_type.get(cfg.cp_comm_type, (cfg.cp - 1, cfg.cp - 1))  # p2p: a transfer per ring step
         fwd, bwd = fwd + cp_fwd, bwd + cp_bwd
