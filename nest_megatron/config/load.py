@@ -411,7 +411,7 @@ def _check_model(m: ModelConfig) -> None:
 
 def _check_hybrid(m: ModelConfig) -> None:
     """A hybrid stack: one of megatron-core's symbols a layer (M, *, -, E; '|' segments and '/' MTP depths are not
-    planned), the MoE flags only with 'E' layers, the Mamba sizes megatron-core asserts (ssm/mamba_mixer.py:262-274);
+    planned), the MoE flags only with 'E' layers, the Mamba sizes megatron-core asserts (0.16.1 ssm/mamba_mixer.py:250-262);
     what the planner prices of it: Transformer Engine's spec, the analytic source, no MLA, no MTP."""
     pattern = m.hybrid_layer_pattern
     wrong = [symbol for symbol in dict.fromkeys(pattern) if symbol not in HYBRID_KINDS]

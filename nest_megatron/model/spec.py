@@ -239,7 +239,7 @@ class ModelSpec:
     # --- the Mamba-2 mixer (megatron-core 0.16.1 ssm/mamba_mixer.py MambaMixer: d_conv 4, expand 2) ------------
     @property
     def mamba_heads(self) -> int:
-        """Its heads: mamba_num_heads, else expand x h / head_dim (mamba_mixer.py:237-243)."""
+        """Its heads: mamba_num_heads, else expand x h / head_dim (mamba_mixer.py:233-239)."""
         return self.cfg.mamba_num_heads or MAMBA_EXPAND * self.h // self.cfg.mamba_head_dim
 
     @property
@@ -249,20 +249,20 @@ class ModelSpec:
 
     @property
     def mamba_in_proj_width(self) -> int:
-        """in_proj's output, z x B C dt: 2 d_inner + 2 groups x state + heads (mamba_mixer.py:276-278)."""
+        """in_proj's output, z x B C dt: 2 d_inner + 2 groups x state + heads (mamba_mixer.py:268-271)."""
         m = self.cfg
         return 2 * self.mamba_inner + 2 * m.mamba_num_groups * m.mamba_state_dim + self.mamba_heads
 
     @property
     def mamba_conv_width(self) -> int:
-        """The causal conv1d's channels, x B C: d_inner + 2 groups x state (mamba_mixer.py:302)."""
+        """The causal conv1d's channels, x B C: d_inner + 2 groups x state (mamba_mixer.py:292)."""
         return self.mamba_inner + 2 * self.cfg.mamba_num_groups * self.cfg.mamba_state_dim
 
     def mamba_params(self, tp: int) -> int:
         """MambaMixer's parameters on one TP rank, and the input norm TE fuses into in_proj: in_proj
         (column-parallel), the depthwise conv1d's weights (d_conv a channel) and biases, dt_bias, A_log and D (one
-        a head), the gated RMSNorm (d_inner) and out_proj (row-parallel, no bias: mamba_mixer.py:290), all split
-        over TP (:280-373)."""
+        a head), the gated RMSNorm (d_inner) and out_proj (row-parallel, no bias: mamba_mixer.py:264), all split
+        over TP (:268-379)."""
         h = self.h
         conv = self.mamba_conv_width // tp * (MAMBA_CONV_KERNEL + 1)
         per_head = 3 * self.mamba_heads // tp  # dt_bias, A_log, D
