@@ -116,8 +116,6 @@ def build_meta_mamba_layer(*, hidden, state_dim, head_dim, num_groups, num_heads
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from nest_megatron.trace.cpu_megatron import meta_cuda_is_identity
-
     # num_attention_heads: unused by a Mamba layer; TransformerConfig wants a multiple of TP.
     config = TransformerConfig(
         num_layers=1, hidden_size=hidden, num_attention_heads=tp, normalization="RMSNorm",
@@ -126,7 +124,7 @@ def build_meta_mamba_layer(*, hidden, state_dim, head_dim, num_groups, num_heads
         bf16=True, use_cpu_initialization=True, perform_initialization=False,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
     )
-    with meta_cuda_is_identity(), torch.device("meta"), _mamba_ssm_stand_in():
+    with torch.device("meta"), _mamba_ssm_stand_in():
         return build_module(mamba_layer_spec(), config=config, layer_number=1,
                             pg_collection=ProcessGroupCollection.use_mpu_process_groups(["tp", "pp", "cp"]))
 

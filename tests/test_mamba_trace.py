@@ -1,0 +1,65 @@
+"""megatron-core 0.16.1's real Mamba-2 layer (tests/mamba_meta.py builds it on the meta device) against a
+parameter count worked out by hand, and against the cost model's ModelSpec.mixer_params."""
+
+import dataclasses
+
+import pytest
+
+from tests.mamba_meta import mamba_layer_params
+
+# One small shape: h=64, state N=16, head_dim P=16, groups G=2; heads H = expand 2 x h / P = 8, d_inner = H x P = 128.
+SMALL = dict(hidden=64, state_dim=16, head_dim=16, num_groups=2)
+
+
+@pytest.mark.parametrize("tp, expected", [
+    # TP 1, by hand (megatron-core 0.16.1 ssm/mamba_mixer.py:268-379, ssm/mamba_layer.py:85):
+    #   in_proj   h x (2 d_inner + 2 G N + H) = 64 x (256 + 64 + 8) = 64 x 328 = 20992
+    #   conv1d    (d_inner + 2 G N) = 192 channels x (4 weights + 1 bias)      =   960
+    #   dt_bias, A_log, D: H each = 3 x 8                                      =    24
+    #   gated RMSNorm (ExtendedRMSNorm) weight d_inner                         =   128
+    #   out_proj  d_inner x h = 128 x 64                                       =  8192
+    #   pre-norm  RMSNorm weight h                                             =    64
+    #   total                                                                  = 30360
+    (1, 30360),
+    # TP 2: every one of the mixer's tensors is split over TP (in_proj column-parallel on its output, out_proj
+    # row-parallel on its input, conv1d / dt_bias / A_log / D / norm built from d_inner_local_tp, nheads_local_tp,
+    # ngroups_local_tp, mamba_mixer.py:247-259); only the pre-norm (h) is whole on each rank:
+    #   in_proj 64 x 328/2 = 10496; conv1d 96 x 5 = 480; 3 x 4 = 12; norm 64; out_proj 64 x 64 = 4096; pre-norm 64
+    #   total 10496 + 480 + 12 + 64 + 4096 + 64 = 15212
+    (2, 15212),
+])
+def test_megatron_mamba_layer_params_match_hand_count(tp, expected):
+    assert mamba_layer_params(**SMALL, tp=tp) == expected
+
+
+def test_megatron_refuses_groups_not_divisible_by_tp():
+    # ngroups % tp_size == 0 (mamba_mixer.py:258): G = 2 groups cannot be split over TP 4 though the 8 heads can.
+    with pytest.raises(AssertionError, match="ngroups must be evenly divisible by tp_size"):
+        mamba_layer_params(**SMALL, tp=4)
+
+
+def _cfg_with_mamba(**mamba):
+    from nest_megatron.config.schema import ModelConfig
+
+    if "mamba_state_dim" not in {f.name for f in dataclasses.fields(ModelConfig)}:
+        pytest.skip("ModelConfig has no Mamba fields yet (issue 18)")
+    return ModelConfig(name="m", num_layers=2, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4,
+                       seq_length=128, vocab_size=1024, normalization="RMSNorm", add_bias_linear=False,
+                       hybrid_layer_pattern="M-", **mamba)
+
+
+# A second shape, set apart from SMALL: mamba_num_heads given (H = 12, d_inner = 12 x 32 = 384, not 2 x 256), and
+# TP 4 splitting G = 4 groups and 12 heads.
+@pytest.mark.parametrize("mamba, tp", [
+    (dict(mamba_state_dim=32, mamba_head_dim=32, mamba_num_groups=4), 1),
+    (dict(mamba_state_dim=32, mamba_head_dim=32, mamba_num_groups=4), 2),
+    (dict(mamba_state_dim=16, mamba_head_dim=32, mamba_num_groups=4, mamba_num_heads=12), 4),
+])
+def test_cost_model_mamba_params_match_megatron(mamba, tp):
+    from nest_megatron.model.kinds import LayerKind
+    from nest_megatron.model.spec import ModelSpec
+
+    cfg = _cfg_with_mamba(**mamba)
+    built = mamba_layer_params(hidden=cfg.hidden_size, state_dim=cfg.mamba_state_dim, head_dim=cfg.mamba_head_dim,
+                               num_groups=cfg.mamba_num_groups, num_heads=cfg.mamba_num_heads, tp=tp)
+    assert ModelSpec(cfg).mixer_params(LayerKind("mamba", "none"), tp) == built
