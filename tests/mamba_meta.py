@@ -27,8 +27,8 @@ class GatedRMSNormStandIn(nn.Module):
     """Stand-in for mamba_ssm.ops.triton.layernorm_gated.RMSNorm (MambaMixer's gated norm,
     ExtendedRMSNorm), a CUDA/Triton-only kernel package that cannot be installed here. Only its
     parameter shapes matter: one weight of `hidden_size` (MambaMixer passes d_inner_local_tp,
-    mamba_mixer.py:355-362) and no bias (mamba_ssm registers bias as None). Its signature is the
-    one megatron-core calls: (hidden_size, eps=, group_size=, norm_before_gate=, device=, dtype=)."""
+    mamba_mixer.py:355-362) and no bias, as in state-spaces/mamba e9594ce
+    mamba_ssm/ops/triton/layernorm_gated.py:415-428, whose signature this is."""
 
     def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
         super().__init__()
@@ -87,7 +87,8 @@ def mamba_layer_spec():
     RMSNorm of hidden, MambaLayer.norm, mamba_layer.py:85) with ColumnParallelLinear in_proj and
     RowParallelLinear out_proj. The parameter count is that of the TE spec, whose norm is IdentityOp
     and whose in_proj is TELayerNormColumnParallelLinear: that module holds the same RMSNorm weight
-    (layer_norm_weight, hidden_size; no bias with RMSNorm) beside the same [out/tp, hidden] weight, so
+    (layer_norm_weight of in_features = hidden; no bias with RMSNorm: TE v2.12
+    transformer_engine/pytorch/module/layernorm_linear.py:1255-1265) beside the same [out/tp, hidden] weight, so
     fusing the norm into in_proj moves its h parameters, it adds none and removes none; bias=False
     in both (MambaMixer asserts `not bias`, mamba_mixer.py:264)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -110,8 +111,9 @@ def mamba_layer_spec():
 
 
 def build_meta_mamba_layer(*, hidden, state_dim, head_dim, num_groups, num_heads=None, tp=1):
-    """Rank 0's MambaLayer of a TP-`tp` job on the meta device (bf16 parameters; A_log and D stay
-    fp32 as megatron-core keeps them, mamba_mixer.py:340, 350). Call inside `as_rank`."""
+    """Rank 0's MambaLayer of a TP-`tp` job on the meta device, its parameters as MambaMixer creates
+    them (bf16; A_log and D fp32, mamba_mixer.py:335-350, until Float16Module casts every parameter to
+    bf16, transformer/module.py:440). Call inside `as_rank`."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
