@@ -111,9 +111,9 @@ def mamba_layer_spec():
 
 
 def build_meta_mamba_layer(*, hidden, state_dim, head_dim, num_groups, num_heads=None, tp=1):
-    """Rank 0's MambaLayer of a TP-`tp` job on the meta device, its parameters as MambaMixer creates
+    """Rank 0's MambaLayer of a TP-`tp` (x CP) job on the meta device, its parameters as MambaMixer creates
     them (bf16; A_log and D fp32, mamba_mixer.py:335-350, until Float16Module casts every parameter to
-    bf16, transformer/module.py:440). Call inside `as_rank`."""
+    bf16, transformer/module.py:440). Call inside `_as_tp_cp_rank`."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -131,11 +131,31 @@ def build_meta_mamba_layer(*, hidden, state_dim, head_dim, num_groups, num_heads
                             pg_collection=ProcessGroupCollection.use_mpu_process_groups(["tp", "pp", "cp"]))
 
 
-def mamba_layer_params(*, hidden, state_dim, head_dim, num_groups, num_heads=None, tp=1) -> int:
-    """Parameters on one TP rank of megatron-core's MambaLayer (its pre-norm included)."""
-    from nest_megatron.trace.meta import as_rank
+@contextlib.contextmanager
+def _as_tp_cp_rank(tp: int, cp: int):
+    """Rank 0 of a TP x CP job (fake process group, megatron's initialize_model_parallel) -- as
+    nest_megatron.trace.meta.as_rank, which has no CP, then torn down."""
+    from nest_megatron.trace.cpu_megatron import prepare_cpu_megatron
+    from nest_megatron.trace.meta import teardown_distributed
 
-    with warnings.catch_warnings(action="ignore"), as_rank(0, tp, tp=tp):
+    prepare_cpu_megatron()
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    teardown_distributed()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * cp)
+    try:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                     create_gloo_process_groups=False)
+        yield
+    finally:
+        teardown_distributed()
+
+
+def mamba_layer_params(*, hidden, state_dim, head_dim, num_groups, num_heads=None, tp=1, cp=1) -> int:
+    """Parameters on one TP x CP rank of megatron-core's MambaLayer (its pre-norm included)."""
+    with warnings.catch_warnings(action="ignore"), _as_tp_cp_rank(tp, cp):
         layer = build_meta_mamba_layer(hidden=hidden, state_dim=state_dim, head_dim=head_dim,
                                        num_groups=num_groups, num_heads=num_heads, tp=tp)
         return sum(p.numel() for p in layer.parameters())

@@ -32,10 +32,31 @@ def test_megatron_mamba_layer_params_match_hand_count(tp, expected):
     assert mamba_layer_params(**SMALL, tp=tp) == expected
 
 
-def test_megatron_refuses_groups_not_divisible_by_tp():
-    # ngroups % tp_size == 0 (mamba_mixer.py:258): G = 2 groups cannot be split over TP 4 though the 8 heads can.
-    with pytest.raises(AssertionError, match="ngroups must be evenly divisible by tp_size"):
-        mamba_layer_params(**SMALL, tp=4)
+@pytest.mark.parametrize("tp, cp, expected", [
+    # Context parallel splits no parameter: every CP rank keeps its TP rank's whole conv1d, dt_bias, A_log and D
+    # and slices them in the forward pass (mamba_mixer.py:381-385, mamba_context_parallel.py:253-300), so the
+    # counts are SMALL's TP ones above. CP 4 > G = 2 groups: each group's B/C state is repeated on 2 CP ranks
+    # (group_repeat_count, mamba_context_parallel.py:112-118), still no parameter more.
+    (1, 2, 30360), (2, 2, 15212), (1, 4, 30360), (2, 4, 15212),
+])
+def test_context_parallel_splits_no_mamba_parameter(tp, cp, expected):
+    assert mamba_layer_params(**SMALL, tp=tp, cp=cp) == expected
+
+
+@pytest.mark.parametrize("num_heads, num_groups, tp, cp, message", [
+    # ngroups % tp_size (mamba_mixer.py:258): G = 2 groups cannot be split over TP 4, though its 8 heads can.
+    (None, 2, 4, 1, "ngroups must be evenly divisible by tp_size"),
+    # nheads_local_tp % cp_size (mamba_context_parallel.py:99-101): 8 heads over TP 2 x CP 8.
+    (None, 2, 2, 8, "nheads must be evenly divisible by tp_size \\* cp_size"),
+    # Fewer local groups than CP ranks: cp_size % ngroups_local_tp (:112-115): 24 heads in G = 6 groups, CP 8.
+    (24, 6, 1, 8, "cp_size must be evenly divisible by ngroups/tp_size"),
+    # At least as many: ngroups_local_tp % cp_size (:119-122): G = 12 groups, CP 8.
+    (24, 12, 1, 8, "ngroups must be evenly divisible by tp_size \\* cp_size"),
+])
+def test_megatron_refuses_heads_and_groups_that_do_not_split(num_heads, num_groups, tp, cp, message):
+    with pytest.raises(AssertionError, match=message):
+        mamba_layer_params(hidden=64, state_dim=16, head_dim=16, num_groups=num_groups, num_heads=num_heads,
+                           tp=tp, cp=cp)
 
 
 def _cfg_with_mamba(**mamba):
