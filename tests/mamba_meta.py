@@ -110,10 +110,11 @@ def mamba_layer_spec():
     )
 
 
-def build_meta_mamba_layer(*, hidden, state_dim, head_dim, num_groups, num_heads=None, tp=1):
+def build_meta_mamba_layer(*, hidden, state_dim, head_dim, num_groups, num_heads=None, tp=1, fp8=None):
     """Rank 0's MambaLayer of a TP-`tp` (x CP) job on the meta device, its parameters as MambaMixer creates
     them (bf16; A_log and D fp32, mamba_mixer.py:335-350, until Float16Module casts every parameter to
-    bf16, transformer/module.py:440). Call inside `_as_tp_cp_rank`."""
+    bf16, transformer/module.py:440). `fp8` is TransformerConfig's (e.g. "hybrid"): MambaMixer checks its
+    in_proj width for it (mamba_mixer.py:241-245). Call inside `_as_tp_cp_rank`."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -123,7 +124,7 @@ def build_meta_mamba_layer(*, hidden, state_dim, head_dim, num_groups, num_heads
         num_layers=1, hidden_size=hidden, num_attention_heads=tp, normalization="RMSNorm",
         mamba_state_dim=state_dim, mamba_head_dim=head_dim, mamba_num_groups=num_groups,
         mamba_num_heads=num_heads, tensor_model_parallel_size=tp, params_dtype=torch.bfloat16,
-        bf16=True, use_cpu_initialization=True, perform_initialization=False,
+        bf16=True, fp8=fp8, use_cpu_initialization=True, perform_initialization=False,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
     )
     with torch.device("meta"), _mamba_ssm_stand_in():
@@ -153,9 +154,9 @@ def _as_tp_cp_rank(tp: int, cp: int):
         teardown_distributed()
 
 
-def mamba_layer_params(*, hidden, state_dim, head_dim, num_groups, num_heads=None, tp=1, cp=1) -> int:
+def mamba_layer_params(*, hidden, state_dim, head_dim, num_groups, num_heads=None, tp=1, cp=1, fp8=None) -> int:
     """Parameters on one TP x CP rank of megatron-core's MambaLayer (its pre-norm included)."""
     with warnings.catch_warnings(action="ignore"), _as_tp_cp_rank(tp, cp):
         layer = build_meta_mamba_layer(hidden=hidden, state_dim=state_dim, head_dim=head_dim,
-                                       num_groups=num_groups, num_heads=num_heads, tp=tp)
+                                       num_groups=num_groups, num_heads=num_heads, tp=tp, fp8=fp8)
         return sum(p.numel() for p in layer.parameters())

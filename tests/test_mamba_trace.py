@@ -59,6 +59,17 @@ def test_megatron_refuses_heads_and_groups_that_do_not_split(num_heads, num_grou
                            tp=tp, cp=cp)
 
 
+def test_fp8_wants_an_in_proj_width_of_sixteens():
+    # With fp8 MambaMixer asserts (2 d_inner + 2 G N + H) % 16 == 0 (mamba_mixer.py:241-245), on the whole width,
+    # not a TP rank's. SMALL's 328 = 16 x 20.5 is refused.
+    with pytest.raises(AssertionError, match="multiple of 16"):
+        mamba_layer_params(**SMALL, fp8="hybrid")
+    # mamba_num_heads H = 16 (d_inner = 16 x 16 = 256, not 2h = 128): 2 x 256 + 64 + 16 = 592 = 16 x 37 builds, and
+    # by hand: in_proj 64 x 592 = 37888; conv1d (256 + 64) x 5 = 1600; 3 x 16 = 48; norm 256; out_proj 256 x 64
+    # = 16384; pre-norm 64; total 56240.
+    assert mamba_layer_params(**SMALL, num_heads=16, fp8="hybrid") == 56240
+
+
 def _cfg_with_mamba(**mamba):
     from nest_megatron.config.schema import ModelConfig
 
