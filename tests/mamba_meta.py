@@ -7,7 +7,8 @@ kernel (mamba_ssm's mamba_split_conv1d_scan_combined: causal conv1d + SSD chunke
 mamba_mixer.py:659-676, the path use_mamba_mem_eff_path selects by default) and megatron-core has no
 torch fallback for it. Putting a torch re-implementation of the SSD in its place would count the
 FLOPs of code written here, not of megatron-core, so there is no forward-FLOP counter in this module;
-the cost model prices the scan by Megatron-LM's own count (training.py mamba_layer_flops).
+the cost model prices the scan by Megatron-LM's own count (mamba_layer_flops: 7 x tokens x d_in x state,
+megatron/training/training.py:273-293 at core_v0.16.1, :885-904 at d98e8a64).
 """
 
 from __future__ import annotations
