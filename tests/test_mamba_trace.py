@@ -1,11 +1,13 @@
 """megatron-core 0.16.1's real Mamba-2 layer (tests/mamba_meta.py builds it on the meta device) against a
 parameter count worked out by hand, and against the cost model's ModelSpec.mixer_params."""
 
-import dataclasses
 
 import pytest
+from mamba_meta import mamba_layer_params
 
-from tests.mamba_meta import mamba_layer_params
+from nest_megatron.config.schema import ModelConfig
+from nest_megatron.model.kinds import LayerKind
+from nest_megatron.model.spec import ModelSpec
 
 # One small shape: h=64, state N=16, head_dim P=16, groups G=2; heads H = expand 2 x h / P = 8, d_inner = H x P = 128.
 SMALL = dict(hidden=64, state_dim=16, head_dim=16, num_groups=2)
@@ -70,11 +72,7 @@ def test_fp8_wants_an_in_proj_width_of_sixteens():
     assert mamba_layer_params(**SMALL, num_heads=16, fp8="hybrid") == 56240
 
 
-def _cfg_with_mamba(**mamba):
-    from nest_megatron.config.schema import ModelConfig
-
-    if "mamba_state_dim" not in {f.name for f in dataclasses.fields(ModelConfig)}:
-        pytest.skip("ModelConfig has no Mamba fields yet (issue 18)")
+def _cfg_with_mamba(**mamba) -> ModelConfig:
     return ModelConfig(name="m", num_layers=2, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4,
                        seq_length=128, vocab_size=1024, normalization="RMSNorm", add_bias_linear=False,
                        hybrid_layer_pattern="M-", **mamba)
@@ -88,9 +86,6 @@ def _cfg_with_mamba(**mamba):
     (dict(mamba_state_dim=16, mamba_head_dim=32, mamba_num_groups=4, mamba_num_heads=12), 4),
 ])
 def test_cost_model_mamba_params_match_megatron(mamba, tp):
-    from nest_megatron.model.kinds import LayerKind
-    from nest_megatron.model.spec import ModelSpec
-
     cfg = _cfg_with_mamba(**mamba)
     built = mamba_layer_params(hidden=cfg.hidden_size, state_dim=cfg.mamba_state_dim, head_dim=cfg.mamba_head_dim,
                                num_groups=cfg.mamba_num_groups, num_heads=cfg.mamba_num_heads, tp=tp)
