@@ -34,8 +34,9 @@ from megatron.training import arguments  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 # No GPU here: validate_args asks the device's architecture to choose its CUDA_DEVICE_MAX_CONNECTIONS
-# rule; answer as an H100 (sm 90, the paper grid's GPU) would.
+# rule and --moe-grouped-gemm its compute capability; answer as an H100 (sm 90, the paper grid's GPU) would.
 arguments.get_device_arch_version = lambda: 9
+torch.cuda.get_device_capability = lambda device=None: (9, 0)  # --moe-grouped-gemm asks it (arguments.py:1379)
 
 
 def validate(argv: list[str], world_size: int, env: dict[str, str | None]) -> None:
