@@ -294,22 +294,24 @@ def _configurations(
                 sizes = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
                              recompute=recompute, recompute_num_layers=recomputed, recompute_modules=modules,
                              order=order)
-                train_line = train_rule_line(problem, ParallelConfig(**sizes))  # whatever the exchange
+                first = ParallelConfig(**sizes, cp_comm_type=comm_types[0])
+                train_line = train_rule_line(problem, first)  # whatever the exchange
                 if train_line is not None:
                     yield None, train_line
                     continue
-                found = _judged(problem, pins, sizes, comm_types, any_split=any_split, form=form)
+                found = _judged(problem, pins, sizes, comm_types, any_split=any_split, form=form, first=first)
                 if fallback and all(line is not None for _, line in found):
                     found += _judged(problem, pins, sizes, fallback, any_split=any_split, form=form)
                 yield from found
 
 
 def _judged(problem: Problem, pins: PlanChoice, sizes: dict, comm_types: list[str], *,
-            any_split: bool, form: SplitForm) -> list[tuple[ParallelConfig, str | None]]:
-    """The configuration of `sizes` with each CP exchange of `comm_types`, and the rule it breaks (None: it launches)."""
+            any_split: bool, form: SplitForm, first: ParallelConfig | None = None) -> list[tuple[ParallelConfig, str | None]]:
+    """The configuration of `sizes` with each CP exchange of `comm_types`, and the rule it breaks (None: it launches);
+    `first`, when given, is the one with comm_types[0], already built."""
     out = []
     for comm_type in comm_types:
-        cfg = ParallelConfig(**sizes, cp_comm_type=comm_type)
+        cfg = first if first is not None and comm_type == first.cp_comm_type else ParallelConfig(**sizes, cp_comm_type=comm_type)
         out.append((cfg, violation(cfg, model=problem.model, num_devices=problem.num_devices,
                                    global_batch_size=problem.global_batch_size, any_split=any_split,
                                    layers_per_stage=pinned_split(pins), tp_comm_overlap=problem.tp_comm_overlap,
