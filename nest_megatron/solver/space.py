@@ -252,8 +252,8 @@ def _configurations(
 ) -> Iterator[tuple[ParallelConfig | None, str | None]]:
     """The search space within the pins on `world` devices (None: all): (cfg, None) for each configuration
     Megatron launches, (cfg or None, the rule's line) for each it does not. With `launchable_only`, the
-    Megatron-FSDP configurations that rules fsdp-pp and fsdp-order refuse are left out unjudged: over half of a
-    MoE model's space (509,240 of 900,644 for DeepSeek-V3 on 256 GPUs), and `candidates` yields none of them
+    configurations `_refused_unjudged` names are left out unjudged: four fifths of a MoE model's space
+    (712,640 of 900,644 for DeepSeek-V3 on 256 GPUs), none of which `candidates` would yield
     (tests/test_search_space.py holds it to the rules)."""
     model, devices = problem.model, world or problem.num_devices
     form = SplitForm.from_fields(pins)  # once: every configuration is judged with it
@@ -293,8 +293,9 @@ def _configurations(
         comm_types = axis(pins.cp_comm_type, list(solver.cp_comm_types) if cp > 1 else ["p2p"])
         fallback = [t for t in CP_COMM_TYPES if t not in comm_types] if cp > 1 and pins.cp_comm_type is None else []
         for ep, etp, sp, vpp, mbs, zero, recompute, order in itertools.product(eps, etps, sps, vpps, mbss, zeros, recomputes, orders):
-            if launchable_only and zero >= 2 and (pp > 1 or order == FSDP_REFUSED_ORDER):
-                continue  # Megatron-FSDP: no pipeline stages, the default rank order only (parallel/rules.py)
+            if launchable_only and _refused_unjudged(model, tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, zero=zero,
+                                                     order=order):
+                continue
             for recomputed, modules in variants.get(recompute, [(None, DEFAULT_RECOMPUTE_MODULES)]):
                 sizes = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
                              recompute=recompute, recompute_num_layers=recomputed, recompute_modules=modules,
@@ -310,7 +311,20 @@ def _configurations(
                 yield from found
 
 
-FSDP_REFUSED_ORDER = "tp-cp-ep-pp-dp"  # --use-tp-pp-dp-mapping, which Megatron-FSDP does not support (rule fsdp-order)
+PP_DP_ORDER = "tp-cp-ep-pp-dp"  # --use-tp-pp-dp-mapping
+
+
+def _refused_unjudged(model, *, tp: int, cp: int, pp: int, dp: int, ep: int, etp: int, zero: int, order: str) -> bool:
+    """Whether parallel/rules.py refuses these sizes whatever the rest (`candidates` skips them unjudged; the
+    rules' own table decides everything else): fsdp-pp and fsdp-order (Megatron-FSDP has no pipeline stages and
+    not the tp-pp-dp order), moe-bias-etp (biased experts take expert TP 1 only), order-expert-dp (with PP in the
+    tp-pp-dp order the expert data-parallel size is DP)."""
+    if zero >= 2 and (pp > 1 or order == PP_DP_ORDER):
+        return True
+    if model.is_moe and model.cfg.add_bias_linear and etp > 1:
+        return True
+    expert_tp = etp if model.is_moe else tp
+    return order == PP_DP_ORDER and pp > 1 and tp * cp * dp // (expert_tp * ep) != dp
 
 
 def _judged(problem: Problem, pins: PlanChoice, sizes: dict, comm_types: list[str], *,
