@@ -133,3 +133,20 @@ def test_an_unknown_accelerator_in_a_users_defaults_names_the_file(tmp_path, mon
     assert str(err.value) == (f"{path}: defaults: accelerator h300: unknown accelerator; choose one of: a100_80gb, b200, "
                               f"gb200, gb300, h100_sxm, h200, tpuv4 (your own accelerators go in a folder listed in {CONFIG_PATH_ENV}, "
                               "as accelerator/h300.yaml)")
+
+
+def test_an_edited_or_removed_user_file_composes_afresh(tmp_path, monkeypatch):
+    """Compositions are kept by the bytes of the config files (config/load.py _hydra_compose): a user file edited
+    between two loads (the same length, within one file-time tick) gives the new value, a removed one is unknown."""
+    path = _my_cluster(tmp_path, "my_pod")
+    monkeypatch.setenv(CONFIG_PATH_ENV, str(tmp_path))
+    text = path.read_text()
+    spine = "{name: spine, fan_out: 4,"
+    assert spine in text  # 8 GPUs a node x 32 nodes an SU x 4 SUs = 1024
+    path.write_text(text.replace(spine, "{name: spine, fan_out: 2,"))
+    assert load(["cluster=my_pod"]).problem.num_devices == 8 * 32 * 2
+    path.write_text(text.replace(spine, "{name: spine, fan_out: 3,"))  # the same size, maybe the same file time
+    assert load(["cluster=my_pod"]).problem.num_devices == 8 * 32 * 3
+    path.unlink()
+    with pytest.raises(NestError, match=r"^cluster=my_pod: unknown cluster"):
+        load(["cluster=my_pod"])

@@ -160,7 +160,7 @@ class ModelSpec:
         """Whether attention runs a fused kernel (model.attention_backend auto, flash or fused)."""
         return self.cfg.attention_backend in FUSED_ATTENTION_BACKENDS
 
-    @property
+    @cached_property  # asked of every configuration the search judges
     def is_moe(self) -> bool:
         return bool(self.cfg.num_experts)
 

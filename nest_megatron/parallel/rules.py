@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.model.spec import ModelSpec
@@ -51,9 +52,9 @@ class Rule:
     check: Callable  # the case -> its one-line message, or None when the rule holds; its docstring says what it asks
 
 
-@dataclass(frozen=True)
-class Case:
-    """What a rule of `RULES` looks at."""
+class Case(NamedTuple):
+    """What a rule of `RULES` looks at. A named tuple, immutable like a frozen dataclass but built in a quarter of
+    the time: the planner's search builds one for each of up to a million configurations."""
     cfg: ParallelConfig
     model: ModelSpec
     num_devices: int
@@ -70,6 +71,9 @@ def num_microbatches(cfg: ParallelConfig, global_batch_size: int) -> int:
 
 def _positive(c: Case):
     """Every size is a positive integer."""
+    cfg = c.cfg
+    if min(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.etp, cfg.vpp, cfg.mbs) >= 1:  # the search's every case, at once
+        return None
     for name in ("tp", "pp", "dp", "cp", "ep", "etp", "vpp", "mbs"):
         if getattr(c.cfg, name) < 1:
             return f"plan.{name}={getattr(c.cfg, name)}: must be a positive integer"
@@ -692,11 +696,14 @@ def violation(
     planner searches can launch; `tp_comm_overlap`: whether the launch overlaps TP communication (--tp-comm-overlap).
     """
     case = Case(cfg, model, num_devices, global_batch_size, layers_per_stage, any_split, tp_comm_overlap, form)
-    for rule in RULES:
-        line = rule.check(case)
+    for check in _CHECKS:
+        line = check(case)
         if line is not None:
             return line
     return None
+
+
+_CHECKS = tuple(rule.check for rule in RULES)  # in RULES' order, without a lookup per rule per configuration
 
 
 # --- rules on the model alone (config/load.py checks them when the model is loaded) ---------------------------
