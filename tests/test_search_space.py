@@ -1,6 +1,6 @@
 """The planner's candidates are exactly the configurations of the search space that break no rule: `candidates`
-skips, unjudged, what rules fsdp-pp, fsdp-order, moe-bias-etp and order-expert-dp refuse (solver/space.py
-_refused_unjudged), and the full judged space says which launch."""
+skips, unjudged, what rules fsdp-pp, fsdp-order, moe-bias-etp and order-expert-dp refuse (parallel/rules.py
+SIZE_RULES), and the full judged space says which launch."""
 
 from __future__ import annotations
 

@@ -678,6 +678,17 @@ RULES = (
 )
 
 
+# The rules that read nothing of a configuration but tp, cp, pp, dp, ep, etp, zero and order (and the model): the
+# search skips what they refuse before the rest of a configuration is enumerated (solver/space.py candidates).
+SIZE_RULES = (_fsdp_pp, _fsdp_order, _moe_bias_etp, _order_expert_dp)
+
+
+def refused_by_sizes(cfg: ParallelConfig, model: ModelSpec) -> bool:
+    """Whether a rule of SIZE_RULES refuses `cfg` (its other fields at their defaults), whatever the rest."""
+    case = Case(cfg, model, num_devices=0, global_batch_size=0, layers_per_stage=None, any_split=False)
+    return any(check(case) is not None for check in SIZE_RULES)
+
+
 def violation(
     cfg: ParallelConfig,
     *,

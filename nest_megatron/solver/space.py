@@ -13,7 +13,7 @@ from nest_megatron.cost.recompute import ordered, searched_sets
 from nest_megatron.errors import NestError
 from nest_megatron.parallel.config import CP_COMM_TYPES, DEFAULT_RECOMPUTE_MODULES, ParallelConfig
 from nest_megatron.parallel.layout import EVEN, MIN_STAGE_LAYERS, SplitForm, chunk_layers, form_vpp
-from nest_megatron.parallel.rules import violation
+from nest_megatron.parallel.rules import refused_by_sizes, violation
 
 
 def divisors(n: int) -> list[int]:
@@ -252,7 +252,7 @@ def _configurations(
 ) -> Iterator[tuple[ParallelConfig | None, str | None]]:
     """The search space within the pins on `world` devices (None: all): (cfg, None) for each configuration
     Megatron launches, (cfg or None, the rule's line) for each it does not. With `launchable_only`, the
-    configurations `_refused_unjudged` names are left out unjudged: four fifths of a MoE model's space
+    configurations parallel/rules.py SIZE_RULES refuse by their sizes alone are left out unjudged: four fifths of a MoE model's space
     (712,640 of 900,644 for DeepSeek-V3 on 256 GPUs), none of which `candidates` would yield
     (tests/test_search_space.py holds it to the rules)."""
     model, devices = problem.model, world or problem.num_devices
@@ -293,8 +293,8 @@ def _configurations(
         comm_types = axis(pins.cp_comm_type, list(solver.cp_comm_types) if cp > 1 else ["p2p"])
         fallback = [t for t in CP_COMM_TYPES if t not in comm_types] if cp > 1 and pins.cp_comm_type is None else []
         for ep, etp, sp, vpp, mbs, zero, recompute, order in itertools.product(eps, etps, sps, vpps, mbss, zeros, recomputes, orders):
-            if launchable_only and _refused_unjudged(model, tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, zero=zero,
-                                                     order=order):
+            if launchable_only and refused_by_sizes(
+                    ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, zero=zero, order=order), model):
                 continue
             for recomputed, modules in variants.get(recompute, [(None, DEFAULT_RECOMPUTE_MODULES)]):
                 sizes = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
@@ -309,22 +309,6 @@ def _configurations(
                 if fallback and all(line is not None for _, line in found):
                     found += _judged(problem, pins, sizes, fallback, any_split=any_split, form=form)
                 yield from found
-
-
-PP_DP_ORDER = "tp-cp-ep-pp-dp"  # --use-tp-pp-dp-mapping
-
-
-def _refused_unjudged(model, *, tp: int, cp: int, pp: int, dp: int, ep: int, etp: int, zero: int, order: str) -> bool:
-    """Whether parallel/rules.py refuses these sizes whatever the rest (`candidates` skips them unjudged; the
-    rules' own table decides everything else): fsdp-pp and fsdp-order (Megatron-FSDP has no pipeline stages and
-    not the tp-pp-dp order), moe-bias-etp (biased experts take expert TP 1 only), order-expert-dp (with PP in the
-    tp-pp-dp order the expert data-parallel size is DP)."""
-    if zero >= 2 and (pp > 1 or order == PP_DP_ORDER):
-        return True
-    if model.is_moe and model.cfg.add_bias_linear and etp > 1:
-        return True
-    expert_tp = etp if model.is_moe else tp
-    return order == PP_DP_ORDER and pp > 1 and tp * cp * dp // (expert_tp * ep) != dp
 
 
 def _judged(problem: Problem, pins: PlanChoice, sizes: dict, comm_types: list[str], *,
