@@ -237,6 +237,10 @@ class ModelSpec:
         return 2 if self.cfg.swiglu else 1
 
     # --- the Mamba-2 mixer (megatron-core 0.16.1 ssm/mamba_mixer.py MambaMixer: d_conv 4, expand 2) ------------
+    @cached_property  # asked by the Mamba rules of every configuration the search judges
+    def has_mamba(self) -> bool:
+        return any(kind.mixer == "mamba" for kind in self.kinds)
+
     @property
     def mamba_heads(self) -> int:
         """Its heads: mamba_num_heads, else expand x h / head_dim (mamba_mixer.py:233-239)."""

@@ -162,7 +162,7 @@ def _tp_padded_vocab(c: Case):
 
 def _mamba_tp(c: Case):
     """TP divides a Mamba mixer's heads and its B/C groups."""
-    if "M" not in (c.model.cfg.hybrid_layer_pattern or ""):
+    if not c.model.has_mamba:
         return None
     heads, groups = c.model.mamba_heads, c.model.cfg.mamba_num_groups
     if heads % c.cfg.tp or groups % c.cfg.tp:
@@ -171,7 +171,7 @@ def _mamba_tp(c: Case):
 
 def _mamba_cp(c: Case):
     """CP divides each TP rank's Mamba heads, and its groups or they CP (each CP rank takes whole heads)."""
-    if "M" not in (c.model.cfg.hybrid_layer_pattern or "") or c.cfg.cp == 1:
+    if not c.model.has_mamba or c.cfg.cp == 1:
         return None
     heads, groups, cp = c.model.mamba_heads // c.cfg.tp, c.model.cfg.mamba_num_groups // c.cfg.tp, c.cfg.cp
     if heads % cp or (groups % cp if groups >= cp else cp % groups):
@@ -196,7 +196,7 @@ def _hybrid_split(c: Case):
 
 def _mamba_fp8(c: Case):
     """With FP8, a Mamba mixer's in_proj output (2 d_inner + 2 groups x state + heads) is a multiple of 16."""
-    if "M" in (c.model.cfg.hybrid_layer_pattern or "") and c.model.numerics.fp8_recipe and c.model.mamba_in_proj_width % 16:
+    if c.model.has_mamba and c.model.numerics.fp8_recipe and c.model.mamba_in_proj_width % 16:
         return (f"model.fp8_recipe={c.model.numerics.fp8_recipe}: the Mamba in_proj output of "
                 f"{c.model.mamba_in_proj_width} is not a multiple of 16")
 
