@@ -183,6 +183,21 @@ def test_sigterm_before_torchrun_ends_the_launch_with_1():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert proc.stderr == "nest-megatron: stopped by SIGTERM; the launch exits with 1\n"
+    # a SIGTERM handled inside an at-fork hook (as logging's, when planning forks), where Python drops the
+    # handler's SystemExit, still stops the launch (this one ran on to its refusal, status 2, on a SLURM node)
+    in_hook = ("import os, signal, sys, time\n"
+               "from nest_megatron.launch.torchrun import sigterm_stops_with_status\n"
+               "def after_fork():\n"
+               "    os.kill(os.getpid(), signal.SIGTERM)\n"
+               "    time.sleep(0.01)\n"
+               "with sigterm_stops_with_status():\n"
+               "    os.register_at_fork(after_in_parent=after_fork)\n"
+               "    if os.fork() == 0:\n"
+               "        os._exit(0)\n"
+               "    time.sleep(30)\n"
+               "    sys.exit(2)\n")
+    proc = subprocess.run([sys.executable, "-c", in_hook], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stderr) == (1, "nest-megatron: stopped by SIGTERM; the launch exits with 1\n")
     # once the status is decided, a SIGTERM while the process ends changes nothing
     ending = ("import os, signal, sys\n"
               "from nest_megatron.launch.torchrun import sigterm_stops_with_status\n"

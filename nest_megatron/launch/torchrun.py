@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -91,16 +92,33 @@ def sigterm_stops_with_status():
     default action while it finalizes). run_command lifts it while torchrun runs. The launch owns this
     process's signals, as torchrun's agent does."""
 
+    stopped = []
+
     def stop(signum, frame):
-        print(f"nest-megatron: stopped by {signal.Signals(signum).name}; the launch exits with {STOPPED_STATUS}",
-              file=sys.stderr, flush=True)
+        if not stopped:
+            print(f"nest-megatron: stopped by {signal.Signals(signum).name}; the launch exits with {STOPPED_STATUS}",
+                  file=sys.stderr, flush=True)
+        stopped.append(signum)
         raise SystemExit(STOPPED_STATUS)
 
+    def swallowed(unraisable):
+        # The handler ran inside code whose exceptions Python drops (an at-fork hook such as logging's, a
+        # __del__): send the signal again a little later, to be handled once that code has returned.
+        if stopped and isinstance(unraisable.exc_value, SystemExit):
+            again = threading.Timer(0.01, os.kill, (os.getpid(), stopped[-1]))
+            again.daemon = True
+            again.start()
+        else:
+            default_unraisablehook(unraisable)
+
+    default_unraisablehook = sys.unraisablehook
     signal.signal(signal.SIGTERM, stop)
+    sys.unraisablehook = swallowed
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.unraisablehook = default_unraisablehook
 
 
 def exit_status(exitcode: int) -> int:
