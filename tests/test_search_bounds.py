@@ -18,7 +18,7 @@ from nest_megatron.hardware.accelerator import GIB
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.solver import dp
 from nest_megatron.solver.space import divisors
-from nest_megatron.solver.visit import visit
+from nest_megatron.solver.visit import JOBS_ENV, default_jobs, visit
 
 
 def test_divisors_come_from_the_factorisation():
@@ -153,3 +153,33 @@ def test_a_bad_progress_interval_is_one_line():
     assert done.returncode == 2
     assert done.stderr == ("nest-megatron plan: error: NEST_MEGATRON_PROGRESS_S=often: give the seconds between "
                            "progress lines\n")
+
+
+def test_the_environment_sets_the_default_worker_count(monkeypatch):
+    """NEST_MEGATRON_JOBS (which conftest.py sets to 1 in pytest's parallel workers) is the worker count of a search
+    whose solver.jobs is unset: with 1 the search forks nothing, with 2 it forks its two workers; unset, one per
+    core."""
+    forks, counting = [], [True]
+    os.register_at_fork(before=lambda: counting[0] and forks.append(1))  # cannot be unregistered: switched off below
+    cell = ["model=tiny_moe", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64"]
+    try:
+        monkeypatch.setenv(JOBS_ENV, "1")
+        assert default_jobs() == 1
+        api.plan(cell)
+        assert forks == []
+        monkeypatch.setenv(JOBS_ENV, "2")
+        api.plan(cell)
+        assert len(forks) == 2
+    finally:
+        counting[0] = False
+    monkeypatch.delenv(JOBS_ENV)
+    assert 1 <= default_jobs() <= len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("setting", ["0", "two", "1025", "-1"])
+def test_a_bad_worker_count_in_the_environment_is_one_line(setting):
+    cell = ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=8", "train.global_batch_size=64"]
+    done = subprocess.run([sys.executable, "-m", "nest_megatron.cli", "plan", *cell], capture_output=True, text=True,
+                          env={**os.environ, JOBS_ENV: setting}, timeout=300)
+    assert (done.returncode, done.stderr) == (2, f"nest-megatron plan: error: NEST_MEGATRON_JOBS={setting}: allowed "
+                                                 "1..1024 (the search's worker processes; unset: one per core)\n")

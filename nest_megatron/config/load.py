@@ -56,6 +56,7 @@ from nest_megatron.parallel.config import CP_COMM_TYPES, RANK_ORDERS, RECOMPUTE_
 from nest_megatron.parallel.layout import EXCLUSIONS, SplitForm, excluded_pair, form_vpp, layout_problem
 from nest_megatron.parallel.rules import model_violation
 from nest_megatron.solver.registry import SOLVERS
+from nest_megatron.solver.visit import MAX_JOBS
 from nest_megatron.trace.source import resolve as resolve_model_source
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "hydra_configs"  # package data: an installed wheel has it too
@@ -348,7 +349,6 @@ MAX_BATCH = 2**20  # sequences: LAMB trained BERT at 65,536 a batch, LLMs use a 
 # Search knob, capped by its cost: every value up to it is tried at every pipeline size (1,024 made a 16-GPU plan of
 # tiny_gpt 5x slower), while published interleaved schedules use a few chunks a rank.
 MAX_VIRTUAL_STAGES = 64
-MAX_JOBS = 1024  # search worker processes: one a core of the largest hosts; each holds a copy of the search's caches
 MAX_PROFILE_RUNS = 1000  # runs of one kernel: a median of more moves nothing; more is a typo that holds a GPU for hours
 
 

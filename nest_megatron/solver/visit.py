@@ -27,9 +27,21 @@ from nest_megatron.errors import NestError
 Progress = Callable[[int, int, float], None]  # (configurations visited, in the space, best step time so far)
 
 
+MAX_JOBS = 1024  # search worker processes: one a core of the largest hosts; each holds a copy of the search's caches
+JOBS_ENV = "NEST_MEGATRON_JOBS"
+
+
 def default_jobs() -> int:
-    """One worker per core this process may run on (solver/README.md has the measurements on 2 cores): the
-    cores of its affinity, fewer under a cgroup CPU quota (a container limited to 2 CPUs on a big host)."""
+    """The worker processes of a search whose solver.jobs is unset: NEST_MEGATRON_JOBS when set (a machine whose
+    cores other work keeps busy, as a parallel test run: forked workers there only add CPU), else one per core
+    this process may run on (solver/README.md has the measurements on 2 cores): the cores of its affinity, fewer
+    under a cgroup CPU quota (a container limited to 2 CPUs on a big host)."""
+    setting = os.environ.get(JOBS_ENV)
+    if setting is not None:
+        if not (setting.isdigit() and 1 <= int(setting) <= MAX_JOBS):
+            raise NestError(f"{JOBS_ENV}={setting}: allowed 1..{MAX_JOBS} (the search's worker processes; unset: one "
+                            "per core)")
+        return int(setting)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:  # cgroup v2: "QUOTA PERIOD" in microseconds, or "max PERIOD" for no quota
         quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
