@@ -32,9 +32,10 @@ LAUNCH = [sys.executable, "-m", "nest_megatron.cli", "launch"]
 CLUSTER = ["cluster=dgx_h100_superpod", "cluster.levels.0.fan_out=1"]
 VOCAB = 128
 GLOBAL_BATCH = 12  # a multiple of DP 2 and DP 3: every plan keeps it
-TRAIN_ITERS = 60
-# A joining node plans and starts its agent while the others train on (40-50 iterations on this VM): room for it.
-JOIN_TRAIN_ITERS = 200
+TRAIN_ITERS = 30
+# The two nodes' workers wait (stopped) while the third node plans and joins: the 3-node run trains on from the
+# checkpoint at 2 * SAVE_INTERVAL, whatever the time the node took to join.
+JOIN_TRAIN_ITERS = 30
 SAVE_INTERVAL = 5
 
 
@@ -217,6 +218,42 @@ def _wait_for_save(agents: list[subprocess.Popen], logs: list[Path], iteration: 
         time.sleep(0.05)
 
 
+def _pause_workers(agents: list[subprocess.Popen]) -> list:
+    """Stop (SIGSTOP) the agents' workers (their children, the training script exec'ed by elastic_worker): the
+    training waits where it is, the agents (and the rendezvous store agent 0 hosts) run on."""
+    import psutil
+
+    workers = [w for agent in agents for w in psutil.Process(agent.pid).children()]
+    assert len(workers) == len(agents)  # one rank a node
+    for worker in workers:
+        worker.suspend()
+    return workers
+
+
+SIGTERM_BIT = 1 << (signal.SIGTERM - 1)  # in the pending-signal masks of /proc/PID/status
+
+
+def _resume_once_told_to_stop(workers: list, agents: list[subprocess.Popen], logs: list[Path]) -> None:
+    """Once the agents, seeing a node wait in the rendezvous, have sent each paused worker its SIGTERM (pending while
+    it is stopped), continue them, so that they take it at once and the agents restart under the new plan."""
+    deadline = time.monotonic() + 300
+
+    def told(worker) -> bool:
+        try:
+            status = Path(f"/proc/{worker.pid}/status").read_text()
+        except FileNotFoundError:  # gone (SIGKILLed after the agent's wait)
+            return True
+        pending = int(re.search(r"^ShdPnd:\s*([0-9a-f]+)", status, re.M).group(1), 16)
+        return bool(pending & SIGTERM_BIT)
+
+    while not all(told(worker) for worker in workers):
+        assert time.monotonic() < deadline and all(a.poll() is None for a in agents), _logs(logs)[-4000:]
+        time.sleep(0.05)
+    for worker in workers:
+        if worker.is_running():
+            worker.resume()
+
+
 def _stop(agents: list[subprocess.Popen]) -> None:
     for agent in agents:
         if agent.poll() is None:
@@ -286,8 +323,10 @@ def test_a_joining_node_replans_to_three_nodes_and_resumes_from_the_checkpoint(t
         # MIN: the run starts on 2 nodes.
         agents = [_start_agent(i, tmp_path, port, logs[i], JOIN_TRAIN_ITERS) for i in range(2)]
         _wait_for_save(agents, logs, 2 * SAVE_INTERVAL)
+        paused = _pause_workers(agents)
         before = _logs(logs)
         agents.append(_start_agent(2, tmp_path, port, logs[2], JOIN_TRAIN_ITERS))  # a third node joins the running job
+        _resume_once_told_to_stop(paused, agents, logs)
         for agent in agents:
             assert agent.wait(timeout=300) == 0, _logs(logs)[-4000:]
     finally:
@@ -305,7 +344,7 @@ def test_a_joining_node_replans_to_three_nodes_and_resumes_from_the_checkpoint(t
     built = {tuple(map(int, b)) for b in BUILT.findall(log)}
     assert (3, 1, 1, 3) in built and (2, two["parallel"]["tp"], two["parallel"]["pp"], two["parallel"]["dp"]) in built
 
-    # The three nodes load the last checkpoint the two saved (the two trained on while the third started) and
+    # The three nodes load the last checkpoint the two saved before they were paused for the join and
     # train to the end from the iteration after it.
     resumed = [int(n) for n in LOADED.findall(log)][-1]
     assert resumed >= 2 * SAVE_INTERVAL and resumed % SAVE_INTERVAL == 0 and resumed in map(int, SAVED.findall(log))
