@@ -4,9 +4,14 @@ SIZE_RULES), and the full judged space says which launch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from nest_megatron.config.load import load
+from nest_megatron.parallel.config import DEFAULT_RECOMPUTE_MODULES
+from nest_megatron.parallel.layout import SplitForm
+from nest_megatron.parallel.rules import RECOMPUTE_RULES, RULES, Case, violation
 from nest_megatron.solver.space import _configurations, candidates
 
 
@@ -41,3 +46,57 @@ def test_candidates_are_the_judged_space_that_launches(overrides):
     pp_dp = [line for c, line in every if c.order == "tp-cp-ep-pp-dp" and c.pp > 1
              and c.tp * c.cp * c.dp // ((c.etp if moe else c.tp) * c.ep) != c.dp]
     assert None not in pp_dp
+
+
+@pytest.mark.parametrize("overrides, recompute_rule", [
+    # 4 layers: 3 recomputed layers exceed a stage's 2 at PP 2 (and a virtual stage's at PP 2 x VPP 2, 1)
+    (["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64",
+      "solver.recompute_num_layers=[null,1,3]"], "plan.recompute_num_layers=3: allowed 1..2"),
+    # moe_act does not recompute under FP8 delayed scaling: every selective configuration breaks it
+    (["model=tiny_moe", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64",
+      "train.precision=fp8", "train.fp8_recipe=delayed", "plan.recompute_modules=[moe_act]"],
+     "plan.recompute_modules: moe_act and layernorm do not recompute with fp8 delayed scaling; use another "
+     "model.fp8_recipe or drop them"),
+])
+def test_the_search_judges_each_configuration_as_the_rule_table_does(overrides, recompute_rule):
+    """The search judges the rules but the recompute ones once for a configuration's recompute variants
+    (rules.RECOMPUTE_RULES): each configuration's line is still violation()'s, the first rule of RULES it breaks,
+    in spaces where the recompute rules break alone, together with earlier rules and with later ones."""
+    loaded = load(overrides)
+    problem, cfg = loaded.problem, loaded.config
+    every = [(c, line) for c, line in _configurations(problem, cfg.solver, cfg.plan, any_split=True,
+                                                       micro_batch_size=cfg.train.micro_batch_size) if c is not None]
+    form = SplitForm.from_fields(cfg.plan)
+    for c, line in every:
+        assert line == violation(c, model=problem.model, num_devices=problem.num_devices,
+                                 global_batch_size=problem.global_batch_size, any_split=True,
+                                 tp_comm_overlap=problem.tp_comm_overlap, form=form), c
+    lines = set(line for _, line in every)
+    if "plan.recompute_modules=[moe_act]" in overrides:
+        # every configuration is selective; recompute-modules, third of RULES, comes before any other it breaks
+        assert lines == {recompute_rule}
+    else:
+        assert recompute_rule in lines and None in lines and len(lines) > 3
+
+
+def test_the_recompute_rules_are_the_ones_reading_the_recompute_fields():
+    """Each rule outside RECOMPUTE_RULES gives one answer whatever a configuration's recompute fields, on 300
+    configurations spread over a MoE space (both rank orders, expert TP, FP8 GEMM shapes, pipeline splits)."""
+    loaded = load(["model=mixtral_8x7b", "cluster=h100_spine_leaf", "cluster.num_devices=64", "train.global_batch_size=1024",
+                   "train.precision=fp8", "solver.recompute_num_layers=[null,1,20]"])
+    problem, cfg = loaded.problem, loaded.config
+    configurations = {dataclasses.replace(c, recompute="none", recompute_num_layers=None,
+                                          recompute_modules=DEFAULT_RECOMPUTE_MODULES)
+                      for c, _ in _configurations(problem, cfg.solver, cfg.plan, any_split=True, micro_batch_size=None)
+                      if c is not None}
+    configurations = sorted(configurations, key=repr)[::len(configurations) // 300]
+    variants = [dict(recompute="none"), dict(recompute="full"), dict(recompute="full", recompute_num_layers=20),
+                dict(recompute="selective", recompute_modules=("moe_act",)),
+                dict(recompute="selective", recompute_modules=("core_attn", "mlp")), dict(recompute="bogus")]
+    others = [rule for rule in RULES if rule.id not in RECOMPUTE_RULES]
+    assert len(others) == len(RULES) - 4 and len(configurations) > 100
+    for c in configurations:
+        for rule in others:
+            answers = {rule.check(Case(dataclasses.replace(c, **v), problem.model, problem.num_devices,
+                                       problem.global_batch_size, None, True)) for v in variants}
+            assert len(answers) == 1, (rule.id, c, answers)

@@ -716,6 +716,35 @@ def violation(
 
 _CHECKS = tuple(rule.check for rule in RULES)  # in RULES' order, without a lookup per rule per configuration
 
+# The rules that read a configuration's recompute fields (recompute, recompute_num_layers, recompute_modules). The
+# others answer the same for every recompute choice of a configuration, so the search judges them once for all of
+# its recompute variants (solver/space.py; tests/test_search_space.py holds this split to the rules).
+RECOMPUTE_RULES = frozenset({"recompute-kind", "recompute-modules", "recompute-layers-full", "recompute-layers-range"})
+Broken = tuple[int, str]  # a broken rule's position in RULES and its line
+
+
+def broken_apart(cfg: ParallelConfig, *, recompute: bool, model: ModelSpec, num_devices: int, global_batch_size: int,
+                 layers_per_stage: tuple[int, ...] | None = None, any_split: bool = False,
+                 tp_comm_overlap: bool = False, form: SplitForm = EVEN) -> Broken | None:
+    """The first rule `cfg` breaks among the recompute rules (`recompute`) or among the others: with the other half's,
+    first_of gives violation()'s line."""
+    case = Case(cfg, model, num_devices, global_batch_size, layers_per_stage, any_split, tp_comm_overlap, form)
+    for position, check in _RECOMPUTE_CHECKS if recompute else _OTHER_CHECKS:
+        line = check(case)
+        if line is not None:
+            return position, line
+    return None
+
+
+def first_of(*broken: Broken | None) -> str | None:
+    """The line of the earliest rule in RULES among those broken (None: none is)."""
+    found = [b for b in broken if b is not None]
+    return min(found)[1] if found else None
+
+
+_RECOMPUTE_CHECKS = tuple((i, rule.check) for i, rule in enumerate(RULES) if rule.id in RECOMPUTE_RULES)
+_OTHER_CHECKS = tuple((i, rule.check) for i, rule in enumerate(RULES) if rule.id not in RECOMPUTE_RULES)
+
 
 # --- rules on the model alone (config/load.py checks them when the model is loaded) ---------------------------
 def _moe_pattern(m: ModelConfig):

@@ -13,7 +13,7 @@ from nest_megatron.cost.recompute import ordered, searched_sets
 from nest_megatron.errors import NestError
 from nest_megatron.parallel.config import CP_COMM_TYPES, DEFAULT_RECOMPUTE_MODULES, ParallelConfig
 from nest_megatron.parallel.layout import EVEN, MIN_STAGE_LAYERS, SplitForm, chunk_layers, form_vpp
-from nest_megatron.parallel.rules import refused_by_sizes, violation
+from nest_megatron.parallel.rules import Broken, broken_apart, first_of, refused_by_sizes, violation
 
 
 def divisors(n: int) -> list[int]:
@@ -292,10 +292,17 @@ def _configurations(
         # refuses p2p), the other exchanges it runs. A pinned one is the user's: no other.
         comm_types = axis(pins.cp_comm_type, list(solver.cp_comm_types) if cp > 1 else ["p2p"])
         fallback = [t for t in CP_COMM_TYPES if t not in comm_types] if cp > 1 and pins.cp_comm_type is None else []
+        refused: dict[tuple, bool] = {}  # (ep, etp, zero, order) -> whether SIZE_RULES refuse it
+        # (the sizes but the recompute fields, the exchange) -> the first rule but the recompute ones it breaks
+        others: dict[tuple, Broken | None] = {}
         for ep, etp, sp, vpp, mbs, zero, recompute, order in itertools.product(eps, etps, sps, vpps, mbss, zeros, recomputes, orders):
-            if launchable_only and refused_by_sizes(
-                    ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, zero=zero, order=order), model):
-                continue
+            if launchable_only:
+                by_sizes = (ep, etp, zero, order)
+                if by_sizes not in refused:
+                    refused[by_sizes] = refused_by_sizes(
+                        ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, zero=zero, order=order), model)
+                if refused[by_sizes]:
+                    continue
             for recomputed, modules in variants.get(recompute, [(None, DEFAULT_RECOMPUTE_MODULES)]):
                 sizes = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
                              recompute=recompute, recompute_num_layers=recomputed, recompute_modules=modules,
@@ -305,21 +312,33 @@ def _configurations(
                 if train_line is not None:
                     yield None, train_line
                     continue
-                found = _judged(problem, pins, sizes, comm_types, any_split=any_split, form=form, first=first)
+                judge = _Judge(problem, pins, any_split, form, others, (ep, etp, sp, vpp, mbs, zero, order))
+                found = judge(sizes, comm_types, first=first)
                 if fallback and all(line is not None for _, line in found):
-                    found += _judged(problem, pins, sizes, fallback, any_split=any_split, form=form)
+                    found += judge(sizes, fallback)
                 yield from found
 
 
-def _judged(problem: Problem, pins: PlanChoice, sizes: dict, comm_types: list[str], *,
-            any_split: bool, form: SplitForm, first: ParallelConfig | None = None) -> list[tuple[ParallelConfig, str | None]]:
-    """The configuration of `sizes` with each CP exchange of `comm_types`, and the rule it breaks (None: it launches);
-    `first`, when given, is the one with comm_types[0], already built."""
-    out = []
-    for comm_type in comm_types:
-        cfg = first if first is not None and comm_type == first.cp_comm_type else ParallelConfig(**sizes, cp_comm_type=comm_type)
-        out.append((cfg, violation(cfg, model=problem.model, num_devices=problem.num_devices,
-                                   global_batch_size=problem.global_batch_size, any_split=any_split,
-                                   layers_per_stage=pinned_split(pins), tp_comm_overlap=problem.tp_comm_overlap,
-                                   form=form)))
-    return out
+class _Judge:
+    """The configurations of `sizes` with each CP exchange, and the rule each breaks (None: it launches), as
+    rules.violation says; the rules but the recompute ones are judged once for the configurations that differ only in
+    their recompute fields (kept in `others` under `key` and the exchange)."""
+
+    def __init__(self, problem: Problem, pins: PlanChoice, any_split: bool, form: SplitForm,
+                 others: dict[tuple, Broken | None], key: tuple):
+        self.others, self.key = others, key
+        self.context = dict(model=problem.model, num_devices=problem.num_devices,
+                            global_batch_size=problem.global_batch_size, any_split=any_split,
+                            layers_per_stage=pinned_split(pins), tp_comm_overlap=problem.tp_comm_overlap, form=form)
+
+    def __call__(self, sizes: dict, comm_types: list[str], *,
+                 first: ParallelConfig | None = None) -> list[tuple[ParallelConfig, str | None]]:
+        """`first`, when given, is the configuration with comm_types[0], already built."""
+        out = []
+        for comm_type in comm_types:
+            cfg = first if first is not None and comm_type == first.cp_comm_type else ParallelConfig(**sizes, cp_comm_type=comm_type)
+            key = (*self.key, comm_type)
+            if key not in self.others:
+                self.others[key] = broken_apart(cfg, recompute=False, **self.context)
+            out.append((cfg, first_of(self.others[key], broken_apart(cfg, recompute=True, **self.context))))
+        return out
