@@ -201,7 +201,9 @@ def _logs(paths: list[Path]) -> str:
 
 def _start_agent(i: int, tmp_path: Path, port: int, log: Path, train_iters: int = TRAIN_ITERS) -> subprocess.Popen:
     """Node i's `launch --nnodes 2:3` on loopback; agent 0 hosts the rendezvous store (is_host)."""
-    conf = f"is_host={'true' if i == 0 else 'false'},last_call_timeout=2"
+    # A lost node is dropped after keep_alive_interval x keep_alive_max_attempt seconds without a heartbeat (5 x 3 by
+    # default).
+    conf = f"is_host={'true' if i == 0 else 'false'},last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5"
     cmd = [*LAUNCH, *CLUSTER, "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
            "--rdzv-conf", conf, "--run-dir", str(tmp_path / f"run{i}"), "--",
            "scripts/pretrain_gpt.py", *megatron_args(tmp_path / "ckpt", train_iters)]
