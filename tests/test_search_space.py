@@ -80,8 +80,10 @@ def test_the_search_judges_each_configuration_as_the_rule_table_does(overrides, 
 
 
 def test_the_recompute_rules_are_the_ones_reading_the_recompute_fields():
-    """Each rule outside RECOMPUTE_RULES gives one answer whatever a configuration's recompute fields, on 300
-    configurations spread over a MoE space (both rank orders, expert TP, FP8 GEMM shapes, pipeline splits)."""
+    """Each rule outside RECOMPUTE_RULES gives one answer whatever a configuration's recompute fields, and each rule in
+    it one answer for every configuration with the same recompute fields, pp and vpp: on 300 configurations spread
+    over a MoE space (both rank orders, expert TP, FP8 GEMM shapes, pipeline splits), each with recompute variants
+    that break and keep the recompute rules."""
     loaded = load(["model=mixtral_8x7b", "cluster=h100_spine_leaf", "cluster.num_devices=64", "train.global_batch_size=1024",
                    "train.precision=fp8", "solver.recompute_num_layers=[null,1,20]"])
     problem, cfg = loaded.problem, loaded.config
@@ -92,11 +94,22 @@ def test_the_recompute_rules_are_the_ones_reading_the_recompute_fields():
     configurations = sorted(configurations, key=repr)[::len(configurations) // 300]
     variants = [dict(recompute="none"), dict(recompute="full"), dict(recompute="full", recompute_num_layers=20),
                 dict(recompute="selective", recompute_modules=("moe_act",)),
-                dict(recompute="selective", recompute_modules=("core_attn", "mlp")), dict(recompute="bogus")]
-    others = [rule for rule in RULES if rule.id not in RECOMPUTE_RULES]
-    assert len(others) == len(RULES) - 4 and len(configurations) > 100
+                dict(recompute="selective", recompute_modules=("core_attn", "mlp")), dict(recompute="bogus"),
+                dict(recompute="none", recompute_num_layers=1), dict(recompute="selective", recompute_modules=("x",))]
+    assert len(configurations) > 100 and len([r for r in RULES if r.id in RECOMPUTE_RULES]) == 4
+
+    def answer(rule, c, variant):
+        return rule.check(Case(dataclasses.replace(c, **variant), problem.model, problem.num_devices,
+                               problem.global_batch_size, None, True))
+
+    recompute_answers: dict[tuple, set] = {}
     for c in configurations:
-        for rule in others:
-            answers = {rule.check(Case(dataclasses.replace(c, **v), problem.model, problem.num_devices,
-                                       problem.global_batch_size, None, True)) for v in variants}
-            assert len(answers) == 1, (rule.id, c, answers)
+        for rule in RULES:
+            answers = {i: answer(rule, c, v) for i, v in enumerate(variants)}
+            if rule.id in RECOMPUTE_RULES:
+                for i, line in answers.items():
+                    recompute_answers.setdefault((rule.id, c.pp, c.vpp, i), set()).add(line)
+            else:
+                assert len(set(answers.values())) == 1, (rule.id, c, answers)
+    assert all(len(lines) == 1 for lines in recompute_answers.values())
+    assert len({line for lines in recompute_answers.values() for line in lines}) > 4  # they break, and hold

@@ -716,9 +716,10 @@ def violation(
 
 _CHECKS = tuple(rule.check for rule in RULES)  # in RULES' order, without a lookup per rule per configuration
 
-# The rules that read a configuration's recompute fields (recompute, recompute_num_layers, recompute_modules). The
-# others answer the same for every recompute choice of a configuration, so the search judges them once for all of
-# its recompute variants (solver/space.py; tests/test_search_space.py holds this split to the rules).
+# The rules that read a configuration's recompute fields (recompute, recompute_num_layers, recompute_modules), and of
+# the rest only pp and vpp. The others answer the same for every recompute choice of a configuration, so the search
+# judges each half once for all the configurations that share its fields (solver/space.py; tests/test_search_space.py
+# holds this split to the rules).
 RECOMPUTE_RULES = frozenset({"recompute-kind", "recompute-modules", "recompute-layers-full", "recompute-layers-range"})
 Broken = tuple[int, str]  # a broken rule's position in RULES and its line
 

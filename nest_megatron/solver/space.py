@@ -273,6 +273,7 @@ def _configurations(
                 "full": [(n, DEFAULT_RECOMPUTE_MODULES) for n in recomputed_counts],
                 "selective": [(None, m) for m in ([ordered(pins.recompute_modules)] if pins.recompute_modules
                                                   is not None else searched_sets(model))]}
+    judge = _Judge(problem, pins, any_split, form)
     for tp, cp, pp in itertools.product(tps, cps, pps):
         if devices % (tp * cp * pp):
             yield None, _unused_devices(tp, cp, pp, devices)
@@ -293,8 +294,6 @@ def _configurations(
         comm_types = axis(pins.cp_comm_type, list(solver.cp_comm_types) if cp > 1 else ["p2p"])
         fallback = [t for t in CP_COMM_TYPES if t not in comm_types] if cp > 1 and pins.cp_comm_type is None else []
         refused: dict[tuple, bool] = {}  # (ep, etp, zero, order) -> whether SIZE_RULES refuse it
-        # (the sizes but the recompute fields, the exchange) -> the first rule but the recompute ones it breaks
-        others: dict[tuple, Broken | None] = {}
         for ep, etp, sp, vpp, mbs, zero, recompute, order in itertools.product(eps, etps, sps, vpps, mbss, zeros, recomputes, orders):
             if launchable_only:
                 by_sizes = (ep, etp, zero, order)
@@ -303,6 +302,7 @@ def _configurations(
                         ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, zero=zero, order=order), model)
                 if refused[by_sizes]:
                     continue
+            others = (tp, cp, pp, dp, ep, etp, sp, vpp, mbs, zero, order)  # every field but the recompute ones
             for recomputed, modules in variants.get(recompute, [(None, DEFAULT_RECOMPUTE_MODULES)]):
                 sizes = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
                              recompute=recompute, recompute_num_layers=recomputed, recompute_modules=modules,
@@ -312,33 +312,36 @@ def _configurations(
                 if train_line is not None:
                     yield None, train_line
                     continue
-                judge = _Judge(problem, pins, any_split, form, others, (ep, etp, sp, vpp, mbs, zero, order))
-                found = judge(sizes, comm_types, first=first)
+                recomputing = (recompute, recomputed, modules, pp, vpp)
+                found = judge(sizes, comm_types, others, recomputing, first=first)
                 if fallback and all(line is not None for _, line in found):
-                    found += judge(sizes, fallback)
+                    found += judge(sizes, fallback, others, recomputing)
                 yield from found
 
 
 class _Judge:
-    """The configurations of `sizes` with each CP exchange, and the rule each breaks (None: it launches), as
-    rules.violation says; the rules but the recompute ones are judged once for the configurations that differ only in
-    their recompute fields (kept in `others` under `key` and the exchange)."""
+    """Each configuration with each CP exchange, and the rule it breaks (None: it launches), as rules.violation says,
+    judged in two halves that are kept: the rules but RECOMPUTE_RULES answer the same for the configurations that
+    differ only in their recompute fields, the recompute rules for those with the same recompute fields, pp and vpp."""
 
-    def __init__(self, problem: Problem, pins: PlanChoice, any_split: bool, form: SplitForm,
-                 others: dict[tuple, Broken | None], key: tuple):
-        self.others, self.key = others, key
+    def __init__(self, problem: Problem, pins: PlanChoice, any_split: bool, form: SplitForm):
         self.context = dict(model=problem.model, num_devices=problem.num_devices,
                             global_batch_size=problem.global_batch_size, any_split=any_split,
                             layers_per_stage=pinned_split(pins), tp_comm_overlap=problem.tp_comm_overlap, form=form)
+        self.others: dict[tuple, Broken | None] = {}  # (every field but the recompute ones) -> the first rule broken
+        self.recomputing: dict[tuple, Broken | None] = {}  # (the recompute fields, pp, vpp) -> the first rule broken
 
-    def __call__(self, sizes: dict, comm_types: list[str], *,
+    def __call__(self, sizes: dict, comm_types: list[str], others: tuple, recomputing: tuple, *,
                  first: ParallelConfig | None = None) -> list[tuple[ParallelConfig, str | None]]:
-        """`first`, when given, is the configuration with comm_types[0], already built."""
+        """`others` and `recomputing` are the keys of `sizes`' halves; `first`, when given, the configuration with
+        comm_types[0], already built."""
         out = []
         for comm_type in comm_types:
             cfg = first if first is not None and comm_type == first.cp_comm_type else ParallelConfig(**sizes, cp_comm_type=comm_type)
-            key = (*self.key, comm_type)
+            key = (*others, comm_type)
             if key not in self.others:
                 self.others[key] = broken_apart(cfg, recompute=False, **self.context)
-            out.append((cfg, first_of(self.others[key], broken_apart(cfg, recompute=True, **self.context))))
+            if recomputing not in self.recomputing:
+                self.recomputing[recomputing] = broken_apart(cfg, recompute=True, **self.context)
+            out.append((cfg, first_of(self.others[key], self.recomputing[recomputing])))
         return out
