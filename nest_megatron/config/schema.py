@@ -235,7 +235,7 @@ class SolverConfig:
     # Plans may leave devices idle, when nothing uses them all or fewer are faster (false: every device runs
     # a rank; an elastic launch sets it, as torchrun starts a worker on every device of every node).
     allow_idle: bool = True
-    jobs: Optional[int] = None  # worker processes of the dp search (null: one per core)
+    jobs: Optional[int] = None  # worker processes of the dp search (null: $NEST_MEGATRON_JOBS, else one per core)
 
 
 @dataclass
