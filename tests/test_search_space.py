@@ -1,6 +1,6 @@
 """The planner's candidates are exactly the configurations of the search space that break no rule: `candidates`
-skips, unjudged, what rules fsdp-pp, fsdp-order, moe-bias-etp and order-expert-dp refuse (parallel/rules.py
-SIZE_RULES), and the full judged space says which launch."""
+skips, unjudged, what rules fsdp-pp, fsdp-order, moe-bias-etp, order-expert-dp (parallel/rules.py
+SIZE_RULES) and global-batch refuse, and the full judged space says which launch."""
 
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ def test_candidates_are_the_judged_space_that_launches(overrides):
     every = [(c, line) for c, line in _configurations(problem, cfg.solver, cfg.plan, **args) if c is not None]
     skipped = [line for c, line in every if c.zero >= 2 and c.pp > 1]
     assert skipped and None not in skipped
+    # what global-batch refuses (skipped by candidates too): in tiny_gpt's space mbs 8 x dp 16 does not divide 64
+    by_batch = [line for c, line in every if problem.global_batch_size % (c.mbs * c.dp)]
+    assert None not in by_batch and (by_batch or "model=tiny_gpt" not in overrides)
     if problem.model.cfg.add_bias_linear and problem.model.is_moe:
         assert {c.etp for c in found} == {1} and any(c.etp > 1 and line for c, line in every)
     # Megatron-LM sets expert TP = TP for a dense model: there the expert data-parallel size is cp*dp

@@ -689,6 +689,14 @@ def refused_by_sizes(cfg: ParallelConfig, model: ModelSpec) -> bool:
     return any(check(case) is not None for check in SIZE_RULES)
 
 
+def refused_by_batch(mbs: int, dp: int, model: ModelSpec, global_batch_size: int) -> bool:
+    """Whether rule global-batch, which reads nothing of a configuration but mbs and dp, refuses them: the search
+    drops such micro-batch sizes before the rest of a configuration is enumerated (solver/space.py candidates)."""
+    case = Case(ParallelConfig(mbs=mbs, dp=dp), model, num_devices=0, global_batch_size=global_batch_size,
+                layers_per_stage=None, any_split=False)
+    return _global_batch(case) is not None
+
+
 def violation(
     cfg: ParallelConfig,
     *,
