@@ -6,7 +6,8 @@ tests/slurm_cluster.py, which removes it itself.)
 
 In pytest-xdist's workers, which keep every core busy already, a search whose solver.jobs is unset takes one
 process (NEST_MEGATRON_JOBS=1, inherited by every process a test starts): forked search workers there doubled the
-CPU each plan took (10 paper-grid plans: 5.8 s of CPU alone, 11.0 s with two workers)."""
+CPU each plan took (10 paper-grid plans, os.times() around api.plan: 5.8 s of CPU alone, 3.9 s + 7.1 s in the two
+workers' processes)."""
 
 from __future__ import annotations
 
