@@ -56,7 +56,8 @@ def overview() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        code = dispatch(sys.argv[1:] if argv is None else list(argv))
+        # argv None: the console script, whose process ends with the command (launch/torchrun.py's SIGTERM rule)
+        code = dispatch(sys.argv[1:] if argv is None else list(argv), process_ends=argv is None)
         sys.stdout.flush()  # here, where a closed pipe can still be caught, not at exit
         return code
     except BrokenPipeError:
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def dispatch(argv: list[str]) -> int:
+def dispatch(argv: list[str], *, process_ends: bool = False) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(overview())
         return 0 if argv else 2
@@ -82,6 +83,7 @@ def dispatch(argv: list[str]) -> int:
     args = parser.parse_intermixed_args(rest[:cut])
     args.script_argv = rest[cut + 1:] if cut < len(rest) else None
     args.command = name
+    args.process_ends = process_ends
     return module.run(args)
 
 

@@ -826,6 +826,11 @@ def main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")  # TransformerConfig's own default
+    use_cuda = torch.cuda.is_available()
+    if not use_cuda:  # first: its fused kernels never run here (every fusion is off, transformer_config below)
+        from nest_megatron.trace.cpu_megatron import import_megatron_core_uncompiled
+
+        import_megatron_core_uncompiled()
     args = parse_args(argv)
     if args.group_query_attention and not args.num_query_groups:
         fail("--group-query-attention needs --num-query-groups")
@@ -836,7 +841,6 @@ def main(argv: list[str]) -> int:
         note("--sequence-parallel dropped: it needs TP > 1 and, with the local layer spec, Apex's norms")
         args.sequence_parallel = False
     check_sizes(args)
-    use_cuda = torch.cuda.is_available()
     if args.init_model_with_meta_device and not (use_cuda and args.use_megatron_fsdp):
         # Megatron-FSDP materialises the model; on CPU, CPU initialisation puts megatron-core's own layers on the
         # meta device too, and they have no reset_parameters to materialise them with (on GPUs they allocate there).

@@ -177,7 +177,7 @@ def test_sigterm_before_torchrun_ends_the_launch_with_1():
     status (2 for bad input) then stays the job's."""
     code = ("import os, signal, sys, time\n"
             "from nest_megatron.launch.torchrun import sigterm_stops_with_status\n"
-            "with sigterm_stops_with_status():\n"
+            "with sigterm_stops_with_status(process_ends=True):\n"
             "    os.kill(os.getpid(), signal.SIGTERM)\n"
             "    time.sleep(30)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -190,7 +190,7 @@ def test_sigterm_before_torchrun_ends_the_launch_with_1():
                "def after_fork():\n"
                "    os.kill(os.getpid(), signal.SIGTERM)\n"
                "    time.sleep(0.01)\n"
-               "with sigterm_stops_with_status():\n"
+               "with sigterm_stops_with_status(process_ends=True):\n"
                "    os.register_at_fork(after_in_parent=after_fork)\n"
                "    if os.fork() == 0:\n"
                "        os._exit(0)\n"
@@ -201,11 +201,24 @@ def test_sigterm_before_torchrun_ends_the_launch_with_1():
     # once the status is decided, a SIGTERM while the process ends changes nothing
     ending = ("import os, signal, sys\n"
               "from nest_megatron.launch.torchrun import sigterm_stops_with_status\n"
-              "with sigterm_stops_with_status():\n"
+              "with sigterm_stops_with_status(process_ends=True):\n"
               "    pass\n"
               "os.kill(os.getpid(), signal.SIGTERM)\n"
               "sys.exit(2)\n")
     assert subprocess.run([sys.executable, "-c", ending], timeout=60).returncode == 2
+
+
+def test_a_launch_called_in_this_process_gives_sigterm_back(capsys):
+    """Called in a process that goes on (a test, a library), the launch leaves SIGTERM's handler as it was: an
+    ignored SIGTERM was inherited by the pytest worker's later pool workers, which then outlived Pool.terminate()
+    and hung the test run."""
+    before = signal.getsignal(signal.SIGTERM)
+    assert before is not signal.SIG_IGN
+    dry_run(capsys, "--", "t.py", *DENSE_MODEL)
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert torchrun_main(["cluster=dgx_h100_superpod", "--dry-run", "--standalone", "--nproc-per-node", "2", "train.py",
+                          *DENSE_MODEL]) == 0, capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_nest_torchrun_keeps_torchruns_flags(worker):

@@ -155,7 +155,7 @@ def execute(prepared: Prepared, *, dry_run: bool, command: str, run_dir: str | N
 
 
 def run(args: argparse.Namespace) -> int:
-    with sigterm_stops_with_status():
+    with sigterm_stops_with_status(process_ends=args.process_ends):
         return _launch(args)
 
 
@@ -270,8 +270,9 @@ def _leading_options(argv: list[str]) -> tuple[list[str], bool, list[str], list[
 def torchrun_main(argv: list[str] | None = None) -> int:
     """`nest-torchrun [overrides] [--dry-run] [--pin tp,pp] [torchrun flags] SCRIPT ARGS...`: torchrun's own
     command line, planned; torchrun's flags are kept as typed, the script's arguments are rewritten."""
+    process_ends = argv is None  # the console script: this process's command line
     argv = sys.argv[1:] if argv is None else list(argv)
-    with sigterm_stops_with_status():
+    with sigterm_stops_with_status(process_ends=process_ends):
         return _torchrun(argv)
 
 

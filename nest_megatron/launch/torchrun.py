@@ -85,12 +85,14 @@ STOPPED_STATUS = 1
 
 
 @contextmanager
-def sigterm_stops_with_status():
+def sigterm_stops_with_status(*, process_ends: bool):
     """Inside: a SIGTERM ends this process with STOPPED_STATUS, not as a signal death (128 + 15), since srun
     stops every other node when one node's launch fails and reports the highest status of its tasks. After:
-    SIGTERM is ignored, as the status is decided and the process is only ending (Python would restore the
-    default action while it finalizes). run_command lifts it while torchrun runs. The launch owns this
-    process's signals, as torchrun's agent does."""
+    with `process_ends` (the launch is this process's command line) SIGTERM is ignored, as the status is decided
+    and the process is only ending (Python would restore the default action while it finalizes); else the
+    caller's handler is back (a test or a library calling the launch in its own process, whose later pool
+    workers would inherit an ignored SIGTERM and outlive their terminate()). run_command lifts it while torchrun
+    runs."""
 
     stopped = []
 
@@ -112,12 +114,12 @@ def sigterm_stops_with_status():
             default_unraisablehook(unraisable)
 
     default_unraisablehook = sys.unraisablehook
-    signal.signal(signal.SIGTERM, stop)
+    callers = signal.signal(signal.SIGTERM, stop)
     sys.unraisablehook = swallowed
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if process_ends else callers)
         sys.unraisablehook = default_unraisablehook
 
 

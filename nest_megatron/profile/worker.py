@@ -52,8 +52,10 @@ def main(argv: list[str]) -> int:
 def _prepare_cpu(task: Task) -> None:
     """The CPU patches for megatron-core, with this task's parallel state already in place (so that
     prepare_cpu_megatron keeps the gloo group rather than making a one-rank one)."""
+    from nest_megatron.trace.cpu_megatron import import_megatron_core_uncompiled, prepare_cpu_megatron
+
+    import_megatron_core_uncompiled()  # before megatron_layers imports it
     from nest_megatron.profile import megatron_layers as ml
-    from nest_megatron.trace.cpu_megatron import prepare_cpu_megatron
 
     s = task.strategy
     ml.parallel_state_for(tp=s["tp"], ep=s.get("ep", 1), etp=s.get("etp", 1))

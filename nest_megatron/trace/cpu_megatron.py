@@ -84,6 +84,31 @@ def bind_missing_te_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def import_megatron_core_uncompiled() -> None:
+    """Patch 0: import megatron-core with torch.compile as the identity, unless this process has already.
+
+    megatron-core decorates its fused kernels with torch.compile when it is imported (megatron.core.jit.jit_fuser),
+    which loads TorchDynamo and TorchInductor: ~1.5 s of CPU in every process, ~10 s on a busy 2-core machine.
+    None of those kernels runs on a CPU here (every fusion is off: trace/transformer_config.py and
+    scripts/pretrain_gpt.py), and jit_fuser keeps the identity for later imports too. CPU processes only: on a GPU
+    the fused kernels are what runs.
+    """
+    if "megatron.core" in sys.modules:
+        return
+    compile_ = torch.compile
+
+    def _no_compile(model=None, **_options):
+        return model if model is not None else (lambda fn: fn)
+
+    torch.compile = _no_compile
+    try:
+        import megatron.core  # noqa: F401
+        import megatron.core.models.gpt  # noqa: F401
+        import megatron.core.transformer.moe.moe_layer  # noqa: F401
+    finally:
+        torch.compile = compile_
+
+
 def prepare_cpu_megatron() -> None:
     """Make megatron-core 0.16.x usable on a CPU-only torch build.  Idempotent.
 
@@ -100,25 +125,7 @@ def prepare_cpu_megatron() -> None:
     warnings.filterwarnings("ignore", message=".*Apex.*")
     warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
-    # Patch 0: megatron-core decorates its fused kernels with torch.compile when
-    # it is imported (megatron.core.jit.jit_fuser), which loads TorchInductor:
-    # ~10 s of a 2-core CPU.  None of those kernels runs here (every fusion is
-    # off, trace/transformer_config.py), so import megatron-core with
-    # torch.compile as the identity (jit_fuser keeps it: later imports too).
-    # Only when this process has not imported megatron-core yet.
-    if "megatron.core" not in sys.modules:
-        compile_ = torch.compile
-
-        def _no_compile(model=None, **_options):
-            return model if model is not None else (lambda fn: fn)
-
-        torch.compile = _no_compile
-        try:
-            import megatron.core  # noqa: F401
-            import megatron.core.models.gpt  # noqa: F401
-            import megatron.core.transformer.moe.moe_layer  # noqa: F401
-        finally:
-            torch.compile = compile_
+    import_megatron_core_uncompiled()  # patch 0
 
     # Patch 1: torch.cuda.current_device() is used as the `device=` argument
     # when megatron allocates tensors (GlobalMemoryBuffer.get_tensor, which
