@@ -281,3 +281,49 @@ def test_bad_input_is_one_line(bad, match, good):
 def test_appended_misspelt_key_is_an_error():
     with pytest.raises(NestError, match=r"'\+model\.num_layer=4': every key exists already.*write model\.num_layer=VALUE"):
         load([TINY, "+model.num_layer=4"])
+
+
+# config/load.py composes the config groups once and applies the key=value overrides to a copy with Hydra's own
+# override code: each of these must give what Hydra's full compose of the same overrides gives (keys in order).
+COMPOSED_ALIKE = [
+    ["model=llama3_70b", "cluster=dgx_h100_superpod", "cluster.num_devices=64", "plan.tp=8"],
+    ["cluster.num_devices=64", "model=mixtral_8x7b", "model.num_layers=8", "train.global_batch_size=256"],  # value first
+    ["model=tiny_gpt", "model.num_layers=4", "model.num_layers=6"],  # the last value wins
+    ["cluster=hgx_h200", "accelerator=b200"],  # the accelerator the cluster's defaults chose, replaced
+    ["solver.micro_batch_sizes=[1,2]", "cluster.nodes='n[01-04]'", "out=plan.json", "plan.recompute=null"],
+    [],
+]
+# ... and each of these the same error (type and words)
+COMPOSED_REFUSED = [["model.no_such_key=1"], ["plan.tp=2,4"], ["plan.tp=[1"], ["cluster.num_devices=many"],
+                    ["model=tiny_gpt", "solver.micro_batch_sizes=1"]]
+
+
+def _hydra_alone(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from nest_megatron.config.load import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+@pytest.mark.parametrize("overrides", COMPOSED_ALIKE)
+def test_a_kept_composition_with_values_is_hydras_composition(overrides):
+    from omegaconf import OmegaConf
+
+    from nest_megatron.config.load import _hydra_compose
+
+    assert OmegaConf.to_yaml(_hydra_compose(overrides)) == OmegaConf.to_yaml(_hydra_alone(overrides))
+    _hydra_compose(["model=tiny_gpt", *overrides])  # another composition in between changes nothing kept
+    assert OmegaConf.to_yaml(_hydra_compose(overrides)) == OmegaConf.to_yaml(_hydra_alone(overrides))
+
+
+@pytest.mark.parametrize("overrides", COMPOSED_REFUSED)
+def test_a_kept_composition_refuses_a_value_as_hydra_does(overrides):
+    from nest_megatron.config.load import _hydra_compose
+
+    with pytest.raises(Exception) as hydra_alone:
+        _hydra_alone(overrides)
+    with pytest.raises(Exception) as kept:
+        _hydra_compose(overrides)
+    assert (type(kept.value), str(kept.value)) == (type(hydra_alone.value), str(hydra_alone.value))
