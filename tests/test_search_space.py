@@ -1,6 +1,6 @@
 """The planner's candidates are exactly the configurations of the search space that break no rule: `candidates`
-skips, unjudged, what rules fsdp-pp, fsdp-order, moe-bias-etp, order-expert-dp (parallel/rules.py
-SIZE_RULES) and global-batch refuse, and the full judged space says which launch."""
+skips, unjudged, what the rules of parallel/rules.py SIZE_RULES refuse by the sizes tp, cp, pp, dp, ep, etp, zero and
+order, and what those of PIPELINE_RULES refuse by pp, vpp, mbs and dp, and the full judged space says which launch."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from nest_megatron.config.load import load
 from nest_megatron.parallel.config import DEFAULT_RECOMPUTE_MODULES
 from nest_megatron.parallel.layout import SplitForm
-from nest_megatron.parallel.rules import RECOMPUTE_RULES, RULES, Case, violation
+from nest_megatron.parallel.rules import PIPELINE_RULES, RECOMPUTE_RULES, RULES, SIZE_RULES, Case, violation
 from nest_megatron.solver.space import _configurations, candidates
 
 
@@ -25,6 +25,9 @@ from nest_megatron.solver.space import _configurations, candidates
     # with pins: Megatron-FSDP pinned, so only its one rank order and no pipeline stage can launch
     ["model=tiny_moe", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64",
      "plan.zero=3"],
+    # a split form pinned: the account-for flags launch only where pp divides the layers with the embedding and loss
+    ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64",
+     "plan.account_for_embedding_in_pipeline_split=true", "plan.account_for_loss_in_pipeline_split=true"],
 ])
 def test_candidates_are_the_judged_space_that_launches(overrides):
     loaded = load(overrides)
@@ -116,3 +119,64 @@ def test_the_recompute_rules_are_the_ones_reading_the_recompute_fields():
                 assert len(set(answers.values())) == 1, (rule.id, c, answers)
     assert all(len(lines) == 1 for lines in recompute_answers.values())
     assert len({line for lines in recompute_answers.values() for line in lines}) > 4  # they break, and hold
+
+
+# Spaces whose configurations reach every rule of the two groups: virtual stages and micro-batch counts, MoE expert
+# grids, a hybrid stack, split forms, a given split.
+PRE_FILTER_SPACES = [
+    ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64"],
+    ["model=mixtral_8x7b", "cluster=h100_spine_leaf", "cluster.num_devices=64", "train.global_batch_size=1024",
+     "train.precision=fp8"],
+    ["model=tiny_moe", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64",
+     "model.add_bias_linear=true"],
+    ["model=nemotron_h_56b", "cluster=dgx_h100_superpod", "cluster.num_devices=64", "train.global_batch_size=256"],
+    ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64",
+     "plan.pp=2", "plan.pipeline_model_parallel_layout='Et|t|t|tL'"],
+    ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64",
+     "plan.decoder_first_pipeline_num_layers=1"],
+    ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64",
+     "plan.pp=2", "plan.layers_per_stage=[1,3]"],
+]
+
+
+class _Reading:
+    """A configuration that records which of its fields (or properties) a rule reads."""
+
+    def __init__(self, cfg):
+        self._cfg, self.read = cfg, set()
+
+    def __getattr__(self, name):
+        self.read.add(name)
+        return getattr(self._cfg, name)
+
+
+@pytest.mark.parametrize("group, allowed", [
+    (SIZE_RULES, {"tp", "cp", "pp", "dp", "ep", "etp", "zero", "order"}),
+    (PIPELINE_RULES, {"pp", "vpp", "mbs", "dp"}),
+], ids=["SIZE_RULES", "PIPELINE_RULES"])
+def test_the_rules_the_search_applies_first_read_only_their_fields(group, allowed):
+    """The search drops what SIZE_RULES and PIPELINE_RULES refuse before it enumerates the rest of a configuration
+    (solver/space.py), asking them with the other fields at Megatron's defaults: right only when each rule reads
+    nothing else of a configuration. Every configuration of spaces that reach the rules, with and without uneven
+    splits, is judged through one that records what is read of it; each rule reads some of its fields there (but
+    moe-bias-etp, which reads etp only of a MoE model with biases) and the group refuses some configurations."""
+    reads = {check: set() for check in group}
+    refused = 0
+    for overrides in PRE_FILTER_SPACES:
+        loaded = load(overrides)
+        problem, cfg = loaded.problem, loaded.config
+        form, split = SplitForm.from_fields(cfg.plan), cfg.plan.layers_per_stage
+        for any_split in (True, False):
+            for c, _ in _configurations(problem, cfg.solver, cfg.plan, any_split=any_split, micro_batch_size=None):
+                if c is None:
+                    continue
+                for check in group:
+                    reading = _Reading(c)
+                    line = check(Case(reading, problem.model, problem.num_devices, problem.global_batch_size,
+                                      tuple(split) if split else None, any_split, form=form))
+                    reads[check] |= reading.read
+                    refused += line is not None
+    for check in group:
+        assert reads[check] <= allowed, (check.__name__, reads[check] - allowed)
+        assert reads[check], check.__name__
+    assert refused

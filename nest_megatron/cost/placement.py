@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -19,17 +18,45 @@ from nest_megatron.parallel.ranks import (
 )
 
 
-@dataclass(frozen=True)
 class Spans:
-    """Per kind of group, its distinct shapes on the topology; per pipeline boundary, its level."""
+    """Per kind of group, its distinct shapes on the topology; per pipeline boundary, its level. Each is worked out
+    when first asked for: the search's bounds ask only for a layer's groups (tp, cp, ep) of most configurations."""
 
-    tp: tuple[GroupShape, ...]
-    cp: tuple[GroupShape, ...]
-    dp: tuple[GroupShape, ...]  # the dense-gradient group: dp x cp
-    ep: tuple[GroupShape, ...]
-    etp: tuple[GroupShape, ...]
-    edp: tuple[GroupShape, ...]  # the expert-gradient group
-    pp_boundary_level: tuple[int, ...]  # boundary i sits between stage i and i + 1
+    def __init__(self, cfg: ParallelConfig, topology: Topology, rank_to_device: np.ndarray):
+        self._cfg, self._topology, self._rank_to_device = cfg, topology, rank_to_device
+
+    def _shapes(self, sizes: dict[str, int], token: str) -> tuple[GroupShape, ...]:
+        groups = rank_groups(self._cfg.order, sizes, token)
+        return tuple(group_shapes(groups, self._rank_to_device, self._topology))
+
+    @cached_property
+    def tp(self) -> tuple[GroupShape, ...]:
+        return self._shapes(decoder_sizes(self._cfg), "tp")
+
+    @cached_property
+    def cp(self) -> tuple[GroupShape, ...]:
+        return self._shapes(decoder_sizes(self._cfg), "cp")
+
+    @cached_property
+    def dp(self) -> tuple[GroupShape, ...]:  # the dense-gradient group: dp x cp
+        return self._shapes(decoder_sizes(self._cfg), "dp-cp")
+
+    @cached_property
+    def ep(self) -> tuple[GroupShape, ...]:
+        return self._shapes(expert_sizes(self._cfg), "ep")
+
+    @cached_property
+    def etp(self) -> tuple[GroupShape, ...]:
+        return self._shapes(expert_sizes(self._cfg), "tp")
+
+    @cached_property
+    def edp(self) -> tuple[GroupShape, ...]:  # the expert-gradient group
+        return self._shapes(expert_sizes(self._cfg), "dp")
+
+    @cached_property
+    def pp_boundary_level(self) -> tuple[int, ...]:  # boundary i sits between stage i and i + 1
+        pp_groups = rank_groups(self._cfg.order, decoder_sizes(self._cfg), "pp")
+        return boundary_levels(pp_groups, self._rank_to_device, self._topology)
 
     def levels_used(self, *, moe: bool) -> dict[str, int]:
         """The highest level each group kind crosses (-1: no communication); the expert groups
@@ -58,20 +85,7 @@ def boundary_levels(pp_groups: np.ndarray, rank_to_device: np.ndarray, topology:
 
 
 def compute_spans(cfg: ParallelConfig, topology: Topology, rank_to_device: np.ndarray) -> Spans:
-    dec, exp = decoder_sizes(cfg), expert_sizes(cfg)
-
-    def shapes(sizes: dict[str, int], token: str) -> tuple[GroupShape, ...]:
-        return tuple(group_shapes(rank_groups(cfg.order, sizes, token), rank_to_device, topology))
-
-    return Spans(
-        tp=shapes(dec, "tp"),
-        cp=shapes(dec, "cp"),
-        dp=shapes(dec, "dp-cp"),
-        ep=shapes(exp, "ep"),
-        etp=shapes(exp, "tp"),
-        edp=shapes(exp, "dp"),
-        pp_boundary_level=boundary_levels(rank_groups(cfg.order, dec, "pp"), rank_to_device, topology),
-    )
+    return Spans(cfg, topology, rank_to_device)
 
 
 @lru_cache(maxsize=8192)

@@ -94,7 +94,7 @@ def _recompute_kind(c: Case):
 def module_problem(model: ModelSpec, modules: tuple[str, ...]) -> str | None:
     """The first of megatron-core's rules on recompute_modules that `modules` breaks for `model` (one line), or None:
     known names (Megatron-LM transformer_config.py:1943-1962), mla_up_proj only with MLA (:1969-1973), moe_act and
-    layernorm not with fp8 delayed scaling (:2000-2006). moe_act's --moe-grouped-gemm the emitter adds."""
+    layernorm not with fp8 delayed scaling (:2000-2006). moe_act's --moe-grouped-gemm the emitter gives every MoE model."""
     unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
     if unknown:
         return f"plan.recompute_modules: {', '.join(unknown)} unknown; allowed are {', '.join(RECOMPUTE_MODULES)}"
@@ -680,7 +680,11 @@ RULES = (
 
 # The rules that read nothing of a configuration but tp, cp, pp, dp, ep, etp, zero and order (and the model): the
 # search skips what they refuse before the rest of a configuration is enumerated (solver/space.py candidates).
-SIZE_RULES = (_fsdp_pp, _fsdp_order, _moe_bias_etp, _order_expert_dp)
+SIZE_RULES = (_fsdp_pp, _fsdp_order, _expert_grid, _etp_ffn, _moe_bias_etp, _order_expert_dp)
+# The rules that read nothing of a configuration but pp, vpp, mbs and dp (and the model, the global batch and the
+# given split): the search drops the (vpp, mbs) pairs they refuse at a (pp, dp) before the rest is enumerated.
+PIPELINE_RULES = (_hybrid_split, _split, _split_virtual, _layout, _account_split, _first_last_split, _uneven_stages,
+                  _virtual_split_family, _even_split, _vpp_pp, _global_batch, _fill_pipeline, _interleaved_microbatches)
 
 
 def refused_by_sizes(cfg: ParallelConfig, model: ModelSpec) -> bool:
@@ -689,12 +693,13 @@ def refused_by_sizes(cfg: ParallelConfig, model: ModelSpec) -> bool:
     return any(check(case) is not None for check in SIZE_RULES)
 
 
-def refused_by_batch(mbs: int, dp: int, model: ModelSpec, global_batch_size: int) -> bool:
-    """Whether rule global-batch, which reads nothing of a configuration but mbs and dp, refuses them: the search
-    drops such micro-batch sizes before the rest of a configuration is enumerated (solver/space.py candidates)."""
-    case = Case(ParallelConfig(mbs=mbs, dp=dp), model, num_devices=0, global_batch_size=global_batch_size,
-                layers_per_stage=None, any_split=False)
-    return _global_batch(case) is not None
+def refused_by_pipeline(pp: int, vpp: int, mbs: int, dp: int, *, model: ModelSpec, global_batch_size: int,
+                        layers_per_stage: tuple[int, ...] | None = None, any_split: bool = False,
+                        form: SplitForm = EVEN) -> bool:
+    """Whether a rule of PIPELINE_RULES refuses these sizes (the other fields at their defaults), whatever the rest."""
+    case = Case(ParallelConfig(pp=pp, vpp=vpp, mbs=mbs, dp=dp), model, num_devices=0,
+                global_batch_size=global_batch_size, layers_per_stage=layers_per_stage, any_split=any_split, form=form)
+    return any(check(case) is not None for check in PIPELINE_RULES)
 
 
 def violation(

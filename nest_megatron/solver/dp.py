@@ -21,8 +21,10 @@ with `estimate` for the tests.
 from __future__ import annotations
 
 import itertools
+import operator
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
+from functools import lru_cache
 from typing import NamedTuple
 
 import numba
@@ -41,11 +43,12 @@ from nest_megatron.cost.evaluate import (
     pipeline_p2p,
     stage_body,
 )
-from nest_megatron.cost.layer import layer_time, ordered_streams
+from nest_megatron.cost.layer import LayerTime, layer_time, ordered_streams
 from nest_megatron.cost.memory import activation_bytes, in_flight_chunks, stage_memory
 from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.recompute import recompute_seconds
 from nest_megatron.cost.tables import range_sums
+from nest_megatron.model.kinds import LayerKind
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.layout import EVEN, SplitForm, min_stage_layers, searched_splits
 from nest_megatron.parallel.ranks import decoder_sizes, host_placements, inside_units, rank_groups
@@ -313,20 +316,28 @@ def balanced_split(num_layers: int, stages: int) -> tuple[int, ...]:
 def lower_bound(problem: Problem, cfg: ParallelConfig, *, work: float | None = None) -> float:
     """A step time no split can beat: the slowest stage is at least the mean of the stages, and a
     stage is at least its layers' computation, recomputation and communication. `work`: `layers_work(problem,
-    cfg)`, which neither ZeRO nor the virtual stages change, when already known."""
+    cfg)`, which the virtual stages do not change, when already known."""
     per_microbatch = layers_work(problem, cfg) if work is None else work
     factor = num_microbatches(cfg, problem.global_batch_size) + (cfg.pp - 1) / cfg.vpp
     return factor * per_microbatch / cfg.pp
 
 
-def layers_work(problem: Problem, cfg: ParallelConfig) -> float:
-    """Every layer's computation, recomputation and communication of one micro-batch, s."""
+LayerTimes = list[tuple[LayerKind, int, LayerTime]]  # each layer kind, its count and one such layer's times
+
+
+def layer_times(problem: Problem, cfg: ParallelConfig) -> LayerTimes:
+    """Each layer kind's times under `cfg` in Megatron's rank layout; the recompute fields do not change them."""
     spans, net = groups_and_network(problem, cfg, None)
-    compute = problem.compute_model
+    compute, options = problem.compute_model, layer_options(problem, cfg)
+    return [(kind, count, layer_time(problem.model, cfg=cfg, kind=kind, spans=spans, net=net, compute=compute, **options))
+            for kind, count in problem.model.kind_counts.items()]
+
+
+def layers_work(problem: Problem, cfg: ParallelConfig, *, times: LayerTimes | None = None) -> float:
+    """Every layer's computation, recomputation and communication of one micro-batch, s. `times`: `layer_times(problem,
+    cfg)` when already known."""
     per_microbatch = 0.0
-    for kind, count in problem.model.kind_counts.items():
-        lt = layer_time(problem.model, cfg=cfg, kind=kind, spans=spans, net=net, compute=compute,
-                        **layer_options(problem, cfg))
+    for kind, count, lt in layer_times(problem, cfg) if times is None else times:
         work = lt.fwd_compute + lt.bwd_compute + lt.tp_comm + lt.cp_comm + lt.ep_comm
         if cfg.recompute == "selective":
             work += recompute_seconds(lt, problem.model, kind, cfg.recompute_modules)
@@ -388,7 +399,13 @@ def placements(problem: Problem, cfg: ParallelConfig) -> list[np.ndarray | None]
 
 def fields_but(cfg: ParallelConfig, *names: str) -> tuple:
     """`cfg`'s field values except `names`: a cheap key (dataclasses.replace is slow in this loop)."""
-    return tuple(value for name, value in vars(cfg).items() if name not in names)
+    return _getter_but(names)(cfg)
+
+
+@lru_cache(maxsize=None)
+def _getter_but(names: tuple[str, ...]) -> operator.attrgetter:
+    """A getter of every field of ParallelConfig but `names` (a handful of ParallelConfig's many), as a tuple."""
+    return operator.attrgetter(*(f.name for f in fields(ParallelConfig) if f.name not in names))
 
 
 def shared_context(problem: Problem, cfg: ParallelConfig, mapping: np.ndarray | None, placement: int,
@@ -500,14 +517,23 @@ class Kept:
         return min((item[0] for item in self.rows.values()), default=np.inf)
 
 
+RECOMPUTE_FIELDS = ("recompute", "recompute_num_layers", "recompute_modules")
+
+
 def visiting_order(problem: Problem, space: list[ParallelConfig]) -> list[tuple[float, ParallelConfig]]:
-    """The configurations by increasing lower bound (ties: their order in the space)."""
-    works: dict[tuple, float] = {}  # neither ZeRO nor the virtual stages change the layers' work
+    """The configurations by increasing lower bound (ties: their order in the space). The layers' times are priced once
+    for the configurations that differ in what a layer does not see (ZeRO but for its stream ordering, the virtual
+    stages, the recompute fields), their work once more for each recompute choice."""
+    times: dict[tuple, LayerTimes] = {}
+    works: dict[tuple, float] = {}
     pending = []
     for i, cfg in enumerate(space):
-        key = fields_but(cfg, "zero", "vpp")
+        layer_key = (fields_but(cfg, "zero", "vpp", *RECOMPUTE_FIELDS), ordered_streams(cfg))
+        key = (layer_key, cfg.recompute, cfg.recompute_num_layers, cfg.recompute_modules)
         if key not in works:
-            works[key] = layers_work(problem, cfg)
+            if layer_key not in times:
+                times[layer_key] = layer_times(problem, cfg)
+            works[key] = layers_work(problem, cfg, times=times[layer_key])
         pending.append((lower_bound(problem, cfg, work=works[key]), i, cfg))
     pending.sort(key=lambda item: item[:2])
     return [(bound, cfg) for bound, _, cfg in pending]
