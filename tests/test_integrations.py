@@ -181,6 +181,7 @@ def test_nemo_overrides_of_a_moe_plan(moe_plan):
     c = recipe.model.config
     assert (c.recompute_granularity, c.recompute_method, c.recompute_num_layers) == ("full", "uniform", 1)
     assert c.moe_token_dispatcher_type == "alltoall"  # the dispatcher the plan prices; TransformerConfig's is allgather
+    assert c.moe_grouped_gemm is True  # the experts' grouped GEMM the plan prices; TransformerConfig's default is False
     assert recipe.optim.config.use_distributed_optimizer is True  # ZeRO-1 = Megatron's distributed optimizer
     assert c.init_model_with_meta_device is False  # ZeRO-1: plain DDP needs real tensors
 
@@ -284,6 +285,23 @@ def test_missing_path_names_it_and_changes_nothing(moe_plan):
         apply_to_recipe(recipe, moe_plan)
 
 
+def test_the_recompute_modules_priced_reach_both_targets():
+    """Selective recompute of [moe_act, layernorm] (the GPT-OSS recipe's set) is what the plan prices: NeMo and Bridge
+    get the same list in TransformerConfig.recompute_modules, whose default ([core_attn]) would keep other
+    activations; a plan without selective recompute leaves the recipe's list alone."""
+    plan = api.evaluate(["model=tiny_moe", *BASE, "plan.tp=1", "plan.pp=1", "plan.ep=2", "plan.zero=1", "plan.mbs=1",
+                         "plan.recompute_modules=[moe_act,layernorm]"])
+    recipe = apply_to_recipe(nemo_recipe_stand_in(), plan)
+    assert recipe.model.config.recompute_granularity == "selective"
+    assert recipe.model.config.recompute_modules == ["moe_act", "layernorm"]
+    assert recipe.model.config.moe_grouped_gemm is True  # moe_act recomputes the grouped experts' activation
+    container = apply_to_config(bridge_container_stand_in(), plan)
+    assert container.model.recompute_modules == ["moe_act", "layernorm"]
+    untouched = apply_to_config(bridge_container_stand_in(), api.evaluate(["model=tiny_moe", *BASE, "plan.ep=2",
+                                                                          "plan.recompute=full"]))
+    assert untouched.model.recompute_modules == ["core_attn"]  # TransformerConfig's own, as built
+
+
 def test_trainer_shape_needs_whole_nodes(moe_plan):
     assert trainer_shape(moe_plan, 8) == (2, 8)
     assert trainer_shape(moe_plan, 32) == (1, 16)  # fewer devices than one node: one node, 16 of them
@@ -298,6 +316,7 @@ def test_bridge_overrides_of_a_moe_plan(moe_plan):
     m = cfg.model
     assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.expert_model_parallel_size) == (2, 2, 2)
     assert m.expert_tensor_parallel_size == 1 and m.moe_token_dispatcher_type == "alltoall"
+    assert m.moe_grouped_gemm is True
     assert m.virtual_pipeline_model_parallel_size is None and m.sequence_parallel is True
     assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == ("full", "uniform", 1)
     assert (cfg.train.micro_batch_size, cfg.train.global_batch_size) == (2, 64)

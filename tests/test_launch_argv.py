@@ -135,6 +135,27 @@ def test_planner_part_is_the_whole_parallel_tail_of_a_plan():
     assert planner_part(args) == args[args.index("--tensor-model-parallel-size"):]
 
 
+def test_a_moe_plan_runs_its_experts_as_one_grouped_gemm():
+    """The cost model prices a stage's local experts as one grouped GEMM (model/spec.py mlp_gemms: one Gemm with
+    count = the local experts); megatron-core runs that only with --moe-grouped-gemm (TEGroupedMLP), otherwise one
+    expert at a time (SequentialMLP). A MoE plan says it, once; a dense plan and the local layer spec do not; a
+    launch whose argv lacks it gets it, listed with why; the user's own stands."""
+    moe = api.evaluate([*overrides_from_argv(MIXTRAL), "cluster.num_devices=64", "plan.tp=2", "plan.ep=8"])
+    assert moe.megatron_args.count("--moe-grouped-gemm") == 1
+    dense = api.evaluate([*overrides_from_argv(LLAMA3_70B), "cluster.num_devices=64", "plan.tp=8", "plan.pp=4"])
+    assert "--moe-grouped-gemm" not in dense.megatron_args
+    local = api.evaluate(["model=tiny_moe", "model.transformer_impl=local", "cluster=dgx_h100_superpod",
+                          "cluster.num_devices=8", "train.global_batch_size=64", "plan.ep=4"])
+    assert "--moe-grouped-gemm" not in local.megatron_args and "--transformer-impl" in local.megatron_args
+    prepared = plan_for(MIXTRAL)
+    assert prepared.script_args.count("--moe-grouped-gemm") == 1
+    assert ("--moe-grouped-gemm: (unset) -> on (the plan prices each stage's experts as one grouped GEMM (Transformer "
+            "Engine's TEGroupedMLP); without it Megatron runs them one expert at a time)") in prepared.changes
+    given = plan_for([*MIXTRAL, "--moe-grouped-gemm"])
+    assert given.script_args.count("--moe-grouped-gemm") == 1
+    assert not any(line.startswith("--moe-grouped-gemm") for line in given.changes)
+
+
 def test_ckpt_format_is_the_users_unless_fsdp_decides_it():
     plan = api.evaluate([*overrides_from_argv(LLAMA3_70B), "cluster.num_devices=64", "plan.tp=8", "plan.pp=4", "plan.zero=1"])
     kept = rewrite([*LLAMA3_70B, "--ckpt-format", "torch_dist"], plan)

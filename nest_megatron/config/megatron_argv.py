@@ -161,8 +161,8 @@ PLANNER_FLAGS: dict[str, str] = {
     # selective recompute's modules (nargs='+': Megatron-LM training/argument_utils.py:146 for TransformerConfig's
     # recompute_modules list); the plan emits them when not Megatron's default [core_attn]
     "--recompute-modules": "list",
-    # what the "moe_act" recompute module needs (launch/megatron_rules.py): the plan adds it when it chooses moe_act,
-    # and the user's stays (launch/rewrite.py)
+    # the experts' grouped GEMM the cost model prices (emit/megatron.py parallel_args), which the "moe_act" recompute
+    # module also needs (launch/megatron_rules.py): a MoE plan adds it, and the user's stays (launch/rewrite.py)
     "--moe-grouped-gemm": "true",
     "--ckpt-format": "str",  # planner-owned only with Megatron-FSDP (fsdp_dtensor); see launch/rewrite.py
     "--init-model-with-meta-device": "true",  # with ZeRO-3 (emit/megatron.py ZERO_FLAGS)

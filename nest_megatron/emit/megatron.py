@@ -137,9 +137,15 @@ def model_args(model: ModelSpec, *, tp: int) -> list[str]:
         args.append("--attention-softmax-in-fp32")
     if m.swiglu and not m.bias_swiglu_fusion:
         args.append("--no-bias-swiglu-fusion")
-    if m.source != "analytic" or m.transformer_impl == "local":
+    if local_spec(m):
         args += ["--transformer-impl", "local"]
     return args
+
+
+def local_spec(m) -> bool:
+    """Whether the model runs megatron-core's local layer spec (a traced model, or model.transformer_impl=local)
+    rather than Transformer Engine's (`m`: the model's config)."""
+    return m.source != "analytic" or m.transformer_impl == "local"
 
 
 def moe_layer_freq_arg(freq) -> str:
@@ -200,6 +206,13 @@ def parallel_args(
         args += ["--expert-model-parallel-size", str(cfg.ep), "--expert-tensor-parallel-size", str(cfg.etp)]
         # The dispatcher the cost model priced (train.moe_dispatcher); Megatron's default is allgather.
         args += DISPATCHER_FLAGS[moe_dispatcher]
+        if not local_spec(model.cfg):
+            # The experts as the cost model prices them: a stage's local experts in one grouped GEMM (model/spec.py
+            # mlp_gemms), Transformer Engine's TEGroupedMLP; without the flag megatron-core runs SequentialMLP, an
+            # expert at a time (models/backends.py grouped_mlp_modules). Megatron-LM asks only sm >= 8 of it
+            # (arguments.py:1378-1380 at d98e8a6). The local spec's grouped experts are the legacy GroupedMLP of
+            # the grouped_gemm package: not emitted there.
+            args.append("--moe-grouped-gemm")
     if cfg.sp:
         args.append("--sequence-parallel")
         if tp_comm_overlap and cfg.tp > 1:  # only with sequence parallel (Megatron-LM arguments.py:1441-1442)
@@ -222,6 +235,7 @@ def parallel_args(
         args += ["--recompute-method", rc["method"], "--recompute-num-layers", str(rc["num_layers"])]
     if rc.get("modules") is not None and tuple(rc["modules"]) != DEFAULT_RECOMPUTE_MODULES:  # Megatron's default
         args += ["--recompute-modules", *rc["modules"]]
-        if "moe_act" in rc["modules"]:  # recomputes only the grouped experts' activation (transformer_config.py:1964)
+        # moe_act recomputes only the grouped experts' activation (transformer_config.py:1964)
+        if "moe_act" in rc["modules"] and "--moe-grouped-gemm" not in args:
             args.append("--moe-grouped-gemm")
     return args

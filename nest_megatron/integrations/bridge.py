@@ -4,8 +4,8 @@ Field names follow megatron-bridge 0.3.1 (PyPI), megatron/bridge/training/config
 - ConfigContainer: model, train, optimizer, ddp, checkpoint, dist;
 - model.*: the GPTModelProvider, a megatron.core TransformerConfig (tensor_/pipeline_/virtual_pipeline_/
   context_/expert_model_parallel_size, expert_tensor_parallel_size, sequence_parallel,
-  pipeline_model_parallel_layout, recompute_granularity / method / num_layers, moe_token_dispatcher_type,
-  cp_comm_type with CP), as
+  pipeline_model_parallel_layout, recompute_granularity / method / num_layers, recompute_modules with selective
+  recompute, moe_token_dispatcher_type and moe_grouped_gemm of a MoE model, cp_comm_type with CP), as
   recipes/llama/llama3.py sets them (cfg.model.tensor_model_parallel_size = 1);
 - train.micro_batch_size / global_batch_size: TrainingConfig;
 - optimizer.use_distributed_optimizer and ddp.use_distributed_optimizer: Bridge turns both on when either is
@@ -63,6 +63,7 @@ def bridge_overrides(plan: Plan) -> Overrides:
         out["model.moe_token_dispatcher_type"] = flag_value(plan, "--moe-token-dispatcher-type")  # the one priced
         if flag_value(plan, "--moe-flex-dispatcher-backend") == "deepep":
             out["model.moe_enable_deepep"] = True  # the spelling older megatron-core releases have too
+        out["model.moe_grouped_gemm"] = "--moe-grouped-gemm" in plan.megatron_args  # the experts' kernel priced
     out |= {
         "model.sequence_parallel": bool(p["sp"]),
         "model.pipeline_model_parallel_layout": uneven_layout(plan),
@@ -80,6 +81,8 @@ def bridge_overrides(plan: Plan) -> Overrides:
     }
     if plan.zero_stage >= 2:
         out["checkpoint.ckpt_format"] = "fsdp_dtensor"
+    if rc["granularity"] == "selective":  # the modules priced (megatron.core TransformerConfig.recompute_modules)
+        out["model.recompute_modules"] = list(rc["modules"])
     if precision_aware_optimizer(plan):  # megatron-core OptimizerConfig, as on the argv
         out["optimizer.use_precision_aware_optimizer"] = True
     out["model.tp_comm_overlap"] = "--tp-comm-overlap" in plan.megatron_args

@@ -6,8 +6,9 @@ Field names follow NeMo 2.7.3 (nemo_toolkit 2.7.3 on PyPI; NVIDIA/NeMo at 8cfedd
   sequence_parallel, pipeline_model_parallel_layout, use_tp_pp_dp_mapping, fsdp, save_ckpt_format, ddp);
 - trainer.strategy.ddp: a megatron.core DistributedDataParallelConfig (recipes/llama3_8b.py, trainer());
 - data.*: nemo/collections/llm/gpt/data/mock.py, MockDataModule(micro_batch_size, global_batch_size);
-- model.config.*: megatron.core TransformerConfig (recompute_granularity / method / num_layers,
-  moe_token_dispatcher_type, cp_comm_type with CP), as the recipes set them (recipes/qwen3_32b.py:
+- model.config.*: megatron.core TransformerConfig (recompute_granularity / method / num_layers, recompute_modules
+  with selective recompute, moe_token_dispatcher_type and moe_grouped_gemm of a MoE model, cp_comm_type with CP),
+  as the recipes set them (recipes/qwen3_32b.py:
   recipe.model.config.recompute_granularity = "full");
 - optim.config.use_distributed_optimizer: megatron.core OptimizerConfig (recipes/optim/adam.py);
 - model.config.init_model_with_meta_device: a megatron.core TransformerConfig field (megatron-core 0.16.1,
@@ -90,6 +91,7 @@ def nemo_overrides(plan: Plan, devices_per_node: int | None = None) -> Overrides
         if flag_value(plan, "--moe-flex-dispatcher-backend") == "deepep":
             # moe_enable_deepep: the spelling older megatron-core releases have too (newer ones map it to the backend)
             out["model.config.moe_enable_deepep"] = True
+        out["model.config.moe_grouped_gemm"] = "--moe-grouped-gemm" in plan.megatron_args  # the experts' kernel priced
     out |= {
         f"{s}.sequence_parallel": bool(p["sp"]),
         f"{s}.pipeline_model_parallel_layout": uneven_layout(plan),
@@ -101,6 +103,8 @@ def nemo_overrides(plan: Plan, devices_per_node: int | None = None) -> Overrides
         "model.config.recompute_num_layers": rc["num_layers"],
         "optim.config.use_distributed_optimizer": plan.zero_stage >= 1,
     }
+    if rc["granularity"] == "selective":  # the modules priced (megatron.core TransformerConfig.recompute_modules)
+        out["model.config.recompute_modules"] = list(rc["modules"])
     if precision_aware_optimizer(plan):  # megatron-core OptimizerConfig, as on the argv
         out["optim.config.use_precision_aware_optimizer"] = True
     if plan.zero_stage >= 2:

@@ -93,6 +93,9 @@ def flag_reasons(plan_args: list[str], user: list[str]) -> dict[str, str]:
             out[flag] = f"the plan prices the {name} dispatcher's traffic"
         if dispatcher == "flex":
             out["--moe-enable-deepep"] = "megatron-core's deprecated spelling: the plan gives --moe-flex-dispatcher-backend"
+    if planned.has("--moe-grouped-gemm"):  # the argv's own stands (launch/rewrite.py): only added, never changed
+        out["--moe-grouped-gemm"] = ("the plan prices each stage's experts as one grouped GEMM (Transformer Engine's "
+                                     "TEGroupedMLP); without it Megatron runs them one expert at a time")
     if planned.has("--cp-comm-type"):  # the argv's own is a constraint (launch/constraints.py): the plan's equals it
         out["--cp-comm-type"] = (f"the plan prices Transformer Engine's {planned.get('--cp-comm-type')[0]} exchange "
                                  "for its context parallelism")

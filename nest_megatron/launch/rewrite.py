@@ -173,7 +173,7 @@ def rewrite(argv: list[str], plan: Plan, *, model_args: list[str] = ()) -> list[
             return fsdp or s.get("--ckpt-format") == "fsdp_dtensor"
         if flag in DISPATCHER_FLAG_NAMES:  # a dense plan sets none; Megatron ignores the user's then
             return DISPATCHER in plan_args
-        if flag == GROUPED_GEMM:  # the plan adds it for moe_act recompute; a plan without it keeps the user's
+        if flag == GROUPED_GEMM:  # the plan adds it to a MoE model's argv; a plan without it keeps the user's
             return False
         return flag in PLANNER_FLAGS or flag in restated
 
