@@ -9,10 +9,15 @@ from nest_megatron import api
 from nest_megatron.errors import NestError
 from nest_megatron.plan import key_overrides
 
-MODELS = ("llama3_8b", "llama3_70b", "mixtral_8x7b")
 CLUSTERS = ("dgx_h100_superpod", "h100_spine_leaf")
 SIZES = (64, 1024)
-CASES = [(m, c, n) for m in MODELS for c in CLUSTERS for n in SIZES]
+# Every shipped model (hydra_configs/model), at both sizes but where it does not fit on 64 H100s: Llama 3.1 405B,
+# DeepSeek-V3 and Kimi K2 need 110, 183 and 273 GiB a device there even at the widest sharding (the search's memory
+# floor; test_every_shipped_model_is_round_tripped holds the list to the configs).
+TOO_BIG_FOR_64 = {"llama31_405b", "deepseek_v3", "kimi_k2"}
+MODELS = ("llama3_8b", "llama3_70b", "mixtral_8x7b", "llama2_7b", "gpt3_175b", "bert_large", "tiny_gpt", "tiny_moe",
+          "llama31_405b", "deepseek_v3", "kimi_k2", "qwen3_30b_a3b", "qwen3_235b_a22b", "gpt_oss_120b", "nemotron_h_56b")
+CASES = [(m, c, n) for m in MODELS for c in CLUSTERS for n in SIZES if not (n == 64 and m in TOO_BIG_FOR_64)]
 
 
 def overrides(model: str, cluster: str, num_devices: int) -> list[str]:
@@ -43,6 +48,15 @@ def test_evaluate_of_each_row_reproduces_it(plans, case):
         assert again.megatron_args == argv, name
         assert again.predicted["step_time_s"] == step, name  # the same cost model, the same placement: exact
         assert again.choice == keys, name
+
+
+def test_every_shipped_model_is_round_tripped():
+    from nest_megatron.config.load import CONFIG_DIR
+
+    assert set(MODELS) == {path.stem for path in (CONFIG_DIR / "model").glob("*.yaml")}
+    for model in TOO_BIG_FOR_64:
+        with pytest.raises(NestError, match=f"no configuration of {model} fits on 64 x h100_sxm"):
+            api.plan(overrides(model, "dgx_h100_superpod", 64))
 
 
 def test_every_row_has_every_plan_key(plans):
@@ -99,3 +113,21 @@ def test_launch_takes_a_pick(plans):
                        devices=Devices(num_nodes=8, per_node=8, node_rank=0, master_addr="n1"))
     assert planner_part(prepared.plan.megatron_args) == planner_part(first["megatron_args"])
     assert prepared.plan.predicted["step_time_s"] == first["step_time_s"]
+
+
+def test_sbatch_takes_a_pick(plans, capsys):
+    """`sbatch plan.pick=1` writes the job of the first fitting runner-up: the plan in its comments is the row's, and
+    every node's launch line asks for the same pick (and the row's plan digest, which --expect-plan checks)."""
+    from nest_megatron import cli
+
+    case = ("llama3_70b", "dgx_h100_superpod", 64)
+    first = next(r for r in planned(plans, case).runners_up if r["fits"])
+    picked = api.plan(overrides(*case) + ["plan.pick=1"])  # the same row (test_pick_takes_the_kth_fitting_runner_up)
+    assert cli.main(["sbatch", "--nodes", "8", "model=llama3_70b", "cluster=dgx_h100_superpod", "plan.pick=1", "--",
+                     "pretrain_gpt.py", "--data-path", "/data/corpus_text_document"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    keys = first["plan"]
+    assert any(line.startswith(f"# plan when written: tp={keys['tp']} pp={keys['pp']} dp={keys['dp']} cp={keys['cp']} ")
+               for line in lines), lines
+    assert f"# plan digest {picked.digest} (every node must plan the same: --expect-plan)" in lines
+    assert f"--expect-plan {picked.digest} " in lines[-1] and " plan.pick=1 " in lines[-1]

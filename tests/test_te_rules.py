@@ -526,14 +526,17 @@ def test_the_planner_exchanges_a_learnable_softmax_by_a2a():
 @pytest.mark.slow
 def test_the_issues_example_plans_a_working_exchange_or_no_cp():
     """`nest-megatron plan model=llama3_8b model.window_size=4096 model.window_attn_skip_freq=4
-    cluster=dgx_h100_superpod cluster.num_devices=64`: its answer runs (a runner-up used CP 2 with p2p)."""
+    cluster=dgx_h100_superpod cluster.num_devices=64`: its answer and every runner-up runs (a runner-up used CP 2
+    with p2p); those with CP exchange K/V by a2a or all_gather, and some runner-up has CP."""
     plan = api.plan(EXAMPLE)
-    argv = plan.megatron_args
-    if plan.parallel["cp"] > 1:
-        assert argv[argv.index("--cp-comm-type") + 1] in ("a2a", "all_gather")
-    else:
-        assert "--cp-comm-type" not in argv
-    assert violations(argv, world_size=plan.world_size) == []
+    rows = [(plan.parallel["cp"], plan.megatron_args)] + [(r["cp"], r["megatron_args"]) for r in plan.runners_up]
+    for cp, argv in rows:
+        if cp > 1:
+            assert argv[argv.index("--cp-comm-type") + 1] in ("a2a", "all_gather")
+        else:
+            assert "--cp-comm-type" not in argv
+        assert violations(argv, world_size=plan.world_size) == []
+    assert any(cp > 1 for cp, _ in rows)
 
 
 def test_the_users_exchange_is_a_constraint():

@@ -533,6 +533,18 @@ def rules_doc() -> str:
         "",
     ] + _table([r for r in RULES if is_te(r)])
     lines += [f"### Launch line ({argv_where.split(':')[0]})", ""] + _table([r for r in ARGV_RULES if is_te(r)])
+    lines += [
+        "### Read, and no rule needed",
+        "",
+        "- The experts' grouped GEMM (`--moe-grouped-gemm`, which every MoE plan emits): Transformer Engine's",
+        "  `GroupedLinear` refuses a bias with TP > 1 (`TE transformer_engine/pytorch/module/grouped_linear.py:655-659`)",
+        "  and current scaling with TP > 1 (`:882-885`), but megatron-core never hands it a TP group: with expert TP or",
+        "  EP it communicates itself and passes tp_size 1 (`megatron/core/extensions/transformer_engine.py:2459-2474`).",
+        "  Its asserts on delayed scaling with the original input kept are rule `offload-expert-fc1-delayed`.",
+        "- MoE permutation fusion (`--moe-permute-fusion`): megatron-core asks only that Transformer Engine has the",
+        "  fused kernels (`megatron/core/transformer/transformer_config.py:2984-2995`, TE >= 2.1); no shape or layout.",
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -61,8 +61,9 @@ def render(plan: Plan, console: Console, *, megatron_args: list[str] | None = No
     head.add_row("layers per stage", " ".join(map(str, plan.layers_per_stage)))
     if plan.vocabulary:
         v = plan.vocabulary
-        head.add_row("vocabulary", f"{v['entries']:,} tokenizer entries in {v['padded_rows']:,} embedding rows "
-                                   "(--padded-vocab-size)")
+        # the flag that fixes the rows when the plan's argv has it; a launch's argv may leave Megatron to pad them
+        flag = " (--padded-vocab-size)" if "--padded-vocab-size" in plan.megatron_args else ""
+        head.add_row("vocabulary", f"{v['entries']:,} tokenizer entries in {v['padded_rows']:,} embedding rows{flag}")
     node_order = "torchrun's" if plan.rank_to_device == sorted(plan.rank_to_device) else "permuted (see rank_to_device)"
     head.add_row("placement", f"{plan.rank_order}, node order {node_order}   groups cross: "
                  + ", ".join(f"{k}={v}" for k, v in plan.group_levels.items() if v))
