@@ -2,6 +2,7 @@
 statistics; with --baseline REF, also the code of git revision REF on the same cell, side by side.
 
 Usage: python scripts/time_plan.py [--baseline REF] [--timeout S] [--repeat N] [overrides...]
+       python scripts/time_plan.py --grid [--timeout S]   (the 2025 models' cells below, then a markdown table)
 
 Each side runs in a fresh process: one untimed run of a tiny cell fills Numba's cache, then the cell
 is timed in another process from `api.plan` to its plan (or its "does not fit" error), so the time
@@ -23,6 +24,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ["model=llama3_70b", "cluster=h100_spine_leaf", "cluster.num_devices=1024", "train.global_batch_size=4096"]
+# --grid: each 2025-era shipped model on 256 and 2,048 H100 of a DGX SuperPOD and on 72 and 1,152 GB200 of NVL72 racks
+GRID_MODELS = ["llama31_405b", "qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3", "kimi_k2", "gpt_oss_120b",
+               "nemotron_h_56b"]
+GRID_CELLS = [("dgx_h100_superpod", 256), ("dgx_h100_superpod", 2048), ("gb200_nvl72", 72), ("gb200_nvl72", 1152)]
 WARM = ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64"]
 
 # Run inside the timed process, against whichever tree PYTHONPATH points at.
@@ -86,16 +91,47 @@ def main() -> None:
     parser.add_argument("--baseline", help="git revision to time on the same cell, e.g. HEAD~5")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before a side is stopped")
     parser.add_argument("--repeat", type=int, default=1, help="timed runs per side (each is printed)")
+    parser.add_argument("--grid", action="store_true", help="time the 2025 models' cells (GRID_MODELS x GRID_CELLS)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    print(f"machine: {cpu_name()}, {os.cpu_count()} cores, python {platform.python_version()}")
+    if args.grid:
+        grid(args.timeout)
+        return
     overrides = args.overrides or DEFAULT
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"python {platform.python_version()}")
     print(f"overrides: {' '.join(overrides)}")
     sides = [("this tree", ROOT)] + ([(args.baseline, worktree(args.baseline))] if args.baseline else [])
     for name, tree in sides:
         for _ in range(args.repeat):
             print(f"{name}: {describe(run_side(tree, overrides, args.timeout), args.timeout)}", flush=True)
+
+
+def cpu_name() -> str:
+    """The processor's model name (Linux's /proc/cpuinfo), else what platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({platform.machine()})"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def grid(timeout: float) -> None:
+    """Each cell of the grid as a line, then the wall times as a markdown table (a model that does not fit: the
+    time to say so)."""
+    walls = {}
+    for model in GRID_MODELS:
+        for cluster, devices in GRID_CELLS:
+            cell = [f"model={model}", f"cluster={cluster}", f"cluster.num_devices={devices}", "train.global_batch_size=4096"]
+            result = run_side(ROOT, cell, timeout)
+            print(f"{model} {cluster} {devices}: {describe(result, timeout)}", flush=True)
+            walls[model, cluster, devices] = (f"over {timeout:g} s" if result["wall"] is None
+                                              else f"{result['wall']:.1f} s" + (" (does not fit)" if "error" in result else ""))
+    print("\n| model | " + " | ".join(f"{c} x {n:,}" for c, n in GRID_CELLS) + " |")
+    print("|---|" + "---|" * len(GRID_CELLS))
+    for model in GRID_MODELS:
+        print(f"| {model} | " + " | ".join(walls[model, c, n] for c, n in GRID_CELLS) + " |")
 
 
 if __name__ == "__main__":
