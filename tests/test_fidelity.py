@@ -67,8 +67,12 @@ def test_rows_carry_the_recipe_settings():
     assert "train.grad_reduce_in_bf16=true" in later.overrides
     # MLA is expressible now; AutoModel's FSDP2 inside pipeline stages is not Megatron's (no pipeline in its mesh)
     assert row_of(ENTRIES["automodel-DeepSeek_V3_671B-256gpu-bf16"]).not_expressible.startswith("FSDP2 sharding")
-    # Nemotron-3 Nano: a hybrid the bench does not map (its FSDP2 memory); Super: latent MoE, no kind of the model
-    assert row_of(ENTRIES["automodel-Nemotron_V3_Nano_30B-8gpu-bf16"]).not_expressible.startswith("hybrid stack not mapped")
+    # Nemotron-3 Nano: the hybrid of its note and its recipe (ep 8 by the row, full recompute, the bf16 model's state)
+    nano = row_of(ENTRIES["automodel-Nemotron_V3_Nano_30B-8gpu-bf16"])
+    assert nano.not_expressible is None and nano.optimizer == "automodel"
+    assert "model.hybrid_layer_pattern=MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME" in nano.overrides
+    assert {"plan.ep=8", "plan.recompute=full", "plan.zero=3", "model.mamba_num_groups=8"} <= set(nano.overrides)
+    # Super: latent MoE, no kind of the model
     assert row_of(ENTRIES["automodel-Nemotron_V3_Super_120B-64gpu-bf16"]).not_expressible.startswith("latent MoE")
 
 
@@ -91,8 +95,8 @@ def test_no_published_layout_is_refused_as_out_of_memory(tmp_path):
     (table,) = tmp_path.glob("published_*.md")
     text = table.read_text()
     assert "- published layouts refused as out of memory: 0" in text
-    # 76 rows, 6 not expressible (3 Mamba hybrids, 3 AutoModel FSDP2-with-pipeline runs), every other one priced
-    assert "| all | 70 |" in text
+    # 76 rows, 5 not expressible (2 latent-MoE hybrids, 3 AutoModel FSDP2-with-pipeline runs), every other one priced
+    assert "| all | 71 |" in text
     assert len(list(tmp_path.glob("published_*.png"))) == 1
 
 
@@ -115,7 +119,8 @@ def test_nemo_rows_keep_apex_optimizer_state_and_the_340b_its_bf16_state():
     # distributed_fused_adam in every launcher conf; nemotron_340b.yaml at 24.07 also optim.dtype: bf16
     assert row_of(ENTRIES["launcher-24.01-LLAMA2-7B-fp8"]).optimizer == "apex_remainders"
     assert row_of(ENTRIES["nemo-24.07-Nemotron-340B-128gpu-fp8"]).optimizer == "apex_bf16"
-    assert row_of(ENTRIES["automodel-Llama3_70B-64gpu-bf16"]).optimizer == "megatron"  # torch.optim.Adam, fp32
+    # torch.optim.Adam on AutoModel's bf16 model: bf16 moments, no master (published.py OPTIMIZERS)
+    assert row_of(ENTRIES["automodel-Llama3_70B-64gpu-bf16"]).optimizer == "automodel"
     # the long-sequence rows ran NeMo 24.03.01, whose LLAMA2 recipes reduce gradients in bf16
     assert "train.grad_reduce_in_bf16=true" in row_of(ENTRIES["nemo-longseq-24.03-LLAMA2-7B-4k-fp8"]).overrides
 

@@ -60,6 +60,18 @@ ROW_SETTINGS = {
     "automodel-Qwen3_MoE_30B-8gpu-bf16": {"recompute": "full", "cross_entropy_fusion": True},
     "automodel-GPT-OSS_20B-8gpu-bf16": {"ep": 8, "recompute": "full", "cross_entropy_fusion": True},
     "automodel-GPT-OSS_120B-64gpu-bf16": {"ep": 64, "cross_entropy_fusion": True},
+    # Nemotron-3 Nano 30B-A3B: the row's note gives the pattern, the Mamba and attention widths, as Megatron-Bridge's
+    # Nemotron3NanoProvider (megatron-bridge 0.3.1 models/nemotronh/nemotron_h_provider.py:153-173) does, with 8 Mamba
+    # groups (its NemotronHModelProvider's, :35, and n_groups=8 in AutoModel's tests/unit_tests/utils/test_flops_utils.py
+    # _nemotronh_nano_v3_cfg at 36044ad), no position embedding and RMSNorm (the hybrid defaults the shipped
+    # nemotron_h_56b.yaml cites). examples/llm_benchmark/nemotron/nemotron_nano_v3_te_deepep.yaml at 36044ad: ep_size 8,
+    # activation_checkpointing: true (full recompute), MaskedCrossEntropy fp32_upcast false.
+    "automodel-Nemotron_V3_Nano_30B-8gpu-bf16": {
+        "recompute": "full", "cross_entropy_fusion": True,
+        "model": ["model.hybrid_layer_pattern=MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+                  "model.mamba_num_heads=64", "model.mamba_head_dim=64", "model.mamba_state_dim=128",
+                  "model.mamba_num_groups=8", "model.kv_channels=128", "model.position_embedding_type=none",
+                  "model.normalization=RMSNorm"]},
     # The BF16 table of commit cb3482d0 gives only 16 GPUs and GBS 32; the row's TP1 PP4 MBS2 is the
     # FP8 row's of the later table (0d09460d). The run's recipe, examples/training/nemotron/h100/
     # nemotron_22b_bf16.sh at cb3482d0, sets num_nodes=2, micro_batch_size=1 and keeps the conf's
@@ -147,8 +159,14 @@ ROW_SETTINGS["mb-25.09-DeepSeekV3-fp8blockwise"] = {**ROW_SETTINGS["mb-25.09-Dee
 FP8_RECIPE_OF = (("blockwise", "blockwise"), ("current scaling", "tensorwise"))  # the row's fp8_recipe note -> key
 # The optimizer's state, as the dtypes of its master weight and moments (model/spec.py OptimizerDtypes; None:
 # Megatron's fp32 ones, 12 B a parameter):
-# - megatron: Megatron's distributed optimizer. The AutoModel rows' torch.optim.Adam keeps the same (fp32
-#   parameters and moments under FSDP2: 4 + 4 + 4).
+# - megatron: Megatron's distributed optimizer.
+# - automodel: the AutoModel rows' torch.optim.Adam (examples/llm_benchmark/*.yaml) on the bf16 parameters FSDP2 shards:
+#   the models are built in bf16 (NeMoAutoModelForCausalLM.from_config's torch_dtype "auto" is bfloat16,
+#   nemo_automodel/_transformers/auto_model.py:846 at 36044ad, components/_transformers/auto_model.py:360 at
+#   89e3a9fdd; the custom MoE models take config.torch_dtype, bf16, components/models/qwen3_moe/model.py:231,271 at
+#   89e3a9fdd), no config sets model.torch_dtype float32, and Adam keeps its moments in the parameters' dtype: no
+#   master, bf16 moments (0 + 2 + 2; the bf16 storage that components/distributed/config.py:247-251 warns of).
+#   FSDP2 reduces the gradients in fp32 (its MixedPrecisionPolicy reduce_dtype, config.py:306-313): priced so.
 # - apex_remainders: NeMo 1.x's distributed_fused_adam (Apex DistributedFusedAdam) under bf16 O2 training
 #   with the default optim.dtype fp32: store_params=False, store_param_remainders=True, the fp32 master
 #   weight rebuilt from the bf16 weight and its 16 low bits (2 + 4 + 4; NeMo v1.23.0
@@ -157,8 +175,8 @@ FP8_RECIPE_OF = (("blockwise", "blockwise"), ("current scaling", "tensorwise")) 
 #   moments and no master copy (0 + 2 + 2), as launcher conf nemotron/nemotron_340b.yaml:158-162 at 24.07.
 # Every launcher conf of these rows sets optim.name distributed_fused_adam (the long-sequence rows: NeMo's
 # default); nemotron_340b.yaml (24.07) also sets optim.dtype bf16.
-OPTIMIZERS = {"megatron": None, "apex_remainders": OptimizerDtypes(),
-              "apex_bf16": OptimizerDtypes(main_params="none", exp_avg="bf16", exp_avg_sq="bf16")}
+BF16_STATE = OptimizerDtypes(main_params="none", exp_avg="bf16", exp_avg_sq="bf16")
+OPTIMIZERS = {"megatron": None, "apex_remainders": OptimizerDtypes(), "apex_bf16": BF16_STATE, "automodel": BF16_STATE}
 NEMO_OPTIMIZER = "apex_remainders"
 OPTIMIZER_BY_MODEL = {"Nemotron-340B": "apex_bf16"}
 # The AutoModel MoE rows dispatch with DeepEP ("TE + DeepEP" in the table; enable_deepep: true in the
@@ -284,10 +302,8 @@ def _not_expressible(entry: dict) -> str | None:
     arch = entry["model_shape"]["arch"]
     if "latent-MoE" in arch:
         return "latent MoE (experts in a smaller latent width) is not modelled"
-    if "Mamba" in arch or "hybrid" in arch:
-        # Mapped by hand (pattern, Mamba sizes, kv_channels from the note), Nemotron-3 Nano's FSDP2 layout needs 87.7 GiB
-        # a GPU at full recompute in this memory model, where AutoModel's run fit in 80 GB: not priced until it does
-        return "hybrid stack not mapped from the row's note (its AutoModel FSDP2 memory is not Megatron's)"
+    if ("Mamba" in arch or "hybrid" in arch) and "model" not in ROW_SETTINGS.get(entry["id"], {}):
+        return "hybrid stack: the row's note gives no pattern and Mamba sizes to map"
     if not entry["model_shape"].get("layers"):
         return "model shape not published"
     if source_of(entry) == "automodel" and entry["fsdp"] and entry["pp"] > 1:
@@ -413,9 +429,12 @@ def row_of(entry: dict) -> Row:
         train.append(f"train.fp8_recipe={fp8_recipe}")
     overrides = ["model=llama2_7b", "cluster=dgx_h100_superpod", f"cluster.num_devices={entry['num_gpus']}",
                  *_model_overrides(entry), *settings.get("model", []), *train, *plan]
-    optimizer = OPTIMIZER_BY_MODEL.get(entry["model"], NEMO_OPTIMIZER) if is_nemo_era(entry) else "megatron"
+    optimizer = (OPTIMIZER_BY_MODEL.get(entry["model"], NEMO_OPTIMIZER) if is_nemo_era(entry)
+                 else "automodel" if source_of(entry) == "automodel" else "megatron")
     if optimizer == "apex_bf16":
         assumed.append("optimizer state in bf16 (the recipe's optim.dtype)")
+    elif optimizer == "automodel":
+        assumed.append("bf16 parameters and Adam moments, no master copy (AutoModel's bf16 model)")
     dispatcher, router = AUTOMODEL_MOE_DISPATCH if moe and source_of(entry) == "automodel" else ("alltoall", "learned")
     if "moe_dispatcher" in settings:
         dispatcher = settings["moe_dispatcher"]

@@ -107,6 +107,13 @@ class OptimizerDtypes:
     exp_avg: str = "fp32"
     exp_avg_sq: str = "fp32"
 
+    @property
+    def megatron(self) -> bool:
+        """Whether Megatron's precision-aware optimizer keeps this state: it always has a master weight of its own.
+        None (the bf16 weight is the master) is another framework's optimizer that no Megatron flag selects, which
+        the fidelity bench prices (NeMo 1.x's Apex DistributedFusedAdam, PyTorch's Adam on bf16 parameters)."""
+        return self.main_params != "none"
+
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: per-layer costs are cached per model
 class ModelSpec:

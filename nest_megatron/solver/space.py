@@ -114,7 +114,8 @@ def train_rule_line(problem: Problem, cfg: ParallelConfig) -> str | None:
     """The train.* choice the configuration does not launch with, as one line; None when it launches."""
     if problem.tp_comm_overlap and cfg.tp > 1 and not cfg.sp:
         return TP_COMM_OVERLAP_LINE.format(tp=cfg.tp)
-    if problem.model.numerics.optimizer_dtypes is not None and cfg.zero != 1:
+    dtypes = problem.model.numerics.optimizer_dtypes
+    if dtypes is not None and dtypes.megatron and cfg.zero != 1:
         return PRECISION_AWARE_LINE.format(zero=cfg.zero)
     if problem.moe_dispatcher == "deepep" and problem.model.is_moe and cfg.etp * cfg.ep == 1:
         return DEEPEP_LINE
