@@ -195,6 +195,23 @@ def test_optimizer_state_bytes_of_each_implementation():
     assert apex.breakdown["optimizer"] == close(14 * params / 2 / 2.4e12)
 
 
+def test_each_pipeline_schedule_of_a_step_fills_and_drains_the_pipeline():
+    """Problem.pipeline_runs (the fidelity bench's AutoModel rows: gradient accumulation as separate pipeline
+    schedules): each schedule adds the bubble, (pp - 1) / vpp of the slowest stage's time per micro-batch; the
+    micro-batches themselves are the same. At pp 2, vpp 1, 3 schedules: 2 bubbles more, 2 x 1 x the slowest stage."""
+    m = model(num_layers=4, untie_embeddings_and_output_weights=True, position_embedding_type="rope")
+    problem = Problem(model=m, accelerator=accelerator(), topology=Topology("t", (Level("node", 2, 100e9, 1e-6),)),
+                      global_batch_size=8)
+    cfg = ParallelConfig(pp=2, dp=1, zero=1)
+    one = estimate(problem, cfg)
+    three = estimate(dataclasses.replace(problem, pipeline_runs=3), cfg)
+    slowest = max(one.stage_times)
+    assert three.step_time - one.step_time == close(2 * 1 * slowest)
+    assert three.breakdown["pipeline_bubble"] == close(3 * one.breakdown["pipeline_bubble"])
+    assert one.breakdown["pipeline_bubble"] == close((2 - 1) / 1 * slowest)
+    assert three.breakdown["compute"] == one.breakdown["compute"]  # 8 micro-batches either way
+
+
 def test_cross_entropy_bytes_and_logits_kept():
     assert CROSS_ENTROPY_BYTES_PER_LOGIT == 38 + 14  # forward 6 + 4 + 8 + 8 + 4 + 8, backward 4 + 4 + 4 + 2
     m = model()  # vocab 1000 padded to 1024 at tp 1; 32 tokens

@@ -101,7 +101,13 @@ class Context:
     @property
     def pipeline_factor(self) -> float:
         """Step time = pipeline_factor x slowest stage + the slowest after-pipeline part."""
-        return self.num_microbatches + (self.cfg.pp - 1) / self.cfg.vpp
+        return pipeline_factor(self.problem, self.cfg, self.num_microbatches)
+
+
+def pipeline_factor(problem: Problem, cfg: ParallelConfig, num_microbatches: int) -> float:
+    """The slowest stage's times per micro-batch in a step: every micro-batch, and each pipeline schedule's fill and
+    drain, (pp - 1) / vpp of them (the interleaved schedule's bubble; 1F1B's at vpp 1)."""
+    return num_microbatches + problem.pipeline_runs * (cfg.pp - 1) / cfg.vpp
 
 
 def groups_and_network(problem: Problem, cfg: ParallelConfig, rank_to_device: np.ndarray | None) -> tuple[Spans, Network]:
@@ -163,7 +169,7 @@ def estimate_in(ctx: Context, split: tuple[int, ...]) -> Estimate:
 
     m = ctx.num_microbatches
     breakdown = {k: float(m * v) for k, v in parts_per_stage[slowest].items()}
-    breakdown["pipeline_bubble"] = (cfg.pp - 1) / cfg.vpp * stage_times[slowest]
+    breakdown["pipeline_bubble"] = (ctx.pipeline_factor - m) * stage_times[slowest]
     breakdown.update({k: float(v) for k, v in finish[last].items()})
 
     memory = _memory_in(ctx, sums)

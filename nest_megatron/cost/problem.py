@@ -27,6 +27,10 @@ class Problem:
     moe_router: str = "learned"
     moe_permute_fusion: bool = False  # --moe-permute-fusion: Transformer Engine's fused (un)permutation
     cuda_graphs: bool = False  # train.cuda_graphs: each layer's pass one graph replay for the host (cost/host.py)
+    # The pipeline schedules a step runs, each filling and draining the pipeline over its share of the micro-batches:
+    # 1 in Megatron (one schedule over all of them); more where a framework accumulates gradients over several
+    # schedules (PyTorch pipelining under NeMo AutoModel, which only the fidelity bench prices).
+    pipeline_runs: int = 1
     compute: ComputeModel | None = None  # None: the accelerator's roofline; a profile's fitted model otherwise
 
     @property

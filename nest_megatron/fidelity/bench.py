@@ -57,7 +57,7 @@ def evaluate_row(row: Row, *, accelerator: dict | None = None) -> RowResult:
         numerics = dataclasses.replace(model.numerics, optimizer_dtypes=OPTIMIZERS[row.optimizer])
         problem = dataclasses.replace(loaded.problem, model=dataclasses.replace(model, numerics=numerics),
                                       moe_dispatcher=row.moe_dispatcher, moe_router=row.moe_router,
-                                      moe_permute_fusion=row.moe_permute_fusion)
+                                      moe_permute_fusion=row.moe_permute_fusion, pipeline_runs=row.pipeline_runs)
         if accelerator:
             problem = dataclasses.replace(problem, accelerator=dataclasses.replace(problem.accelerator, **accelerator))
         cfg = evaluate_config(problem, loaded.config.plan, default_mbs=loaded.config.train.micro_batch_size)

@@ -60,6 +60,12 @@ ROW_SETTINGS = {
     "automodel-Qwen3_MoE_30B-8gpu-bf16": {"recompute": "full", "cross_entropy_fusion": True},
     "automodel-GPT-OSS_20B-8gpu-bf16": {"ep": 8, "recompute": "full", "cross_entropy_fusion": True},
     "automodel-GPT-OSS_120B-64gpu-bf16": {"ep": 64, "cross_entropy_fusion": True},
+    # DeepSeek-V3 and Kimi K2 under AutoModel's pipeline: examples/llm_benchmark/deepseek/deepseek_v3_te_deepep*.yaml and
+    # kimi/kimi_k2_te_deepep.yaml at 36044ad train with MaskedCrossEntropy, fp32_upcast false (their layouts and
+    # gradient accumulation: FSDP2_IN_PIPELINE below).
+    "automodel-DeepSeek_V3_671B-256gpu-bf16": {"cross_entropy_fusion": True},
+    "automodel-DeepSeek_V3_671B-1024gpu-bf16": {"cross_entropy_fusion": True},
+    "automodel-Kimi_K2-256gpu-bf16": {"cross_entropy_fusion": True},
     # Nemotron-3 Nano 30B-A3B: the row's note gives the pattern, the Mamba and attention widths, as Megatron-Bridge's
     # Nemotron3NanoProvider (megatron-bridge 0.3.1 models/nemotronh/nemotron_h_provider.py:153-173) does, with 8 Mamba
     # groups (its NemotronHModelProvider's, :35, and n_groups=8 in AutoModel's tests/unit_tests/utils/test_flops_utils.py
@@ -211,6 +217,7 @@ class Row:
     moe_dispatcher: str = "alltoall"  # cost/problem.py Problem.moe_dispatcher
     moe_router: str = "learned"  # cost/problem.py Problem.moe_router
     moe_permute_fusion: bool = False  # cost/problem.py Problem.moe_permute_fusion
+    pipeline_runs: int = 1  # cost/problem.py Problem.pipeline_runs
 
 
 def load_entries(path: Path = CALIBRATION_PATH) -> list[dict]:
@@ -306,10 +313,6 @@ def _not_expressible(entry: dict) -> str | None:
         return "hybrid stack: the row's note gives no pattern and Mamba sizes to map"
     if not entry["model_shape"].get("layers"):
         return "model shape not published"
-    if source_of(entry) == "automodel" and entry["fsdp"] and entry["pp"] > 1:
-        # AutoModel's torch pipeline stages, each sharded by FSDP2; Megatron-FSDP's mesh has no pipeline dimension
-        # (the rule that refuses plan.zero=3 with plan.pp > 1), and ZeRO-1 would price other traffic and memory
-        return "FSDP2 sharding inside each of AutoModel's pipeline stages (Megatron-FSDP takes no pipeline)"
     return None
 
 
@@ -394,7 +397,8 @@ def row_of(entry: dict) -> Row:
     if entry["mbs"] is None:
         assumed.append("mbs=1 (not stated)")
     fsdp = bool(entry["fsdp"])
-    zero = settings.get("zero", 3 if fsdp else 1)  # every Megatron row uses a distributed optimizer
+    in_pipeline = fsdp and entry["pp"] > 1  # FSDP2 inside AutoModel's pipeline stages: FSDP2_IN_PIPELINE
+    zero = settings.get("zero", 1 if in_pipeline else 3 if fsdp else 1)  # every Megatron row: a distributed optimizer
     if "zero" in settings:
         assumed.append(f"zero={zero} (the recipe's)")
     elif not fsdp and not str(entry["distributed_optimizer"]).lower().startswith("true"):
@@ -417,6 +421,13 @@ def row_of(entry: dict) -> Row:
     if "recompute_modules" in settings:
         plan.append(f"plan.recompute_modules=[{','.join(settings['recompute_modules'])}]")
     plan += settings.get("plan", [])
+    runs = 1
+    if in_pipeline:
+        chunks = automodel_stage_layers(entry["model_shape"]["layers"], entry["pp"] * (vp or 1))
+        runs = entry["gbs"] // (entry["local_batch_size"] * entry["dp"])
+        plan.append(f"plan.layers_per_stage=[{','.join(map(str, chunks))}]")
+        assumed.append(f"zero=1, {runs} pipeline schedule(s) a step, AutoModel's split {_runs_of(chunks)} "
+                       "(FSDP2 inside pipeline stages)")
     fp8_recipe = next((key for words, key in FP8_RECIPE_OF if words in str(entry.get("fp8_recipe"))), None)
     tp_overlap = bool(opt.get("tp_comm_overlap_userbuffers")) or opt.get("tp_comm_overlap") is True
     train = [f"train.global_batch_size={entry['gbs']}", f"train.precision={entry['precision_class'].lower()}",
@@ -445,7 +456,37 @@ def row_of(entry: dict) -> Row:
                        + ", fused permutation (the recipe's)")
     return Row(**common, measured_step_s=measured_step_time(entry), overrides=overrides, assumed=tuple(assumed),
                recompute_stated=stated, optimizer=optimizer, moe_dispatcher=dispatcher, moe_router=router,
-               moe_permute_fusion=dispatcher == "deepep" or (bridge and moe))
+               moe_permute_fusion=dispatcher == "deepep" or (bridge and moe), pipeline_runs=runs)
+
+
+# FSDP2 inside AutoModel's pipeline stages (the DeepSeek-V3 and Kimi K2 rows). PyTorch's pipelining runs every
+# backward of an FSDP2 stage but a step's last without resharding or reducing gradients (torch 2.13
+# distributed/pipelining/stage.py:845-847, the reduction once after the last micro-batch, :1175-1177; AutoModel patches
+# it to the last backward before the optimizer step, components/moe/fsdp_mixin.py:130-138 at 36044ad), and AutoModel's
+# MoE parallelizer keeps a layer's weights gathered after its forward (reshard_after_forward False,
+# components/moe/parallelizer.py:646, the configs' moe.reshard_after_forward: false). So a stage gathers its weights
+# once a step, keeps them and its gradients whole, and reduce-scatters the gradients once: the traffic and memory of
+# Megatron's distributed optimizer (ZeRO 1), with AutoModel's bf16 state (OPTIMIZERS). The benchmark runs its
+# gradient accumulation as separate pipeline schedules (recipes/llm/benchmark.py:349-370: one schedule.step per
+# local batch, ga_steps = global batch / (local batch x DP), :311), each filling and draining the pipeline.
+def automodel_stage_layers(num_layers: int, stages: int) -> list[int]:
+    """AutoModel's layers per pipeline stage (components/distributed/pipelining/functional.py:98-178
+    generate_hf_model_fqn_per_model_part at 36044ad): num_layers // stages each, one more on the first
+    num_layers % stages; the embedding on the first, the norm and output layer on the last. Stage s sits on rank
+    s % pp (the interleaved schedule's loop order), which is Megatron's model-chunk order."""
+    base, extra = divmod(num_layers, stages)
+    return [base + (s < extra) for s in range(stages)]
+
+
+def _runs_of(chunks: list[int]) -> str:
+    """A split written by its runs: [2, 2, 2, 1] -> '3 x 2 + 1 x 1'."""
+    runs: list[list[int]] = []
+    for n in chunks:
+        if runs and runs[-1][1] == n:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, n])
+    return " + ".join(f"{count} x {n}" for count, n in runs)
 
 
 def implied_gflops_per_token(entry: dict) -> float | None:

@@ -40,6 +40,7 @@ from nest_megatron.cost.evaluate import (
     fits_in,
     groups_and_network,
     layer_options,
+    pipeline_factor,
     pipeline_p2p,
     stage_body,
 )
@@ -318,8 +319,7 @@ def lower_bound(problem: Problem, cfg: ParallelConfig, *, work: float | None = N
     stage is at least its layers' computation, recomputation and communication. `work`: `layers_work(problem,
     cfg)`, which the virtual stages do not change, when already known."""
     per_microbatch = layers_work(problem, cfg) if work is None else work
-    factor = num_microbatches(cfg, problem.global_batch_size) + (cfg.pp - 1) / cfg.vpp
-    return factor * per_microbatch / cfg.pp
+    return pipeline_factor(problem, cfg, num_microbatches(cfg, problem.global_batch_size)) * per_microbatch / cfg.pp
 
 
 LayerTimes = list[tuple[LayerKind, int, LayerTime]]  # each layer kind, its count and one such layer's times
