@@ -40,7 +40,7 @@ def pytest_sessionfinish(session, exitstatus):
     folder = session.config.stash.get(_OWN_FOLDER, None)
     if folder is None:
         return
-    if exitstatus == 0:
+    if exitstatus == 0 or not os.listdir(folder):  # green, or nothing to read
         shutil.rmtree(folder, ignore_errors=True)
     else:
         print(f"\nthe run's temporary files are kept in {folder}")
