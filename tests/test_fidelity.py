@@ -67,9 +67,32 @@ def test_rows_carry_the_recipe_settings():
     assert "train.grad_reduce_in_bf16=true" in later.overrides
     # MLA is expressible now; AutoModel's FSDP2 inside pipeline stages is not Megatron's (no pipeline in its mesh)
     assert row_of(ENTRIES["automodel-DeepSeek_V3_671B-256gpu-bf16"]).not_expressible.startswith("FSDP2 sharding")
-    # Nemotron-3 Nano: a hybrid the bench does not map (its FSDP2 memory); Super: latent MoE, no kind of the model
+    # Nemotron-3 Nano: a hybrid the bench does not map (its FSDP2 memory); Super is the shipped nemotron3_super
     assert row_of(ENTRIES["automodel-Nemotron_V3_Nano_30B-8gpu-bf16"]).not_expressible.startswith("hybrid stack not mapped")
-    assert row_of(ENTRIES["automodel-Nemotron_V3_Super_120B-64gpu-bf16"]).not_expressible.startswith("latent MoE")
+
+
+def test_nemotron3_super_row_is_the_shipped_model_at_its_automodel_config():
+    """The table gives no shape: the row is hydra_configs/model/nemotron3_super.yaml (AutoModel's FLOP-test config) at
+    the row's 4,096 tokens, with its config's settings (nemotron_super_v3_te_deepep.yaml at 36044ad3): EP 64 under FSDP2
+    of 64 (ZeRO 3), activation_checkpointing (full recompute), fp32_upcast false (the fused loss), HybridEP behind the
+    fake balanced gate (priced as DeepEP). Measured: 512 x 4,096 tokens at 4,497 tokens/s on each of 64 GPUs."""
+    entry = ENTRIES["automodel-Nemotron_V3_Super_120B-64gpu-bf16"]
+    row = row_of(entry)
+    assert row.not_expressible is None and row.moe
+    assert row.overrides[:4] == ["model=nemotron3_super", "cluster=dgx_h100_superpod", "cluster.num_devices=64",
+                                 "model.seq_length=4096"]
+    for key in ("plan.ep=64", "plan.dp=64", "plan.tp=1", "plan.pp=1", "plan.mbs=2", "plan.zero=3", "plan.recompute=full",
+                "train.cross_entropy_fusion=true", "train.global_batch_size=512"):
+        assert key in row.overrides, key
+    assert (row.moe_dispatcher, row.moe_router, row.moe_permute_fusion) == ("deepep", "fake_balanced", True)
+    assert row.measured_step_s == pytest.approx(512 * 4096 / (4497 * 64)) == pytest.approx(7.2866, abs=1e-4)
+    # Megatron's count of the model (no router) at 4,096 tokens: 74.57 GFLOP a token, within 0.5 % of the row's own
+    # 334 TFLOP/s / 4,497 tokens/s = 74.27 (AutoModel's nemotronh_flops, which counts the router, gives 75.07)
+    from nest_megatron.cost.flops import megatron_model_flops
+
+    model = load(row.overrides[:4]).problem.model
+    per_token = megatron_model_flops(model, batch_size=1, tp=1) / 4096
+    assert per_token / 1e9 == pytest.approx(implied_gflops_per_token(entry), rel=0.005)
 
 
 def test_a_row_is_an_evaluate_command(capsys):
@@ -91,8 +114,8 @@ def test_no_published_layout_is_refused_as_out_of_memory(tmp_path):
     (table,) = tmp_path.glob("published_*.md")
     text = table.read_text()
     assert "- published layouts refused as out of memory: 0" in text
-    # 76 rows, 6 not expressible (3 Mamba hybrids, 3 AutoModel FSDP2-with-pipeline runs), every other one priced
-    assert "| all | 70 |" in text
+    # 76 rows, 5 not expressible (2 Mamba hybrids, 3 AutoModel FSDP2-with-pipeline runs), every other one priced
+    assert "| all | 71 |" in text
     assert len(list(tmp_path.glob("published_*.png"))) == 1
 
 
