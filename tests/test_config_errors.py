@@ -94,6 +94,8 @@ MODEL_KEYS = {
     "attention_softmax_in_fp32": ("true", True), "bias_swiglu_fusion": ("false", False), "num_experts": ("8", 8),
     "moe_router_topk": ("1", 1), "moe_ffn_hidden_size": ("4096", 4096),
     "moe_shared_expert_intermediate_size": ("2048", 2048), "moe_layer_freq": ("2", 2),
+    # a latent size needs Transformer Engine's spec, not the local one set below: tests/test_latent_moe.py loads them
+    "moe_latent_size": ("null", None),
     "squared_relu": ("true", True), "qk_layernorm": ("true", True), "window_size": ("512", 512),
     "window_attn_skip_freq": ("4", 4), "moe_load_imbalance": ("1.2", 1.2),
     "moe_router_num_groups": ("2", 2), "moe_router_group_topk": ("1", 1), "kv_lora_rank": ("64", 64),

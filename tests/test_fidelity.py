@@ -80,8 +80,30 @@ def test_rows_carry_the_recipe_settings():
     assert nano.not_expressible is None and nano.optimizer == "automodel"
     assert "model.hybrid_layer_pattern=MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME" in nano.overrides
     assert {"plan.ep=8", "plan.recompute=full", "plan.zero=3", "model.mamba_num_groups=8"} <= set(nano.overrides)
-    # Super: latent MoE, no kind of the model
-    assert row_of(ENTRIES["automodel-Nemotron_V3_Super_120B-64gpu-bf16"]).not_expressible.startswith("latent MoE")
+
+
+def test_nemotron3_super_row_is_the_shipped_model_at_its_automodel_config():
+    """The table gives no shape: the row is hydra_configs/model/nemotron3_super.yaml (AutoModel's FLOP-test config) at
+    the row's 4,096 tokens, with its config's settings (nemotron_super_v3_te_deepep.yaml at 36044ad3): EP 64 under FSDP2
+    of 64 (ZeRO 3), activation_checkpointing (full recompute), fp32_upcast false (the fused loss), HybridEP behind the
+    fake balanced gate (priced as DeepEP). Measured: 512 x 4,096 tokens at 4,497 tokens/s on each of 64 GPUs."""
+    entry = ENTRIES["automodel-Nemotron_V3_Super_120B-64gpu-bf16"]
+    row = row_of(entry)
+    assert row.not_expressible is None and row.moe
+    assert row.overrides[:4] == ["model=nemotron3_super", "cluster=dgx_h100_superpod", "cluster.num_devices=64",
+                                 "model.seq_length=4096"]
+    for key in ("plan.ep=64", "plan.dp=64", "plan.tp=1", "plan.pp=1", "plan.mbs=2", "plan.zero=3", "plan.recompute=full",
+                "train.cross_entropy_fusion=true", "train.global_batch_size=512"):
+        assert key in row.overrides, key
+    assert (row.moe_dispatcher, row.moe_router, row.moe_permute_fusion) == ("deepep", "fake_balanced", True)
+    assert row.measured_step_s == pytest.approx(512 * 4096 / (4497 * 64)) == pytest.approx(7.2866, abs=1e-4)
+    # Megatron's count of the model (no router) at 4,096 tokens: 74.57 GFLOP a token, within 0.5 % of the row's own
+    # 334 TFLOP/s / 4,497 tokens/s = 74.27 (AutoModel's nemotronh_flops, which counts the router, gives 75.07)
+    from nest_megatron.cost.flops import megatron_model_flops
+
+    model = load(row.overrides[:4]).problem.model
+    per_token = megatron_model_flops(model, batch_size=1, tp=1) / 4096
+    assert per_token / 1e9 == pytest.approx(implied_gflops_per_token(entry), rel=0.005)
 
 
 def test_a_row_is_an_evaluate_command(capsys):
@@ -103,8 +125,8 @@ def test_no_published_layout_is_refused_as_out_of_memory(tmp_path):
     (table,) = tmp_path.glob("published_*.md")
     text = table.read_text()
     assert "- published layouts refused as out of memory: 0" in text
-    # 76 rows, 2 not expressible (the latent-MoE hybrids), every other one priced
-    assert "| all | 74 |" in text
+    # 76 rows, 1 not expressible (Nemotron-3 Ultra: no published shape), every other one priced
+    assert "| all | 75 |" in text
     assert len(list(tmp_path.glob("published_*.png"))) == 1
 
 

@@ -66,7 +66,7 @@ def test_mla_parameters_by_hand():
     # no query latent: linear_q_proj 64 x 48 instead of q_down, q_up and q_layernorm
     assert mla_model(q_lora_rank=None).mla_params(1) == 8048 - 2048 - 1536 - 32 + 64 * 48
     # TE's duplicated down projections are all-reduced over TP under sequence parallel: 2,048 + 1,280 a layer
-    assert m.mla_replicated_params(MLA_DENSE, 2) == 3328 and m.mla_replicated_params(MLA_DENSE, 1) == 0
+    assert m.tp_replicated_params(MLA_DENSE, 2) == 3328 and m.tp_replicated_params(MLA_DENSE, 1) == 0
 
 
 def test_mla_gemms_and_attention_flops_by_hand():

@@ -16,7 +16,8 @@ SIZES = (64, 1024)
 # floor; test_every_shipped_model_is_round_tripped holds the list to the configs).
 TOO_BIG_FOR_64 = {"llama31_405b", "deepseek_v3", "kimi_k2"}
 MODELS = ("llama3_8b", "llama3_70b", "mixtral_8x7b", "llama2_7b", "gpt3_175b", "bert_large", "tiny_gpt", "tiny_moe",
-          "llama31_405b", "deepseek_v3", "kimi_k2", "qwen3_30b_a3b", "qwen3_235b_a22b", "gpt_oss_120b", "nemotron_h_56b")
+          "llama31_405b", "deepseek_v3", "kimi_k2", "qwen3_30b_a3b", "qwen3_235b_a22b", "gpt_oss_120b", "nemotron_h_56b",
+          "nemotron3_super")
 CASES = [(m, c, n) for m in MODELS for c in CLUSTERS for n in SIZES if not (n == 64 and m in TOO_BIG_FOR_64)]
 
 

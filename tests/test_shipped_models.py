@@ -17,7 +17,12 @@ from nest_megatron.model.spec import ModelSpec
 from nest_megatron.solver.baselines import total_params
 
 SMALL = ["cluster=dgx_h100_superpod", "cluster.num_devices=8", "train.global_batch_size=16"]
-MODELS = ["llama31_405b", "qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3", "kimi_k2", "gpt_oss_120b"]
+MODELS = ["llama31_405b", "qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3", "kimi_k2", "gpt_oss_120b",
+          "nemotron3_super"]
+# Those trace/meta.py builds as a megatron-core GPTModel: not a hybrid Mamba stack (nemotron3_super; its latent MoE layer
+# is traced in tests/test_latent_moe_trace.py, its Mamba layer's kind in tests/test_mamba_trace.py), and not
+# gpt_oss_120b (below).
+TRACED = [m for m in MODELS if m not in ("gpt_oss_120b", "nemotron3_super")]
 
 
 def problem(model: str):
@@ -99,9 +104,48 @@ def test_gpt_oss_120b_counts():
     assert 36 * spec.attention_params(1) == pytest.approx(0.96e9, rel=0.01)
 
 
+def test_nemotron3_super_counts():
+    """NVIDIA's name, Nemotron-3 Super 120B-A12B: 120 B total, 12 B active. By hand at TP 1 (the shape of
+    hydra_configs/model/nemotron3_super.yaml, AutoModel's _nemotronh_super_v3_cfg):
+      a Mamba layer: in_proj 4096 x (2 x 8192 + 2 x 8 x 128 + 128) = 76,021,760; conv1d (8192 + 2048) x 5 = 51,200;
+        dt_bias, A_log, D 3 x 128; gated norm 8192; out_proj 8192 x 4096 = 33,554,432; input norm 4096: 109,640,064
+      an attention layer: QKV 4096 x (4096 + 2 x 2 x 128) = 18,874,368; projection 4096^2; norm 4096: 35,655,680
+      a MoE layer: norm 4096; router 512 x 4096 = 2,097,152; the latent projections 2 x 4096 x 1024 = 8,388,608; the
+        shared expert (squared ReLU, no GLU) 2 x 4096 x 5376 = 44,040,192: 54,530,048 dense; 512 experts at the
+        latent width, 512 x 2 x 1024 x 2688 = 2,818,572,288
+      40 Mamba, 8 attention, 40 MoE layers, the untied embedding and output layer 2 x 131072 x 4096, the final norm.
+    Active, without the input embedding: every dense weight, 22 / 512 of the experts and the output layer:
+    4,385,602,560 + 285,245,440 + 40 x 54,530,048 + 40 x 22 x 5,505,024 + 536,870,912 + 4096 = 12,233,346,048."""
+    p = problem("nemotron3_super")
+    spec = p.model
+    by_kind = {kind.label: spec.layer_params(tp=1, kind=kind) for kind in spec.kinds}
+    assert by_kind == {"mamba+none": (109_640_064, 0), "none+moe": (54_530_048, 2_818_572_288),
+                       "none": (35_655_680, 0)}  # "none": an attention layer, no MLP (its label)
+    assert total_params(p) == (40 * 109_640_064 + 8 * 35_655_680 + 40 * (54_530_048 + 2_818_572_288)
+                               + 2 * 131072 * 4096 + 4096) == 120_668_687_360
+    assert total_params(p) == pytest.approx(120e9, rel=0.01)
+    assert active_params(spec, embedding=False) == 12_233_346_048 == pytest.approx(12e9, rel=0.02)
+
+
+# The grid cells of scripts/time_plan.py --grid (docs/measured.md): each plans, its argv the latent hybrid's
+SUPER_CELLS = [("dgx_h100_superpod", 256), ("dgx_h100_superpod", 2048), ("gb200_nvl72", 72), ("gb200_nvl72", 1152)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cluster, devices", SUPER_CELLS, ids=[f"{c}-{n}" for c, n in SUPER_CELLS])
+def test_nemotron3_super_plans_on_the_grid_cells(cluster, devices):
+    from nest_megatron import api
+
+    plan = api.plan(["model=nemotron3_super", f"cluster={cluster}", f"cluster.num_devices={devices}",
+                     "train.global_batch_size=4096"])
+    argv = plan.megatron_args
+    assert argv[argv.index("--moe-latent-size") + 1] == "1024" and "--hybrid-layer-pattern" in argv
+    assert plan.parallel["vpp"] == 1 and 8 % plan.parallel["tp"] == 0  # the hybrid's even split, its 8 Mamba groups
+
+
 # gpt_oss_120b is left out: megatron-core's local-spec forward of biased experts fails on CPU/meta (an in-place
 # bias add on the view _ReduceFromModelParallelRegion returns), so trace/meta.py cannot trace it.
-@pytest.mark.parametrize("model", [m for m in MODELS if m != "gpt_oss_120b"])
+@pytest.mark.parametrize("model", TRACED)
 def test_shipped_model_layers_have_megatron_cores_parameters(model):
     """One decoder layer of each kind (and the MTP depth) built by megatron-core on the meta device (GPTModel of the
     shipped keys, trace/meta.py; a short sequence, which changes no parameter): each layer's dense and expert

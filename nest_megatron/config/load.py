@@ -413,7 +413,7 @@ def _check_model(m: ModelConfig) -> None:
                      ("kv_lora_rank", MAX_HIDDEN), ("qk_head_dim", MAX_KV_CHANNELS),
                      ("qk_pos_emb_head_dim", MAX_KV_CHANNELS), ("v_head_dim", MAX_KV_CHANNELS),
                      ("mtp_num_layers", MAX_LAYERS), ("moe_router_num_groups", MAX_EXPERTS),
-                     ("moe_router_group_topk", MAX_EXPERTS)):
+                     ("moe_router_group_topk", MAX_EXPERTS), ("moe_latent_size", MAX_HIDDEN)):
         _integer(f"model.{key}", getattr(m, key), 1, cap)
     _integer("model.num_query_groups", m.num_query_groups, 1, m.num_attention_heads, "model.num_attention_heads")
     _integer("model.padded_vocab_size", m.padded_vocab_size, 1, MAX_VOCAB)

@@ -64,6 +64,9 @@ MODEL_FLAGS: dict[str, tuple[str, str, object]] = {
     # arguments.py:327 moe_freq_type: an integer N, or a Python list expression of 0/1 per layer ("([0]*3+[1]*58)")
     "--moe-layer-freq": ("moe_layer_freq", "str", "1"),
     "--moe-shared-expert-intermediate-size": ("moe_shared_expert_intermediate_size", "int", None),
+    # latent MoE: TransformerConfig.moe_latent_size (transformer_config.py:952 at d98e8a6; megatron-core 0.16.1
+    # :719), a generated flag
+    "--moe-latent-size": ("moe_latent_size", "int", None),
     # group-limited routing: TransformerConfig.moe_router_num_groups / moe_router_group_topk (transformer_config.py:
     # 780, 796), generated flags
     "--moe-router-num-groups": ("moe_router_num_groups", "int", None),
@@ -489,7 +492,7 @@ def model_values(argv: list[str] | Scanned, *, name: str = "megatron_argv", fami
     if values["squared_relu"] and values["swiglu"]:  # Megatron-LM training/argument_utils.py:320-321
         raise NestError("--squared-relu and --swiglu: one MLP activation; Megatron asserts it, choose one")
     if values["num_experts"] is None:
-        for flag in ("--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size"):
+        for flag in ("--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size", "--moe-latent-size"):
             if s.has(flag):
                 raise NestError(f"{flag} without --num-experts: a dense model has no experts")
 

@@ -63,6 +63,11 @@ class ModelConfig:
     # e.g. [0, 0, 0, 1, ...] for DeepSeek-V3's first three dense layers
     moe_layer_freq: Any = 1
     moe_shared_expert_intermediate_size: Optional[int] = None
+    # latent MoE (megatron-core's TransformerConfig.moe_latent_size): the routed experts run at this width, not
+    # hidden_size; fc1_latent_proj (h -> latent) before the token dispatch and fc2_latent_proj (latent -> h) after the
+    # combine, both duplicated on every TP rank; the router and the shared expert read the h-wide input (megatron-core
+    # 0.16.1 moe/moe_layer.py:169-193, 264-270, 339-345; moe/experts.py:540-570). None: experts at hidden_size
+    moe_latent_size: Optional[int] = None
     # group-limited routing: the experts split into this many equal groups of consecutive experts
     moe_router_num_groups: Optional[int] = None
     # group-limited routing: a token's experts come from at most this many of the groups (None: no limit)

@@ -26,6 +26,10 @@ size are sequence-sharded) and T without it; q and kv are the query and key/valu
   hidden_dropout_masks       1 h T_sp a block  after attention and after the MLP (p > 0)
   shared_fc1_output, ...     a MoE layer's shared expert: its FC1 output, unfused SwiGLU and FC2
                              input over every token, as the dense MLP's at its width / t
+  expert_input               2 w R             the routed experts' FC1 input, R routed rows of the token width w
+                             (ModelSpec.moe_token_width: h, or the latent size L with --moe-latent-size)
+  latent_fc2_input           2 L T_sp          a latent MoE's fc2_latent_proj input, the combined latent tokens
+                             (fc1_latent_proj reads fc1_input's normed tensor, kept once)
 
 The terms are kept per block of the layer's kind (model/kinds.py): the mixer's (standard attention
 above; MLA's latents and Q, K, V: `_mla_terms`; a Mamba-2 mixer's: `_mamba_terms`), the MLP's (dense or MoE), a multi-token-prediction
@@ -51,10 +55,11 @@ from nest_megatron.parallel.config import DEFAULT_RECOMPUTE_MODULES
 BF16, FP32, MASK, INT64 = 2, 4, 1, 8
 
 # The inputs of the linears (QKV, projection, FC1, FC2, the experts' FC1, the shared expert's FC2, MLA's down and
-# up projections, MTP's eh_proj, Mamba's in_proj and out_proj): kept in fp8 with fp8 GEMMs.
+# up projections, MTP's eh_proj, Mamba's in_proj and out_proj, a latent MoE's fc2_latent_proj): kept in fp8 with
+# fp8 GEMMs.
 FP8_SAVED_INPUTS = ("qkv_input", "proj_input", "fc1_input", "fc2_input", "expert_input", "shared_fc2_input",
                     "mla_down_input", "q_latent_norm", "kv_latent_norm", "eh_proj_input", "in_proj_input",
-                    "out_proj_input")
+                    "out_proj_input", "latent_fc2_input")
 
 
 def _qkv_bytes(model: ModelSpec, *, tokens: float, tp: int, core_attn: bool) -> float:
@@ -184,7 +189,9 @@ def _mlp_terms(model: ModelSpec, kind: LayerKind, *, tokens: float, tokens_sp: f
     if moe:
         # Each routed copy of a token goes through its expert's FC1, activation and FC2.
         rows, f, width = model.routed_rows(tokens=tokens, tp=tp, etp=etp), model.moe_ffn, etp
-        terms["expert_input"] = BF16 * h * rows
+        terms["expert_input"] = BF16 * model.moe_token_width * rows
+        if m.moe_latent_size:  # fc2_latent_proj's input: the combined tokens at the latent width, on this rank's shard
+            terms["latent_fc2_input"] = BF16 * m.moe_latent_size * tokens_sp
     else:
         rows, f, width = tokens, m.ffn_hidden_size, tp
     terms["fc1_output"] = BF16 * rows * f * model.fc1_factor / width

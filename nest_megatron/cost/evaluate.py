@@ -394,11 +394,11 @@ def after_pipeline(ctx: Context, sums: StageSums, *, first: bool, last: bool) ->
         words = grad_bytes * model.padded_vocab(cfg.tp) * model.h / cfg.tp
         tied = p2p_time(max(spans.pp_boundary_level), words, net)
     replicated = 0.0
-    if cfg.sp and cfg.tp > 1 and model.cfg.multi_latent_attention:
-        # Weights duplicated over TP (MLA's down projections) see each rank's own tokens under sequence
-        # parallel: Megatron all-reduces their gradients over TP after the backward (exposed).
+    if cfg.sp and cfg.tp > 1 and (model.cfg.multi_latent_attention or model.cfg.moe_latent_size):
+        # Weights duplicated over TP (MLA's down projections, a latent MoE's projections) see each rank's own tokens
+        # under sequence parallel: Megatron all-reduces their gradients over TP after the backward (exposed).
         mtp_kind = model.mtp_kind
-        params = sums.tp_replicated_params + (model.mtp_depths * model.mla_replicated_params(mtp_kind, cfg.tp)
+        params = sums.tp_replicated_params + (model.mtp_depths * model.tp_replicated_params(mtp_kind, cfg.tp)
                                               if last and mtp_kind else 0)
         replicated = worst(all_reduce_time, spans.tp, grad_bytes * params, net)
     shards = cfg.dp * cfg.cp if cfg.zero >= 1 else 1

@@ -4,8 +4,9 @@ A transcription of `num_floating_point_operations` (transformer_flops) in megatr
 at d98e8a6: every GEMM counted 3 times (forward, dgrad, wgrad) x 2 FLOPs per multiply-add, per token;
 the attention square per sequence with half of it for a causal mask. Per decoder layer of each kind
 (model/kinds.py): the mixer's projections (standard attention's QKV and output; MLA's latent, up and output
-projections with Megatron's "+1" per latent for its norm), the dense MLP or the routed experts (topk of them)
-and the shared expert; a Mamba-2 mixer as Megatron's mamba_layer_flops counts it (in_proj, the scan, out_proj, at
+projections with Megatron's "+1" per latent for its norm), the dense MLP or the routed experts (topk of them; with
+--moe-latent-size at the latent width, plus the two latent projections, 2 h L: training.py:1267-1280 at d98e8a6, and
+hybrid_flops' moe_layer_flops :846-860, alike) and the shared expert; a Mamba-2 mixer as Megatron's mamba_layer_flops counts it (in_proj, the scan, out_proj, at
 d_in = 2 h whatever mamba_num_heads; hybrid_flops :964); the multi-token-prediction depths count as layers of the decoder's last kind, with
 their norms and eh_proj, and one more pass of the output layer each.
 """
@@ -60,4 +61,6 @@ def _mlp(model: ModelSpec, kind: LayerKind) -> float:
     if kind.mlp != "moe":
         return 0.0
     shared = m.moe_shared_expert_intermediate_size or 0
-    return GEMM_PASSES * h * (model.moe_ffn * m.moe_router_topk + shared) * ffn_factor
+    routed = model.moe_token_width * model.moe_ffn * m.moe_router_topk * ffn_factor  # at the latent width, if any
+    latent = 2 * h * m.moe_latent_size if m.moe_latent_size else 0  # fc1_latent_proj and fc2_latent_proj
+    return GEMM_PASSES * (routed + latent + h * shared * ffn_factor)

@@ -21,7 +21,7 @@ Communication inside the layer, and what Megatron overlaps it with (`tp_exposed`
   reduce-scatters their gradients): both exposed.
 - EP: the dispatch and combine all-to-alls wait for the slowest rank of the group (exposed). They carry
   `dispatch_copies` copies of each token: one per routed expert with Megatron's alltoall dispatcher, one
-  per destination rank with DeepEP's.
+  per destination rank with DeepEP's; a token is `ModelSpec.moe_token_width` wide (a latent MoE's latent size).
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def permutation_elements(model: ModelSpec, *, tokens_sp: float, rows: float, loc
                          dispatcher: str = "alltoall", copies: float | None = None, fused: bool = False) -> float:
     """Elements a MoE layer's forward reads and writes to permute its tokens to the experts and back.
 
-    `rows` R routed copies of the h-wide tokens; T the tokens permuted: this rank's `tokens_sp` before
+    `rows` R routed copies of the tokens, each h wide (`ModelSpec.moe_token_width`: the latent size with
+    --moe-latent-size, whose fc1_latent_proj runs before the dispatch); T the tokens permuted: this rank's `tokens_sp` before
     Megatron's alltoall exchange, or the tokens DeepEP delivered to it (R x copies / topk).
     - allgather (megatron-core 0.7's default MoEAllGatherTokenDispatcher, token_dispatcher.py): the
       expert-parallel group's tokens gathered, ep T_sp of them; the local copies gathered out of them
@@ -91,7 +92,7 @@ def permutation_elements(model: ModelSpec, *, tokens_sp: float, rows: float, loc
     - alltoall with several local experts: the received chunks sorted by expert after the exchange and
       back before it (sort_chunks_by_idxs): 2 R h each.
     """
-    h, k = model.h, model.cfg.moe_router_topk
+    h, k = model.moe_token_width, model.cfg.moe_router_topk
     if dispatcher == "allgather":
         gathered = tokens_sp * max(1, model.cfg.num_experts // local_experts)
         return h * (7 * rows + gathered + (4 * rows if local_experts > 1 else 0.0))
@@ -288,14 +289,16 @@ def _layer_time(model, tp, sp, cp, ep, etp, mbs, kind, tp_shapes, cp_shapes, ep_
     # DeepEP, per level: `routing.deepep_level_copies`); the allgather dispatcher gathers the whole group's
     # tokens and reduce-scatters the experts' outputs in that size (its backward the mirror), whatever the
     # routing. Under TP it gathers over the TP x EP group; priced over the EP group's links with the same total.
+    # A token is moe_token_width wide: a latent MoE exchanges its latent-projected tokens.
     ep_pass = 0.0
     if kind.is_moe and cfg.ep > 1:
         tokens_sp = tokens / cfg.tp if cfg.sp else tokens
+        width = model.moe_token_width
         if dispatcher == "allgather":
-            gathered = BF16 * tokens_sp * cfg.ep * model.h
+            gathered = BF16 * tokens_sp * cfg.ep * width
             ep_pass = worst(all_gather_time, ep_shapes, gathered, net) + worst(reduce_scatter_time, ep_shapes, gathered, net)
         else:
-            one_copy = BF16 * tokens_sp * model.cfg.moe_load_imbalance * model.h
+            one_copy = BF16 * tokens_sp * model.cfg.moe_load_imbalance * width
             ep_pass = 2 * max(_dispatch_time(model, shape, one_copy, ep_copies, dispatcher, router, net)
                               for shape in ep_shapes)
 
@@ -474,8 +477,9 @@ def tp_exposed(model: ModelSpec, cfg: ParallelConfig, *, kind: LayerKind, shapes
         op = reduce_scatter_time if cfg.sp else all_reduce_time
         fwd += collective(op, model.h)
         bwd += collective(op, model.h)
-    if kind.is_moe and cfg.etp > 1:  # the experts under expert TP: an MLP block's exchanges, exposed
-        parts["tp:experts"] = gather(model.h) + scatter(model.h) if cfg.sp else reduce(model.h)
+    if kind.is_moe and cfg.etp > 1:  # the experts under expert TP: an MLP block's exchanges, exposed, of its tokens
+        width = model.moe_token_width
+        parts["tp:experts"] = gather(width) + scatter(width) if cfg.sp else reduce(width)
         fwd += parts["tp:experts"]
-        bwd += gather(model.h) + scatter(model.h) if cfg.sp else reduce(model.h)
+        bwd += gather(width) + scatter(width) if cfg.sp else reduce(width)
     return fwd, bwd, parts

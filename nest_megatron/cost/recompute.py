@@ -16,8 +16,10 @@ it runs again in the backward (LayerTime.fwd_parts and fwd_comm_parts names). Re
                   Drops FC1's output, the activation's and FC2's input. Runs again: FC1, the activation, FC2 (with
                   TE the norm) and the block's TP collectives.
   moe             moe/moe_layer.py:153-157, 432-450 (tensor_parallel.checkpoint of the MoE layer): keeps its input.
-                  Drops the experts' inputs and everything after them, the shared expert's. Runs again: the
-                  router, the permutation, the experts, the shared expert and the dispatch / combine exchanges.
+                  Drops the experts' inputs and everything after them, the shared expert's, a latent MoE's
+                  fc2_latent_proj input. Runs again: the router, the permutation, the experts, the shared expert,
+                  the dispatch / combine exchanges and a latent MoE's two projections (preprocess and postprocess,
+                  :264-270, 339-345, run inside the checkpointed custom_forward, :389-430).
   moe_act         moe/experts.py:588-592, 738-750 (CheckpointWithoutOutput around the experts' activation; needs
                   --moe-grouped-gemm, TEGroupedMLP): drops FC2's input (and an unfused activation's and routing
                   product's). Runs again: the experts' activation.
@@ -68,7 +70,7 @@ def dropped_terms(model: ModelSpec, kind: LayerKind, modules: tuple[str, ...]) -
         dropped |= set(MLP_TERMS) | (set() if mlp_norm else {"fc1_input"})  # TE: the norm inside the checkpoint
     if kind.mlp == "moe":
         if "moe" in modules:
-            dropped |= {"expert_input", "expert_probs_input", *MLP_TERMS, *SHARED_EXPERT_TERMS}
+            dropped |= {"expert_input", "expert_probs_input", "latent_fc2_input", *MLP_TERMS, *SHARED_EXPERT_TERMS}
         if "moe_act" in modules:
             dropped |= {"fc2_input", "swiglu_unfused", "expert_probs_input"}
         if "shared_experts" in modules:
@@ -92,7 +94,8 @@ def rerun_parts(model: ModelSpec, kind: LayerKind, modules: tuple[str, ...]) -> 
     if kind.mlp == "moe":
         shared = {"shared_fc1", "shared_fc2", "tp:shared:column", "tp:shared:row"}
         if "moe" in modules:
-            parts |= {"router", "permutation", "expert_fc1", "mlp_act", "expert_fc2", "ep", "tp:experts"} | shared
+            parts |= {"router", "permutation", "expert_fc1", "mlp_act", "expert_fc2", "ep", "tp:experts",
+                      "latent_fc1", "latent_fc2"} | shared
         if "moe_act" in modules:
             parts.add("mlp_act")
         if "shared_experts" in modules:

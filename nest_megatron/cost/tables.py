@@ -51,7 +51,7 @@ class LayerCosts:
     act_checkpoint: np.ndarray  # bytes kept when it is (its input)
     dense_params: np.ndarray
     expert_params: np.ndarray
-    # of dense_params, linear weights duplicated over TP (MLA's down projections); None: none
+    # of dense_params, linear weights duplicated over TP (MLA's down projections, latent MoE projections); None: none
     tp_replicated_params: np.ndarray | None
     # operators the host issues for a layer's forward and backward (host.layer_operators)
     host_fwd: np.ndarray
@@ -122,7 +122,7 @@ def _kind_costs(model: ModelSpec, cfg: ParallelConfig, kind: LayerKind, *, spans
     act = layer_activation_bytes(model, mbs=cfg.mbs, tp=cfg.tp, sp=cfg.sp, cp=cfg.cp, kind=kind, etp=cfg.etp,
                                  modules=cfg.recompute_modules)
     params = model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, kind=kind)
-    replicated = model.mla_replicated_params(kind, cfg.tp) if cfg.sp else 0
+    replicated = model.tp_replicated_params(kind, cfg.tp) if cfg.sp else 0
     return lt, act, params, replicated
 
 

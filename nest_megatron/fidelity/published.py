@@ -78,6 +78,15 @@ ROW_SETTINGS = {
                   "model.mamba_num_heads=64", "model.mamba_head_dim=64", "model.mamba_state_dim=128",
                   "model.mamba_num_groups=8", "model.kv_channels=128", "model.position_embedding_type=none",
                   "model.normalization=RMSNorm"]},
+    # Nemotron-3 Super 120B-A12B: its shape is the shipped model (SHIPPED_MODELS); its AutoModel config
+    # examples/llm_benchmark/nemotron/nemotron_super_v3_te_deepep.yaml at 36044ad3 (the table's commit) sets ep_size 64
+    # (:43) under FSDP2 of 64 (:39, priced as ZeRO 3, as the other AutoModel FSDP2 rows), activation_checkpointing: true
+    # (:45: the expert-parallel path wraps every decoder block whole, the MoE parallelizer's apply_ac as for the rows
+    # above, nemotron_v3/model.py:487-497: full recompute), MaskedCrossEntropy fp32_upcast: false (:72-74: the fused loss),
+    # dispatcher hybridep with fake_balanced_gate: true (:65-66; HybridEP is NVIDIA's NVLink + RDMA dispatcher of the
+    # DeepEP kind, sending a token once to each rank holding its experts: priced as the other AutoModel rows' DeepEP).
+    "automodel-Nemotron_V3_Super_120B-64gpu-bf16": {"ep": 64, "recompute": "full", "cross_entropy_fusion": True,
+                                                    "assumed": ["HybridEP dispatch priced as DeepEP's"]},
     # The BF16 table of commit cb3482d0 gives only 16 GPUs and GBS 32; the row's TP1 PP4 MBS2 is the
     # FP8 row's of the later table (0d09460d). The run's recipe, examples/training/nemotron/h100/
     # nemotron_22b_bf16.sh at cb3482d0, sets num_nodes=2, micro_batch_size=1 and keeps the conf's
@@ -192,6 +201,12 @@ OPTIMIZER_BY_MODEL = {"Nemotron-340B": "apex_bf16"}
 # Transformer Engine's fused kernels (nemo_automodel/components/moe/layers.py:420 moe_permute_fusion=True
 # at 89e3a9fdd); NeMo 24.05's megatron-core 0.7 had no fused permutation (core_r0.7.0 moe_utils.py:130-203).
 AUTOMODEL_MOE_DISPATCH = ("deepep", "fake_balanced")
+# Rows whose model the table does not give and a shipped model config (hydra_configs/model/) does, with its sources
+# there: row id -> the config's name. Nemotron-3 Super's shape is NeMo AutoModel's FLOP-test config
+# (tests/unit_tests/utils/test_flops_utils.py _nemotronh_super_v3_cfg at 36044ad3), whose expected FLOPs give the
+# row's implied 74.27 GFLOP a token (74.7 at 2,048 tokens); the row's seq_length is set on it.
+SHIPPED_MODELS = {"automodel-Nemotron_V3_Super_120B-64gpu-bf16": "nemotron3_super"}
+MODEL_CONFIG_DIR = Path(__file__).resolve().parents[1] / "hydra_configs" / "model"
 GPT_OSS_WINDOW = 128  # GPT-OSS: every other layer attends to the last 128 tokens (row arch note)
 
 
@@ -307,12 +322,12 @@ def _first_dense(arch: str) -> int:
 
 def _not_expressible(entry: dict) -> str | None:
     arch = entry["model_shape"]["arch"]
-    if "latent-MoE" in arch:
-        return "latent MoE (experts in a smaller latent width) is not modelled"
-    if ("Mamba" in arch or "hybrid" in arch) and "model" not in ROW_SETTINGS.get(entry["id"], {}):
-        return "hybrid stack: the row's note gives no pattern and Mamba sizes to map"
+    if entry["id"] in SHIPPED_MODELS:
+        return None
     if not entry["model_shape"].get("layers"):
         return "model shape not published"
+    if ("Mamba" in arch or "hybrid" in arch) and "model" not in ROW_SETTINGS.get(entry["id"], {}):
+        return "hybrid stack: the row's note gives no pattern and Mamba sizes to map"
     return None
 
 
@@ -363,15 +378,20 @@ def _model_overrides(entry: dict) -> list[str]:
     return out
 
 
+def _shipped_is_moe(name: str) -> bool:
+    return bool(yaml.safe_load((MODEL_CONFIG_DIR / f"{name}.yaml").read_text()).get("num_experts"))
+
+
 def row_of(entry: dict) -> Row:
-    moe = bool(entry["model_shape"].get("experts"))
+    shipped = SHIPPED_MODELS.get(entry["id"])
+    moe = _shipped_is_moe(shipped) if shipped else bool(entry["model_shape"].get("experts"))
     common = dict(id=entry["id"], source=source_of(entry), precision=entry["precision_class"].lower(), moe=moe,
                   status=str(entry["status"]).split(" ")[0])
     why = _not_expressible(entry)
     if why:
         return Row(**common, measured_step_s=math.nan, not_expressible=why)
-    assumed = []
     settings = ROW_SETTINGS.get(entry["id"], {})
+    assumed = list(settings.get("assumed", []))
     layout = settings.get("layout", {})
     if layout:
         entry = {**entry, **{k: v for k, v in layout.items() if k != "tp_comm_overlap"}}
@@ -438,8 +458,12 @@ def row_of(entry: dict) -> Row:
              f"train.cross_entropy_fusion={str(fused_loss).lower()}"]
     if bridge and fp8_recipe and entry["precision_class"] == "FP8":
         train.append(f"train.fp8_recipe={fp8_recipe}")
-    overrides = ["model=llama2_7b", "cluster=dgx_h100_superpod", f"cluster.num_devices={entry['num_gpus']}",
-                 *_model_overrides(entry), *settings.get("model", []), *train, *plan]
+    model = ([f"model={shipped}", f"model.seq_length={entry['seq_length']}"] if shipped
+             else ["model=llama2_7b", *_model_overrides(entry)])
+    if shipped:
+        assumed.append(f"model {shipped} (hydra_configs/model/{shipped}.yaml: the table gives no shape)")
+    overrides = [model[0], "cluster=dgx_h100_superpod", f"cluster.num_devices={entry['num_gpus']}", *model[1:],
+                 *settings.get("model", []), *train, *plan]
     optimizer = (OPTIMIZER_BY_MODEL.get(entry["model"], NEMO_OPTIMIZER) if is_nemo_era(entry)
                  else "automodel" if source_of(entry) == "automodel" else "megatron")
     if optimizer == "apex_bf16":

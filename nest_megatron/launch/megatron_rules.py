@@ -411,6 +411,22 @@ def _offload_expert_fc1_delayed(launch: Launch):
                 "expert_fc1")
 
 
+def _latent_legacy_grouped_gemm(launch: Launch):
+    """A MoE latent size not with the legacy grouped GEMM (GroupedMLP)."""
+    s = launch.s
+    if s.has("--moe-latent-size") and s.has("--moe-use-legacy-grouped-gemm"):
+        return ("--moe-latent-size with --moe-use-legacy-grouped-gemm: the legacy GroupedMLP has no latent projection "
+                "(megatron-core asserts it); drop --moe-use-legacy-grouped-gemm (Transformer Engine's TEGroupedMLP)")
+
+
+def _latent_shared_expert_overlap(launch: Launch):
+    """A MoE latent size not with the shared expert overlapped with the dispatch."""
+    s = launch.s
+    if s.has("--moe-latent-size") and s.present("--moe-shared-expert-overlap"):
+        return ("--moe-latent-size with --moe-shared-expert-overlap: the dispatcher would overlap the shared expert "
+                "with latent-wide tokens, which megatron-core refuses in training; drop --moe-shared-expert-overlap")
+
+
 ARGS = "megatron/training/arguments.py"
 # The flag combinations Megatron-LM (and Transformer Engine) reject; the sizes are checked by parallel.rules.RULES on
 # the configuration.
@@ -443,6 +459,10 @@ ARGV_RULES = (
     Rule("deepep-needs-flex", "megatron/core/transformer/transformer_config.py:1743-1745", _deepep_needs_flex),
     Rule("deepep-group", "megatron/core/transformer/moe/token_dispatcher.py:1836 (its tp_size is expert TP, :89)",
          _deepep_group),
+    Rule("latent-legacy-grouped-gemm", "megatron-core 0.16.1 moe/experts.py:86-87 (GroupedMLP); core_v0.16.1 "
+         f"{ARGS}:1273 (d98e8a6 has no legacy GroupedMLP left)", _latent_legacy_grouped_gemm),
+    Rule("latent-shared-expert-overlap", "megatron/core/transformer/moe/moe_layer.py:476-481 (megatron-core 0.16.1 "
+         "moe_layer.py:264-268)", _latent_shared_expert_overlap),
     Rule("first-last-bf16-delayed", "megatron/core/transformer/transformer_config.py:1527-1530",
          _first_last_bf16_delayed),
     Rule("cp-comm-type-layers", "megatron/core/transformer/transformer_config.py:3103-3113", _cp_comm_type_layers),

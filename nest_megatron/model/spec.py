@@ -239,6 +239,13 @@ class ModelSpec:
         return self.cfg.moe_ffn_hidden_size or self.cfg.ffn_hidden_size
 
     @property
+    def moe_token_width(self) -> int:
+        """The width of the tokens a MoE layer routes: its latent size with --moe-latent-size (fc1_latent_proj
+        projects h -> latent before the dispatch, megatron-core 0.16.1 moe/moe_layer.py:264-270; the experts read and
+        write that width, experts.py:540-570; the combine returns it to fc2_latent_proj, :339-345), else hidden_size."""
+        return self.cfg.moe_latent_size or self.h
+
+    @property
     def fc1_factor(self) -> int:
         """FC1 produces gate and up projections with SwiGLU."""
         return 2 if self.cfg.swiglu else 1
@@ -376,31 +383,48 @@ class ModelSpec:
             return self.mamba_params(tp)
         return 0
 
-    def mla_replicated_params(self, kind: LayerKind, tp: int) -> int:
+    def tp_replicated_params(self, kind: LayerKind, tp: int) -> int:
         """Linear weights of one layer duplicated on every TP rank: MLA's down projections under Transformer
-        Engine. With sequence parallel each rank sees other tokens, so Megatron all-reduces their gradients over
-        TP once a step (finalize_model_grads.py _allreduce_non_tensor_model_parallel_grads, the parameters'
-        `sequence_parallel` attribute, set by TELinear for parallel_mode='duplicated'). Norm weights are
-        reduced the same way and left out: a few h per layer."""
-        if kind.mixer != "mla" or self.mla_down_split or tp == 1:
+        Engine, a latent MoE's fc1_latent_proj and fc2_latent_proj (`latent_proj_params`). With sequence parallel
+        each rank sees other tokens, so Megatron all-reduces their gradients over TP once a step
+        (finalize_model_grads.py _allreduce_non_tensor_model_parallel_grads, the parameters' `sequence_parallel`
+        attribute, set by TELinear for parallel_mode='duplicated': megatron-core 0.16.1
+        extensions/transformer_engine.py:648-651). Norm weights are reduced the same way and left out: a few h per
+        layer."""
+        if tp == 1:
             return 0
+        latent = self.latent_proj_params if kind.mlp == "moe" else 0
+        if kind.mixer != "mla" or self.mla_down_split:
+            return latent
         q = self.h * self.cfg.q_lora_rank if self.cfg.q_lora_rank is not None else 0
-        return q + self.h * self.mla_kv_down_width
+        return latent + q + self.h * self.mla_kv_down_width
 
-    def dense_mlp_params(self, tp: int, ffn: int | None = None) -> int:
-        h, f, bias = self.h, ffn or self.cfg.ffn_hidden_size, self.cfg.add_bias_linear
+    def dense_mlp_params(self, tp: int, ffn: int | None = None, width: int | None = None) -> int:
+        """An MLP's FC1 and FC2 (and biases) on one of `tp` ranks: `width` (default hidden_size) -> ffn -> `width`."""
+        h, f, bias = width or self.h, ffn or self.cfg.ffn_hidden_size, self.cfg.add_bias_linear
         fc1 = h * f * self.fc1_factor // tp + f * self.fc1_factor // tp * bias
         fc2 = f * h // tp + h * bias
         return fc1 + fc2
 
+    @property
+    def latent_proj_params(self) -> int:
+        """A latent MoE layer's fc1_latent_proj (h -> latent) and fc2_latent_proj (latent -> h), TELinear with
+        parallel_mode='duplicated': the whole weight (and bias with add_bias_linear) on every TP rank (megatron-core
+        0.16.1 moe/moe_layer.py:169-193); 0 without a latent size."""
+        latent = self.cfg.moe_latent_size
+        if not latent:
+            return 0
+        return 2 * self.h * latent + (latent + self.h) * self.cfg.add_bias_linear
+
     def moe_params(self, *, ep: int, etp: int) -> tuple[int, int]:
         """(replicated, expert) parameters of one MoE MLP on one device.
 
-        Expert weights are split over EP (whole experts) and expert-TP; the router and the
-        pre-MLP norm are replicated; a shared expert is split like a dense MLP over TP.
+        Expert weights are split over EP (whole experts) and expert-TP, each at `moe_token_width` (the latent size
+        with --moe-latent-size); the router, the pre-MLP norm and a latent MoE's two projections are replicated; a
+        shared expert is split like a dense MLP over TP.
         """
-        experts = self.cfg.num_experts // ep * self.dense_mlp_params(etp, self.moe_ffn)
-        replicated = self.h * self.cfg.num_experts + self.norm_params
+        experts = self.cfg.num_experts // ep * self.dense_mlp_params(etp, self.moe_ffn, self.moe_token_width)
+        replicated = self.h * self.cfg.num_experts + self.norm_params + self.latent_proj_params
         return replicated, experts
 
     def mlp_params(self, kind: LayerKind, *, tp: int, ep: int, etp: int) -> tuple[int, int]:
@@ -517,16 +541,21 @@ class ModelSpec:
             return [Gemm("fc1", tokens, f * self.fc1_factor // tp, h), Gemm("fc2", tokens, h, f // tp)]
         if kind.mlp != "moe":
             return []
-        f = self.moe_ffn
+        f, width = self.moe_ffn, self.moe_token_width
         # A grouped GEMM over this device's experts, each with its share of the routed rows; the
         # busiest expert-parallel rank sets the pace (model.moe_load_imbalance, 1: balanced routing).
         local = max(1, self.cfg.num_experts // ep)
         rows = math.ceil(self.routed_rows(tokens=tokens, tp=tp, etp=etp) * self.cfg.moe_load_imbalance / local)
-        gemms = [
-            Gemm("router", tokens // tp, self.cfg.num_experts, h),
-            Gemm("expert_fc1", rows, f * self.fc1_factor // etp, h, local),
-            Gemm("expert_fc2", rows, h, f // etp, local),
+        gemms = [Gemm("router", tokens // tp, self.cfg.num_experts, h)]
+        latent = self.cfg.moe_latent_size
+        if latent:  # the duplicated projections, on this rank's tokens (its sequence shard: MoE with TP runs SP)
+            gemms.append(Gemm("latent_fc1", tokens // tp, latent, h))
+        gemms += [
+            Gemm("expert_fc1", rows, f * self.fc1_factor // etp, width, local),
+            Gemm("expert_fc2", rows, width, f // etp, local),
         ]
+        if latent:
+            gemms.append(Gemm("latent_fc2", tokens // tp, h, latent))
         shared = self.cfg.moe_shared_expert_intermediate_size
         if shared:
             gemms += [
@@ -595,7 +624,7 @@ MEGATRON_GEMM_ROLES = {"self_attention.linear_qkv": "qkv", "self_attention.linea
                        "mlp.experts.linear_fc2": "expert_fc2", "self_attention.linear_q_proj": "q_proj",
                        "self_attention.linear_q_down_proj": "q_down", "self_attention.linear_q_up_proj": "q_up",
                        "self_attention.linear_kv_down_proj": "kv_down", "self_attention.linear_kv_up_proj": "kv_up",
-                       "eh_proj": "eh_proj"}
+                       "eh_proj": "eh_proj", "mlp.fc1_latent_proj": "latent_fc1", "mlp.fc2_latent_proj": "latent_fc2"}
 MTP_LAYER_PREFIX = "transformer_layer."  # a multi-token-prediction depth's layer (MultiTokenPredictionLayer)
 
 

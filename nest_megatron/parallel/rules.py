@@ -821,6 +821,22 @@ def _topk_in_groups(m: ModelConfig):
                 f"by its top topk // group_topk experts, and the top-k come from the selected groups' {room} experts)")
 
 
+def _latent_moe(m: ModelConfig):
+    """A MoE latent size needs experts."""
+    if m.moe_latent_size is not None and not m.num_experts:
+        return (f"model.moe_latent_size={m.moe_latent_size} without model.num_experts: MoE latent projections are "
+                "applicable only for MoE models (Megatron asserts it)")
+
+
+def _latent_moe_te(m: ModelConfig):
+    """A MoE latent size needs Transformer Engine's layer spec (not the local spec, which a traced model runs)."""
+    if m.moe_latent_size is not None and m.transformer_impl == "local":
+        traced = f" (model.source={m.source} traces megatron-core's local spec)" if m.source != "analytic" else ""
+        return (f"model.moe_latent_size={m.moe_latent_size} with model.transformer_impl=local{traced}: megatron-core "
+                "builds the latent projections as Transformer Engine's TELinear and the local spec's grouped experts "
+                "refuse a latent size; plan it with Transformer Engine's spec and the analytic model")
+
+
 # In order. Each check takes the ModelConfig and returns its one-line message, or None.
 MODEL_RULES = (
     Rule("moe-layer-pattern", f"{MC}models/gpt/gpt_layer_specs.py:653, 671 ({ARGS}:327 moe_freq_type)", _moe_pattern),
@@ -832,6 +848,13 @@ MODEL_RULES = (
     Rule("topk-in-groups", f"nest: {MC}transformer/moe/moe_utils.py:712, 726 (group_limited_topk scores a group by "
          "its top topk // group_topk experts and takes the top-k of the masked scores: Megatron asserts neither)",
          _topk_in_groups),
+    Rule("latent-moe", f"{ARGS}:1980-1982 (megatron-core 0.16.1's Megatron-LM, core_v0.16.1 arguments.py:1269-1271)",
+         _latent_moe),
+    Rule("latent-moe-te", f"{MC}transformer/moe/moe_layer.py:266-267 (assert HAVE_TE: fc1_latent_proj and "
+         "fc2_latent_proj are TELinear; megatron-core 0.16.1 moe_layer.py:170-171); the local spec's grouped experts are "
+         "the legacy GroupedMLP, megatron-core 0.16.1 experts.py:86-87 (core_v0.16.1 arguments.py:1273); nest: "
+         "model.transformer_impl=local is the planner's Transformer-Engine-free spec, which model.source=megatron|hf "
+         "traces", _latent_moe_te),
 )
 
 

@@ -1,4 +1,5 @@
-"""A Hugging Face config.json on disk -> ModelConfig (Llama / Mistral, Mixtral, GPT-2, GPT-NeoX).
+"""A Hugging Face config.json on disk -> ModelConfig (Llama / Mistral, Mixtral, GPT-2, GPT-NeoX), and a MoE latent
+size (moe_latent_size, NemotronH's key) where the file gives one.
 
 Reads the JSON only: no download, no `transformers`. The architecture comes from the file; what
 is a choice of the training run -- the sequence length, the attention kernel, the fusions, the
@@ -93,6 +94,8 @@ def model_config_from_hf(path: str | Path, base: ModelConfig) -> ModelConfig:
         return value
 
     fields = FAMILIES[model_type](data, get)
+    if data.get("moe_latent_size") is not None:  # latent MoE, as NemotronH's config.json names it (megatron's name too)
+        fields["moe_latent_size"] = get("moe_latent_size")
     name = str(data.get("_name_or_path") or Path(path).resolve().parent.name or model_type)
     kept = {key: getattr(base, key) for key in RUN_CHOICES}
     return ModelConfig(name=name, **fields, **kept)

@@ -53,6 +53,7 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 
         moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
         moe_layer_freq=cfg.moe_layer_freq if isinstance(cfg.moe_layer_freq, int) else list(cfg.moe_layer_freq),
         moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+        moe_latent_size=cfg.moe_latent_size,
         moe_router_num_groups=cfg.moe_router_num_groups,
         moe_router_group_topk=cfg.moe_router_group_topk,
         moe_grouped_gemm=False,
