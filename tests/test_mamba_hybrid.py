@@ -4,7 +4,12 @@ written, and the shipped Nemotron-H 56B planned."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+from pathlib import Path
+
 import pytest
+import torch
 
 from nest_megatron import api
 from nest_megatron.config.load import load
@@ -13,8 +18,13 @@ from nest_megatron.config.schema import ModelConfig
 from nest_megatron.cost.activations import layer_activation_terms
 from nest_megatron.cost.flops import megatron_model_flops
 from nest_megatron.errors import NestError
+from nest_megatron.integrations.overrides import uneven_layout
+from nest_megatron.launch.changes import flag_reasons
+from nest_megatron.launch.megatron_rules import argv_split, argv_vpp, violations
+from nest_megatron.launch.rewrite import rewrite
 from nest_megatron.model.kinds import LayerKind
 from nest_megatron.model.spec import ModelSpec
+from nest_megatron.parallel.layout import as_chunks
 
 MAMBA = LayerKind("mamba", "none")
 # h 256 and Mamba head 64: d_inner = 2 x 256 = 512, 8 heads; 8 groups of state 128.
@@ -78,9 +88,6 @@ def test_mamba_activations_by_hand():
     # TP 2 leaves 4 heads a rank: CP 8 cannot split them
     (["plan.tp=2", "plan.cp=8", "cluster.num_devices=16", "plan.dp=1", "plan.pp=1"],
      r"plan.cp=8: must divide the 4 Mamba heads of a TP rank"),
-    (["plan.tp=1", "plan.pp=2", "plan.vpp=2", "plan.dp=4"], r"plan.vpp=2: a hybrid pattern .* without virtual stages"),
-    (["plan.tp=1", "plan.pp=2", "plan.dp=4", "plan.decoder_first_pipeline_num_layers=1"],
-     r"plan.decoder_first_pipeline_num_layers: a hybrid pattern splits evenly"),
 ])
 def test_megatron_core_s_mamba_rules(keys, message):
     with pytest.raises(NestError, match=message):
@@ -92,6 +99,9 @@ def test_megatron_core_s_mamba_rules(keys, message):
 @pytest.mark.parametrize("keys, message", [
     (["model.hybrid_layer_pattern=M*G-"], r"'G' is no layer the planner prices; allowed are M \(Mamba\)"),
     (["model.hybrid_layer_pattern=M*-"], r"has 3 layers but model.num_layers=4"),
+    (["model.hybrid_layer_pattern='M*|M-'"], r"^model.hybrid_layer_pattern: '\|' cuts the layers into pipeline stages, "
+                                             r"which is the plan's split; give the layers alone and "
+                                             r"plan.layers_per_stage=\[2, 2\]$"),
     (["model.hybrid_layer_pattern=M*E-"], r"'E' layers and model.num_experts go together"),
     (["model.mamba_num_groups=3"], r"model.mamba_num_groups=3: must divide the 8 Mamba heads"),
 ])
@@ -124,3 +134,118 @@ def test_nemotron_h_56b_has_its_56_billion_parameters_and_plans():
     plan = api.plan(["model=nemotron_h_56b", "cluster=dgx_h100_superpod", "cluster.num_devices=256"])
     assert "--hybrid-layer-pattern" in plan.megatron_args and plan.parallel["vpp"] == 1
     assert 8 % plan.parallel["tp"] == 0  # megatron-core splits the 8 groups (and 256 heads) over TP
+
+
+# The split of a hybrid stack is '|' segments of its pattern, segment k*pp + r rank r's k-th virtual stage
+# (Megatron-LM d98e8a6 megatron/core/models/hybrid/hybrid_layer_allocation.py:458-470).
+@pytest.mark.parametrize("keys, pattern", [
+    # even at pp 2: two layers a rank
+    (["plan.pp=2", "plan.dp=4"], "M*|M-"),
+    # pp 2 x vpp 2, a layer a chunk: chunks 0, 2 on rank 0 ('M', 'M'), chunks 1, 3 on rank 1 ('*', '-')
+    (["plan.pp=2", "plan.vpp=2", "plan.dp=4"], "M|*|M|-"),
+    # the first rank holds one layer, the last the other three
+    (["plan.pp=2", "plan.dp=4", "plan.decoder_first_pipeline_num_layers=1"], "M|*M-"),
+    # a split of pp*vpp chunks as given, an empty one too
+    (["plan.pp=2", "plan.dp=4", "plan.layers_per_stage=[0,1,2,1]"], "|M|*M|-"),
+])
+def test_a_hybrid_split_is_written_as_segments_of_the_pattern(keys, pattern):
+    plan = api.evaluate([*TINY_KEYS, "plan.tp=1", *keys])
+    args = plan.megatron_args
+    assert args[args.index("--hybrid-layer-pattern") + 1] == pattern
+    # Megatron-LM takes no other split or virtual-stage flag beside a hybrid pattern (arguments.py:814-838)
+    assert not {"--num-virtual-stages-per-pipeline-rank", "--decoder-first-pipeline-num-layers",
+                "--pipeline-model-parallel-layout"} & set(args)
+    assert violations(args, world_size=8) == []
+    # read back: the model's layers without the '|', the split and its virtual stages from the segments
+    s = scan(args)
+    assert model_values(s)["hybrid_layer_pattern"] == "M*M-"
+    segments = tuple(len(x) for x in pattern.split("|"))
+    assert argv_vpp(s, pp=2, num_layers=4) == len(segments) // 2
+    assert argv_split(args, world_size=8) == (segments if len(set(segments)) > 1 else None)
+
+
+BASE = ("--num-layers 4 --hidden-size 256 --num-attention-heads 16 --seq-length 128 --vocab-size 1024 "
+        "--micro-batch-size 1 --global-batch-size 64 --pipeline-model-parallel-size 2").split()
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--hybrid-layer-pattern", "M*|M-", "--num-virtual-stages-per-pipeline-rank", "2"],
+     "--num-virtual-stages-per-pipeline-rank with --hybrid-layer-pattern: Megatron-LM takes a hybrid stack's split and "
+     "virtual stages only from '|' segments of the pattern (e.g. 'M*M-|M*M-' at pp 2); drop "
+     "--num-virtual-stages-per-pipeline-rank"),
+    (["--hybrid-layer-pattern", "M*M-", "--account-for-loss-in-pipeline-split"],
+     "--account-for-loss-in-pipeline-split with --hybrid-layer-pattern: Megatron-LM takes a hybrid stack's split and "
+     "virtual stages only from '|' segments of the pattern (e.g. 'M*M-|M*M-' at pp 2); drop "
+     "--account-for-loss-in-pipeline-split"),
+    (["--hybrid-layer-pattern", "M|*M-", "--decoder-first-pipeline-num-layers", "1"],
+     "--decoder-first-pipeline-num-layers with '|' segments in --hybrid-layer-pattern: the segments already give the "
+     "split; drop one of them"),
+    (["--hybrid-layer-pattern", "M|*|M-"],
+     "--hybrid-layer-pattern has 3 '|' segments: must be a multiple of --pipeline-model-parallel-size 2 (segment "
+     "k*pp + r is rank r's k-th virtual stage)"),
+])
+def test_megatron_lm_s_hybrid_split_rules_on_an_argv(extra, line):
+    assert violations([*BASE, *extra], world_size=8)[0] == line
+    # a pattern without pipes splits by the first / last counts at pp > 1 (hybrid_layer_allocation.py:403-430)
+    assert violations([*BASE, "--hybrid-layer-pattern", "M*M-", "--decoder-first-pipeline-num-layers", "1"],
+                      world_size=8) == []
+
+
+def test_nemotron_h_56b_pipelines_over_4_stages_unevenly():
+    """118 layers do not split evenly over 4 stages (Megatron-LM's even split refuses them: 118 % 4 = 2); the plan
+    cuts the pattern into 4 segments of whole layers, each no more than the even share rounded up (30)."""
+    plan = api.plan(["model=nemotron_h_56b", "cluster=dgx_h100_superpod", "cluster.num_devices=256", "plan.pp=4",
+                     "plan.vpp=1"])
+    args = plan.megatron_args
+    written = args[args.index("--hybrid-layer-pattern") + 1]
+    segments = written.split("|")
+    assert len(segments) == 4 and "".join(segments) == load(["model=nemotron_h_56b"]).config.model.hybrid_layer_pattern
+    assert sum(map(len, segments)) == 118 and max(map(len, segments)) <= 30 + 2  # the DP weighs kinds, not counts
+    assert violations(args, world_size=256) == []
+
+
+def test_a_launch_cuts_the_user_s_pattern_where_the_plan_splits():
+    user = [*BASE[:-2], "--hybrid-override-pattern", "M*M-"]  # megatron-core 0.16.1's spelling, no split
+    plan = api.evaluate([*TINY_KEYS, "plan.tp=1", "plan.pp=2", "plan.dp=4", "plan.decoder_first_pipeline_num_layers=1"])
+    final = rewrite(user, plan)
+    assert "--hybrid-override-pattern" not in final and final.count("--hybrid-layer-pattern") == 1
+    assert final[final.index("--hybrid-layer-pattern") + 1] == "M|*M-"
+    reasons = flag_reasons(plan.megatron_args, user)
+    assert reasons["--hybrid-override-pattern"].startswith("megatron-core 0.16.1's spelling")
+
+
+def test_nemo_and_bridge_overrides_refuse_a_hybrid_split_they_cannot_carry():
+    plan = api.evaluate([*TINY_KEYS, "plan.tp=1", "plan.pp=2", "plan.dp=4", "plan.decoder_first_pipeline_num_layers=1"])
+    with pytest.raises(NestError, match=r"^the plan splits the hybrid stack into '\|' segments of \[1, 3\] layers "
+                                        r"\(pp=2, vpp=1\), which NeMo / Megatron-Bridge overrides do not carry"):
+        uneven_layout(plan)
+    # the even split at vpp 1 is the recipe's own pattern split by pp: nothing to carry
+    assert uneven_layout(api.evaluate([*TINY_KEYS, "plan.tp=1", "plan.pp=2", "plan.dp=4"])) is None
+
+
+MEGATRON_LM = os.environ.get("MEGATRON_LM_ROOT")
+
+
+@pytest.mark.skipif(not MEGATRON_LM, reason="MEGATRON_LM_ROOT is not set (a Megatron-LM checkout; it is not on PyPI)")
+@pytest.mark.parametrize("keys", [["plan.pp=2", "plan.vpp=2"], ["plan.pp=2", "plan.layers_per_stage=[0,1,2,1]"],
+                                  ["plan.pp=2", "plan.decoder_first_pipeline_num_layers=1"]])
+def test_megatron_lm_builds_each_rank_s_segment_as_planned(keys, monkeypatch):
+    """Megatron-LM's own select_pipeline_segment (its file loaded alone; the installed megatron-core gives it the
+    logging helpers, silenced) hands each rank and virtual stage the layers the plan put in that chunk."""
+    spec = importlib.util.spec_from_file_location(
+        "megatron_lm_hybrid", Path(MEGATRON_LM) / "megatron/core/models/hybrid/hybrid_layer_allocation.py")
+    allocation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(allocation)
+    monkeypatch.setattr(allocation, "log_on_each_pipeline_stage", lambda *a, **k: None)
+    monkeypatch.setattr(allocation, "log_single_rank", lambda *a, **k: None)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: group[0])  # group: (rank, size)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: group[1])
+    plan = api.evaluate([*TINY_KEYS, "plan.tp=1", "plan.dp=4", *keys])
+    args = plan.megatron_args
+    pattern, pp, vpp = args[args.index("--hybrid-layer-pattern") + 1], plan.parallel["pp"], plan.parallel["vpp"]
+    chunks, order = as_chunks(tuple(plan.layers_per_stage), pp=pp, vpp=vpp), "M*M-"
+    for chunk, layers in enumerate(chunks):
+        rank, stage = chunk % pp, chunk // pp
+        offset = sum(chunks[:chunk])
+        built = allocation.select_pipeline_segment(pattern, (rank, pp), stage if vpp > 1 else None)
+        assert built == (list(order[offset:offset + layers]), offset)

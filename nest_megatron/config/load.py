@@ -56,7 +56,7 @@ from nest_megatron.model.spec import (
     OptimizerDtypes,
 )
 from nest_megatron.parallel.config import CP_COMM_TYPES, RANK_ORDERS, RECOMPUTE_KINDS, RECOMPUTE_MODULES, ZERO_STAGES
-from nest_megatron.parallel.layout import EXCLUSIONS, SplitForm, excluded_pair, form_vpp, layout_problem
+from nest_megatron.parallel.layout import EXCLUSIONS, SplitForm, excluded_pair, form_vpp, layout_problem, pattern_chunks
 from nest_megatron.parallel.rules import model_violation
 from nest_megatron.solver.registry import SOLVERS
 from nest_megatron.solver.visit import MAX_JOBS
@@ -465,14 +465,17 @@ def _check_model(m: ModelConfig) -> None:
 
 
 def _check_hybrid(m: ModelConfig) -> None:
-    """A hybrid stack: one of megatron-core's symbols a layer (M, *, -, E; '|' segments and '/' MTP depths are not
-    planned), the MoE flags only with 'E' layers, the Mamba sizes megatron-core asserts (0.16.1 ssm/mamba_mixer.py:250-262);
+    """A hybrid stack: one of megatron-core's symbols a layer (M, *, -, E; '|' segments are the plan's split, '/' MTP
+    depths are not planned), the MoE flags only with 'E' layers, the Mamba sizes megatron-core asserts (0.16.1 ssm/mamba_mixer.py:250-262);
     what the planner prices of it: Transformer Engine's spec, the analytic source, no MLA, no MTP."""
     pattern = m.hybrid_layer_pattern
+    if "|" in pattern:  # Megatron-LM's split of the pattern (parallel/layout.py PIPE): the plan's, not the model's
+        raise NestError(f"model.hybrid_layer_pattern: '|' cuts the layers into pipeline stages, which is the plan's "
+                        f"split; give the layers alone and plan.layers_per_stage={list(pattern_chunks(pattern))}")
     wrong = [symbol for symbol in dict.fromkeys(pattern) if symbol not in HYBRID_KINDS]
     if wrong:
         raise NestError(f"model.hybrid_layer_pattern: '{wrong[0]}' is no layer the planner prices; allowed are M "
-                        "(Mamba), * (attention), - (MLP), E (MoE), one a layer ('|' segments, '/' MTP are not planned)")
+                        "(Mamba), * (attention), - (MLP), E (MoE), one a layer ('/' MTP depths are not planned)")
     if len(pattern) != m.num_layers:
         raise NestError(f"model.hybrid_layer_pattern has {len(pattern)} layers but model.num_layers={m.num_layers}: "
                         "one symbol a layer")

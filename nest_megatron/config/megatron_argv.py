@@ -42,7 +42,7 @@ MODEL_FLAGS: dict[str, tuple[str, str, object]] = {
     "--make-vocab-size-divisible-by": ("make_vocab_size_divisible_by", "int", 128),
     "--padded-vocab-size": ("padded_vocab_size", "int", None),
     # A hybrid stack (arguments.py:3652 at d98e8a6; megatron-core 0.16.1's --hybrid-override-pattern, core_v0.16.1
-    # arguments.py:2828, is read as it: _hybrid_pattern) and its Mamba mixer (TransformerConfig's mamba_* fields)
+    # arguments.py:2828, is read as it: argv_hybrid_pattern) and its Mamba mixer (TransformerConfig's mamba_* fields)
     "--hybrid-layer-pattern": ("hybrid_layer_pattern", "str", None),
     "--mamba-state-dim": ("mamba_state_dim", "int", 128),
     "--mamba-head-dim": ("mamba_head_dim", "int", 64),
@@ -182,6 +182,10 @@ PLANNER_FLAGS: dict[str, str] = {
     # one per layer): the plan emits the one it priced with CP > 1; the argv's is a constraint
     # (launch/constraints.py), so the plan's equals it
     "--cp-comm-type": "list",
+    # a hybrid stack's pattern: its '|' segments are the layer split (emit/megatron.py split_args), so the plan's
+    # replaces the argv's, the same layers cut where the plan cuts them
+    "--hybrid-layer-pattern": "str",
+    "--hybrid-override-pattern": "str",
 }
 
 KNOWN_FLAGS: dict[str, str] = {
@@ -347,8 +351,9 @@ def tokenizer_vocab(s: Scanned) -> int | None:
 MAX_PATTERN = 2**14  # entries of a --moe-layer-freq list: config/load.py's MAX_LAYERS
 
 
-def _hybrid_pattern(s: Scanned) -> str | None:
-    """--hybrid-layer-pattern, or megatron-core 0.16.1's --hybrid-override-pattern (one of them: arguments.py:745-748)."""
+def argv_hybrid_pattern(s: Scanned) -> str | None:
+    """--hybrid-layer-pattern, or megatron-core 0.16.1's --hybrid-override-pattern (one of them: arguments.py:745-748),
+    as written: its '|' segments are the layer split (parallel/layout.py PIPE)."""
     new, old = s.get("--hybrid-layer-pattern"), s.get("--hybrid-override-pattern")
     if new is not None and old is not None:
         raise NestError("--hybrid-layer-pattern and --hybrid-override-pattern: one pattern; Megatron asserts it, give "
@@ -439,8 +444,11 @@ def model_values(argv: list[str] | Scanned, *, name: str = "megatron_argv", fami
     values = {key: (s.has(flag) if kind == "true" else not s.has(flag) if kind == "false" else s.get(flag, default))
               for flag, (key, kind, default) in MODEL_FLAGS.items()}
     values.update(num_layers=_required(s, "--num-layers"), seq_length=_required(s, "--seq-length"), name=name, family=family)
-    values["hybrid_layer_pattern"] = _hybrid_pattern(s)
-    if values["hybrid_layer_pattern"] is not None:  # Megatron counts the layers of the pattern (arguments.py:787-797)
+    pattern = argv_hybrid_pattern(s)
+    # the model's layers, without the split's '|' (parallel/layout.py PIPE); Megatron counts the layers of the pattern
+    # (arguments.py:787-797)
+    values["hybrid_layer_pattern"] = pattern.replace("|", "") if pattern is not None else None
+    if pattern is not None:
         values["num_layers"] = len(values["hybrid_layer_pattern"])
 
     gqa = s.has("--group-query-attention")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from nest_megatron.cost.tables import chunk_split
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import DEFAULT_RECOMPUTE_MODULES, ParallelConfig
-from nest_megatron.parallel.layout import ACCOUNT_FIELDS, EVEN, FIRST_LAST_FIELDS, flag_of, simplest_form
+from nest_megatron.parallel.layout import ACCOUNT_FIELDS, EVEN, FIRST_LAST_FIELDS, flag_of, piped_pattern, simplest_form
 
 # How each ZeRO stage is realised in Megatron-LM. ZeRO-3 builds the model on the meta device and lets
 # Megatron-FSDP materialise only each rank's shard (training.py get_model); else every rank first
@@ -102,9 +102,9 @@ def model_args(model: ModelSpec, *, tp: int) -> list[str]:
             args += ["--window-attn-skip-freq", str(m.window_attn_skip_freq)]
     if m.softmax_type != "vanilla":  # Megatron's default; the others decide which CP exchange runs (parallel/rules.py)
         args += ["--softmax-type", m.softmax_type]
-    if m.hybrid_layer_pattern:  # a MambaModel (pretrain_mamba.py): its pattern and the Mamba mixer's sizes
-        args += ["--hybrid-layer-pattern", m.hybrid_layer_pattern, "--mamba-state-dim", str(m.mamba_state_dim),
-                 "--mamba-head-dim", str(m.mamba_head_dim), "--mamba-num-groups", str(m.mamba_num_groups)]
+    if m.hybrid_layer_pattern:  # a MambaModel (pretrain_mamba.py): the Mamba mixer's sizes (its pattern: split_args)
+        args += ["--mamba-state-dim", str(m.mamba_state_dim), "--mamba-head-dim", str(m.mamba_head_dim),
+                 "--mamba-num-groups", str(m.mamba_num_groups)]
         if m.mamba_num_heads:
             args += ["--mamba-num-heads", str(m.mamba_num_heads)]
     if m.untie_embeddings_and_output_weights:
@@ -165,12 +165,20 @@ def moe_layer_freq_arg(freq) -> str:
 
 
 def split_args(cfg: ParallelConfig, *, num_layers: int, layers_per_stage: tuple[int, ...] | None,
-               mtp_num_layers: int = 0) -> list[str]:
+               mtp_num_layers: int = 0, hybrid_pattern: str | None = None) -> list[str]:
     """The simplest Megatron flags for the layer split (parallel.layout.simplest_form): none for the even split,
     --account-for-embedding/loss-in-pipeline-split, --decoder-first/last-pipeline-num-layers, else
     --pipeline-model-parallel-layout; --num-virtual-stages-per-pipeline-rank beside any but a layout, which sets
-    the virtual stages itself (Megatron takes no other virtual-stage flag with it: arguments.py:928-939)."""
+    the virtual stages itself (Megatron takes no other virtual-stage flag with it: arguments.py:928-939).
+    A hybrid stack says its split, even or not, as '|' segments of its --hybrid-layer-pattern, the only way
+    Megatron-LM takes one with virtual stages and the one it asks for with pp > 1 (a pattern without them is
+    deprecated there: hybrid_layer_allocation.py:393-401)."""
     chunks = chunk_split(cfg, layers_per_stage) if layers_per_stage else None
+    if hybrid_pattern is not None:
+        if cfg.pp == 1:
+            return ["--hybrid-layer-pattern", hybrid_pattern]
+        chunks = chunks or (num_layers // (cfg.pp * cfg.vpp),) * (cfg.pp * cfg.vpp)
+        return ["--hybrid-layer-pattern", piped_pattern(hybrid_pattern, chunks)]
     form = (simplest_form(chunks, num_layers=num_layers, pp=cfg.pp, mtp_num_layers=mtp_num_layers)
             if chunks and cfg.pp > 1 else EVEN)
     if form.pipeline_model_parallel_layout is not None:
@@ -220,7 +228,7 @@ def parallel_args(
         if tp_comm_overlap and cfg.tp > 1:  # only with sequence parallel (Megatron-LM arguments.py:1441-1442)
             args.append("--tp-comm-overlap")
     args += split_args(cfg, num_layers=model.cfg.num_layers, layers_per_stage=layers_per_stage,
-                       mtp_num_layers=model.cfg.mtp_num_layers or 0)
+                       mtp_num_layers=model.cfg.mtp_num_layers or 0, hybrid_pattern=model.cfg.hybrid_layer_pattern)
     if cfg.cp > 1 or cfg.cp_comm_type != "p2p":  # the exchange the cost model priced (Megatron's default: p2p)
         args += ["--cp-comm-type", cfg.cp_comm_type]
     if cfg.order == "tp-cp-ep-pp-dp":

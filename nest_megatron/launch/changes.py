@@ -18,6 +18,7 @@ from nest_megatron.errors import NestError
 from nest_megatron.hardware.accelerator import GIB
 from nest_megatron.launch.megatron_rules import argv_split, name_flags, violations
 from nest_megatron.launch.rewrite import DISPATCHER, DISPATCHER_FLAG_NAMES, PIN_FLAGS, pinned_values
+from nest_megatron.parallel.layout import PIPE, pattern_chunks
 from nest_megatron.plan import Plan
 from nest_megatron.profile.for_plan import profiled_problem
 from nest_megatron.solver.space import evaluate_config
@@ -93,6 +94,13 @@ def flag_reasons(plan_args: list[str], user: list[str]) -> dict[str, str]:
             out[flag] = f"the plan prices the {name} dispatcher's traffic"
         if dispatcher == "flex":
             out["--moe-enable-deepep"] = "megatron-core's deprecated spelling: the plan gives --moe-flex-dispatcher-backend"
+    pattern = planned.get("--hybrid-layer-pattern")
+    if pattern is not None and given.has("--hybrid-override-pattern"):
+        out["--hybrid-override-pattern"] = "megatron-core 0.16.1's spelling: the plan writes --hybrid-layer-pattern"
+        out["--hybrid-layer-pattern"] = "the same layers, cut by '|' where the plan splits them over its stages"
+    elif pattern is not None and PIPE not in given.get("--hybrid-layer-pattern", PIPE) and len(set(pattern_chunks(pattern))) == 1:
+        out["--hybrid-layer-pattern"] = ("the same even split, said by '|' segments (Megatron-LM deprecates a pattern "
+                                         "without them at pp > 1: hybrid_layer_allocation.py:393-399)")
     if planned.has("--moe-grouped-gemm"):  # the argv's own stands (launch/rewrite.py): only added, never changed
         out["--moe-grouped-gemm"] = ("the plan prices each stage's experts as one grouped GEMM (Transformer Engine's "
                                      "TEGroupedMLP); without it Megatron runs them one expert at a time")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from nest_megatron.config.megatron_argv import Scanned, scan
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.errors import NestError
-from nest_megatron.launch.megatron_rules import argv_form, argv_vpp
+from nest_megatron.launch.megatron_rules import argv_form, argv_segments, argv_vpp
 from nest_megatron.launch.rewrite import pin_overrides
 from nest_megatron.parallel.config import CP_COMM_TYPES
 from nest_megatron.parallel.layout import ACCOUNT_FIELDS, EVEN, FIRST_LAST_FIELDS, LAYOUT_FIELD, flag_of
@@ -146,6 +146,9 @@ def _kept_split(s: Scanned, model: ModelConfig, *, even: bool) -> list[str]:
     form = argv_form(s)
     if pp == 1:
         return []
+    segments = argv_segments(s)
+    if segments is not None:  # a hybrid pattern's '|' segments: its chunks (their count / pp its virtual stages)
+        return [f"plan.layers_per_stage=[{','.join(map(str, segments))}]"] if len(segments) % pp == 0 else []
     if form != EVEN:
         return [f"plan.{name}={'true' if name in ACCOUNT_FIELDS else getattr(form, name)}" for name in form.given]
     vpp = argv_vpp(s, pp=pp, num_layers=model.num_layers)
@@ -184,6 +187,6 @@ def argv_constraints(argv: list[str], user: list[str], *, model: ModelConfig, pi
     decided = user_keys | _keys([item for c in out for item in c.overrides])
     split = _kept_split(s, model, even=False) if "pp" in pinned and not decided & SPLIT_KEYS else []
     if split:
-        flags = ", ".join(flag_of(name) for name in argv_form(s).given)
+        flags = ", ".join(flag_of(name) for name in argv_form(s).given) or "'|' segments of --hybrid-layer-pattern"
         out.append(Constraint(split, f"pinned pp with the argv's layer split ({flags})"))
     return out

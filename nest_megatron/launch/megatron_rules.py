@@ -16,7 +16,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from nest_megatron.config.megatron_argv import FLAG_OF_KEY, Scanned, model_values, scan
+from nest_megatron.config.megatron_argv import FLAG_OF_KEY, Scanned, argv_hybrid_pattern, model_values, scan
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.errors import NestError
 from nest_megatron.model.spec import ModelSpec, Numerics
@@ -27,15 +27,18 @@ from nest_megatron.parallel.layout import (
     EXCLUSIONS,
     FIRST_LAST_FIELDS,
     LAYOUT_FIELD,
+    PIPE,
     SplitForm,
     chunk_layers,
     excluded_pair,
     flag_of,
     form_problem,
     form_vpp,
+    pattern_chunks,
 )
 from nest_megatron.parallel.rules import (
     DPA,
+    MC,
     MEGATRON_LM_COMMIT,
     MODEL_RULES,
     RULES,
@@ -144,10 +147,20 @@ def argv_form(s: Scanned) -> SplitForm:
     return EVEN if form == EVEN else form
 
 
+def argv_segments(s: Scanned) -> tuple[int, ...] | None:
+    """The layers of each '|' segment of the argv's hybrid pattern (parallel/layout.py PIPE); None without them."""
+    pattern = argv_hybrid_pattern(s)
+    return pattern_chunks(pattern) if pattern is not None and PIPE in pattern else None
+
+
 def argv_vpp(s: Scanned, *, pp: int, num_layers: int) -> int:
     """Virtual stages per pipeline rank as Megatron-LM reads them from the flags (arguments.py:941-977: a layout's
     stages / pp; layers per virtual stage as (num_layers + the embedding and loss counted) / pp / that number; or
-    the count itself); 1 where the flags are broken (other rules say how)."""
+    the count itself; a hybrid pattern's segments / pp, arguments.py:840-858); 1 where the flags are broken (other
+    rules say how)."""
+    segments = argv_segments(s)
+    if segments is not None:
+        return len(segments) // pp if len(segments) % pp == 0 else 1
     form = argv_form(s)
     if form.pipeline_model_parallel_layout is not None:
         vpp = form_vpp(form, pp=pp)
@@ -172,6 +185,9 @@ def argv_split(argv: list[str], *, world_size: int, model: ModelConfig | None = 
     s = scan(argv)
     m = model or ModelConfig(**model_values(s, vocab_size=s.get("--vocab-size", 1)))
     pp = s.get("--pipeline-model-parallel-size", 1)
+    segments = argv_segments(s)
+    if segments is not None:  # a hybrid stack's '|' segments are its chunks
+        return segments if len(segments) % pp == 0 and len(set(segments)) > 1 else None
     form, vpp = argv_form(s), argv_vpp(s, pp=pp, num_layers=m.num_layers)
     if form == EVEN or form_problem(form, num_layers=m.num_layers, pp=pp, vpp=vpp,
                                     mtp_num_layers=m.mtp_num_layers) is not None:
@@ -179,6 +195,37 @@ def argv_split(argv: list[str], *, world_size: int, model: ModelConfig | None = 
     if any(excluded_pair(form, one, other) for _, one, other, _ in EXCLUSIONS):
         return None
     return chunk_layers(form, num_layers=m.num_layers, pp=pp, vpp=vpp)
+
+
+# What Megatron-LM refuses beside a hybrid pattern: the split and the virtual stages come from its '|' segments
+HYBRID_REFUSED = (*VIRTUAL_FLAGS, *(flag_of(name) for name in ACCOUNT_FIELDS))
+
+
+def _hybrid_split_flags(launch: Launch):
+    """A hybrid pattern takes no virtual-stage flag, layout or embedding / loss accounting: its pipe segments say them."""
+    if argv_hybrid_pattern(launch.s) is None:
+        return None
+    given = next((flag for flag in HYBRID_REFUSED if launch.s.has(flag)), None)
+    if given:
+        return (f"{given} with --hybrid-layer-pattern: Megatron-LM takes a hybrid stack's split and virtual stages "
+                f"only from '|' segments of the pattern (e.g. 'M*M-|M*M-' at pp 2); drop {given}")
+
+
+def _hybrid_pipes_first_last(launch: Launch):
+    """A hybrid pattern's pipe segments exclude first / last stage layers (a pattern without them may take those)."""
+    if argv_segments(launch.s) is not None:
+        given = next((flag_of(name) for name in FIRST_LAST_FIELDS if launch.s.has(flag_of(name))), None)
+        if given:
+            return (f"{given} with '|' segments in --hybrid-layer-pattern: the segments already give the split; "
+                    "drop one of them")
+
+
+def _hybrid_segments(launch: Launch):
+    """A hybrid pattern's pipe segments are a multiple of pp (each rank the same number of virtual stages)."""
+    segments = argv_segments(launch.s)
+    if segments is not None and len(segments) % launch.pp:
+        return (f"--hybrid-layer-pattern has {len(segments)} '|' segments: must be a multiple of "
+                f"--pipeline-model-parallel-size {launch.pp} (segment k*pp + r is rank r's k-th virtual stage)")
 
 
 def _world_divisible(launch: Launch):
@@ -434,6 +481,10 @@ ARGV_RULES = (
     Rule("world-divisible", f"{ARGS}:432", _world_divisible),
     Rule("virtual-flags", f"nest: {ARGS}:940-977 reads one and ignores the others", _virtual_flags),
     *(Rule(rule_id, source, _exclusion(rule_id, one, other)) for rule_id, one, other, source in EXCLUSIONS),
+    Rule("hybrid-split-flags", f"{ARGS}:814-838", _hybrid_split_flags),
+    Rule("hybrid-pipes-first-last", f"{ARGS}:802-813; {MC}models/hybrid/hybrid_layer_allocation.py:377-383",
+         _hybrid_pipes_first_last),
+    Rule("hybrid-segments", f"{ARGS}:848-855; {MC}models/hybrid/hybrid_layer_allocation.py:458-465", _hybrid_segments),
     Rule("per-virtual-uneven", f"{ARGS}:954-956", _per_virtual_uneven),
     Rule("per-virtual-divides", f"{ARGS}:957-975", _per_virtual_divides),
     Rule("vpp-p2p-overlap", f"{ARGS}:1006", _vpp_p2p_overlap),
@@ -506,7 +557,8 @@ def violations(argv: list[str], *, world_size: int) -> list[str]:
     # flags spell. The FP8 recipe Transformer Engine's shape rules depend on (Megatron's default recipe: delayed).
     numerics = Numerics(fp8_recipe=s.get("--fp8-recipe", "delayed") if s.has("--fp8-format") else None)
     rule = violation(cfg, model=ModelSpec(m, numerics=numerics), num_devices=world_size, global_batch_size=gbs,
-                     tp_comm_overlap=s.present("--tp-comm-overlap"), form=launch.form)
+                     tp_comm_overlap=s.present("--tp-comm-overlap"), form=launch.form,
+                     layers_per_stage=argv_segments(s))  # a hybrid pattern's segments: a given split
     if rule and name_flags(rule) not in out:
         out.append(name_flags(rule))
     return out

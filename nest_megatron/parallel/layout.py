@@ -35,6 +35,7 @@ uneven splits with virtual stages (solver/README.md).
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, fields
 from functools import lru_cache
@@ -263,6 +264,24 @@ def as_chunks(split: tuple[int, ...], *, pp: int, vpp: int) -> tuple[int, ...]:
         raise ValueError(f"layers_per_stage={list(split)}: pp={pp} or pp*vpp={pp * vpp} entries")
     per_rank = [[n // vpp + (k < n % vpp) for k in range(vpp)] for n in split]
     return tuple(per_rank[c % pp][c // pp] for c in range(pp * vpp))
+
+
+# A hybrid (Mamba) stack's split: its pattern cut by '|' into pp*vpp segments, segment k*pp + r the k-th virtual
+# stage of rank r (megatron/core/models/hybrid/hybrid_layer_allocation.py:331-490 select_pipeline_segment at
+# d98e8a6; an empty segment is an empty stage). Megatron-LM derives the virtual stages from the segments and takes
+# no other split or virtual-stage flag beside them (training/arguments.py:800-858).
+PIPE = "|"
+
+
+def piped_pattern(pattern: str, chunks: tuple[int, ...]) -> str:
+    """`pattern` (one symbol a layer) cut into the chunks' segments."""
+    bounds = [0, *itertools.accumulate(chunks)]
+    return PIPE.join(pattern[a:b] for a, b in zip(bounds, bounds[1:]))
+
+
+def pattern_chunks(text: str) -> tuple[int, ...]:
+    """The layers of each '|' segment of a hybrid pattern (one entry for a pattern without pipes)."""
+    return tuple(len(segment) for segment in text.split(PIPE))
 
 
 def rank_layers(chunks: tuple[int, ...], *, pp: int) -> list[int]:

@@ -179,21 +179,6 @@ def _mamba_cp(c: Case):
                 f"{groups} groups")
 
 
-def _hybrid_split(c: Case):
-    """A hybrid pattern splits evenly over the pipeline, without virtual stages: Megatron takes virtual stages
-    only from '|' segments in the pattern and refuses the embedding / loss accounting and a layout with it; the
-    planner writes no segments (nest)."""
-    if not c.model.cfg.hybrid_layer_pattern:
-        return None
-    cfg, layers = c.cfg, c.model.cfg.num_layers
-    if cfg.vpp > 1:
-        return f"plan.vpp={cfg.vpp}: a hybrid pattern (model.hybrid_layer_pattern) runs without virtual stages"
-    if c.form.given:
-        return f"plan.{c.form.given[0]}: a hybrid pattern splits evenly over the pipeline; drop it"
-    if layers % cfg.pp or c.layers_per_stage is not None and len(set(c.layers_per_stage)) > 1:
-        return f"plan.pp={cfg.pp}: a hybrid pattern of {layers} layers splits evenly over the pipeline ({layers} % pp = 0)"
-
-
 def _mamba_fp8(c: Case):
     """With FP8, a Mamba mixer's in_proj output (2 d_inner + 2 groups x state + heads) is a multiple of 16."""
     if c.model.has_mamba and c.model.numerics.fp8_recipe and c.model.mamba_in_proj_width % 16:
@@ -631,7 +616,6 @@ RULES = (
          "KV heads, which the cost model does not price)", _tp_query_groups),
     Rule("mamba-tp", f"{MC}ssm/mamba_mixer.py:262, 270", _mamba_tp),
     Rule("mamba-cp", f"{MC}ssm/mamba_context_parallel.py:108, 122, 129", _mamba_cp),
-    Rule("hybrid-split", f"{ARGS}:813-837, 844-847; nest: no '|' segments, an even split", _hybrid_split),
     Rule("mamba-fp8", f"{MC}ssm/mamba_mixer.py:256", _mamba_fp8),
     Rule("tp-padded-vocab", f"{MC}tensor_parallel/layers.py:268 (VocabParallelEmbedding), "
          f"{MC}tensor_parallel/utils.py:118 (divide)", _tp_padded_vocab),
@@ -683,7 +667,7 @@ RULES = (
 SIZE_RULES = (_fsdp_pp, _fsdp_order, _expert_grid, _etp_ffn, _moe_bias_etp, _order_expert_dp)
 # The rules that read nothing of a configuration but pp, vpp, mbs and dp (and the model, the global batch and the
 # given split): the search drops the (vpp, mbs) pairs they refuse at a (pp, dp) before the rest is enumerated.
-PIPELINE_RULES = (_hybrid_split, _split, _split_virtual, _layout, _account_split, _first_last_split, _uneven_stages,
+PIPELINE_RULES = (_split, _split_virtual, _layout, _account_split, _first_last_split, _uneven_stages,
                   _virtual_split_family, _even_split, _vpp_pp, _global_batch, _fill_pipeline, _interleaved_microbatches)
 
 

@@ -564,12 +564,8 @@ def solve(problem: Problem, solver: SolverConfig, pins: PlanChoice, *, micro_bat
     layers = problem.model.cfg.num_layers
     split_given = pins.layers_per_stage is not None or SplitForm.from_fields(pins) is not EVEN
 
-    hybrid = problem.model.cfg.hybrid_layer_pattern is not None
-
     def split_for(cfg: ParallelConfig) -> tuple[int, ...] | None:  # the pinned split at cfg's pp x vpp
-        if split_given:
-            return pinned_chunks(pins, cfg, num_layers=layers)
-        return balanced_split(layers, cfg.pp) if hybrid else None  # a hybrid pattern splits evenly (hybrid-split)
+        return pinned_chunks(pins, cfg, num_layers=layers) if split_given else None
 
     def solve_at(position: int, cutoff: float) -> Outcome:
         cfg = pending[position][1]
