@@ -13,6 +13,7 @@ import pytest
 from test_shipped_plans_run import broken_rules
 
 from nest_megatron.config.load import load
+from nest_megatron.launch.megatron_rules import violations
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.solver.baselines import total_params
 
@@ -140,7 +141,11 @@ def test_nemotron3_super_plans_on_the_grid_cells(cluster, devices):
                      "train.global_batch_size=4096"])
     argv = plan.megatron_args
     assert argv[argv.index("--moe-latent-size") + 1] == "1024" and "--hybrid-layer-pattern" in argv
-    assert plan.parallel["vpp"] == 1 and 8 % plan.parallel["tp"] == 0  # the hybrid's even split, its 8 Mamba groups
+    assert 8 % plan.parallel["tp"] == 0  # its 8 Mamba groups split over TP
+    # the split is the pattern's '|' segments, one per pipeline chunk, and Megatron-LM's rules take it
+    pattern = argv[argv.index("--hybrid-layer-pattern") + 1]
+    assert pattern.count("|") + 1 == (plan.parallel["pp"] * plan.parallel["vpp"] if plan.parallel["pp"] > 1 else 1)
+    assert violations(argv, world_size=plan.world_size) == []
 
 
 # gpt_oss_120b is left out: megatron-core's local-spec forward of biased experts fails on CPU/meta (an in-place
