@@ -304,8 +304,12 @@ def test_gemm_time_wave_quantisation_and_launch():
     per_wave = 132 * 2 * 128 * 256 * 8192 / 0.75e15
     assert one_wave == close(per_wave + 5e-6)
     assert two_waves == close(2 * per_wave + 5e-6)
-    # a grouped GEMM of 2 experts schedules their 2 x 66 = 132 tiles together: one wave, one launch
+    # a grouped GEMM of 2 experts runs them concurrently on 2 of the 4 streams: 2 x 66 = 132 tiles, one wave, one
+    # launch and tail
     assert rc.gemm_time(Gemm("g", 128 * 33, 256 * 2, 8192, count=2)) == close(per_wave + 5e-6)
+    # 6 experts of 66 tiles: a round of 4 concurrent GEMMs, 264 tiles in 2 waves + 5 us, then the last 2, 132 tiles
+    # in 1 wave + 5 us: 3 waves + 10 us (one launch of all 396 tiles would take 3 waves + 5 us)
+    assert rc.gemm_time(Gemm("g", 128 * 33, 256 * 2, 8192, count=6)) == close(3 * per_wave + 10e-6)
 
 
 def test_gemm_time_memory_bound():

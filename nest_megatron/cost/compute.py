@@ -8,8 +8,8 @@ A GEMM is run by a kernel that tiles its [m, n] output over the streaming multip
 ceil(m / TILE_M) x ceil(n / TILE_N) tiles, one tile per SM at a time, so the kernel takes
 ceil(tiles / SMs) waves of one tile's 2 TILE_M TILE_N k FLOPs each, at the SM's share of the peak.
 A large GEMM reaches the efficiency; a small one, or one whose last wave is nearly empty (wave
-quantisation), less. A grouped GEMM (a device's experts) schedules every group's tiles in one
-launch. Every GEMM and attention kernel also pays a fixed launch and tail time.
+quantisation), less. A grouped GEMM (a device's experts) is one GEMM per expert over a few streams
+(`GROUPED_GEMM_STREAMS`). Every GEMM and attention kernel also pays a fixed launch and tail time.
 """
 
 from __future__ import annotations
@@ -28,6 +28,16 @@ FP8 = 1  # bytes
 # tiles (cutlass/include/cutlass/gemm/collective/builders/sm90_gmma_builder.inl) and what cuBLAS
 # picks for large bf16 / fp8 training GEMMs; large GEMMs are insensitive to it, small ones are not.
 TILE_M, TILE_N = 128, 256
+
+# A grouped GEMM on Hopper is one cuBLAS GEMM per expert, issued round-robin on 4 streams. Transformer Engine's
+# GroupedLinear (Megatron's TEGroupedMLP): general_grouped_gemm (pytorch/cpp_extensions/gemm.py:157-208 at v2.9) ->
+# nvte_multi_tensor_gemm -> multi_stream_cublas_gemm, GEMM i on compute stream i % 4 (common/gemm/cublaslt_gemm.cu
+# :924-965; nvte_multi_stream_cublas_gemm :678-700 at v2.7), 4 streams (common/util/multi_stream.cpp:52-55); its
+# CUTLASS grouped GEMM only with NVTE_USE_CUTLASS_GROUPED_GEMM=1 (cublaslt_gemm.cu:1015-1025 at v2.9), which no
+# priced recipe sets. grouped_gemm's gmm (AutoModel's experts, Megatron's legacy GroupedMLP) does the same on Hopper
+# (fanshiqing/grouped_gemm v1.1.4 csrc/grouped_gemm.cu:16, :274-285, cuBLAS unless built for sm80 :399-402). So the
+# experts run in rounds of 4 concurrent GEMMs, each round its tiles' waves and one launch and tail.
+GROUPED_GEMM_STREAMS = 4
 
 # Flash attention's backward runs five GEMM-shaped products (S = QK^T again, dP = dO V^T, dV = P^T dO,
 # dQ = dS K, dK = dS^T Q) where the forward runs two: 2.5 x the forward FLOPs (Dao, FlashAttention-2,
@@ -76,16 +86,23 @@ class RooflineCompute:
         return a.peak_flops * a.gemm_efficiency
 
     def gemm_time(self, gemm: Gemm) -> float:
-        """max(tile waves at the SMs' share of the achieved FLOP/s, operand and result bytes at the
-        achieved HBM bandwidth) + the kernel's launch and tail."""
+        """A grouped GEMM's rounds of up to GROUPED_GEMM_STREAMS concurrent expert GEMMs, one after another
+        (`_round_time`); one round for a plain GEMM."""
+        full, rest = divmod(gemm.count, GROUPED_GEMM_STREAMS)
+        return full * self._round_time(gemm, GROUPED_GEMM_STREAMS) + (self._round_time(gemm, rest) if rest else 0.0)
+
+    def _round_time(self, gemm: Gemm, concurrent: int) -> float:
+        """`concurrent` GEMMs of `gemm`'s shape on as many streams: max(their tiles' waves at the SMs' share of the
+        achieved FLOP/s, their operand and result bytes at the achieved HBM bandwidth) + one launch and tail (the
+        streams' overlap)."""
         a = self.accelerator
         # A GEMM thinner than a tile gets a tile its size (cuBLAS picks smaller tiles, or a GEMV).
         tile_m, tile_n = min(TILE_M, gemm.m), min(TILE_N, gemm.n)
-        tiles = gemm.count * math.ceil(gemm.m / tile_m) * math.ceil(gemm.n / tile_n)
+        tiles = concurrent * math.ceil(gemm.m / tile_m) * math.ceil(gemm.n / tile_n)
         waves = math.ceil(tiles / a.sm_count)
         compute = waves * a.sm_count * 2.0 * tile_m * tile_n * gemm.k / self.gemm_flops
         width = FP8 if self.fp8 else BF16
-        nbytes = gemm.count * (width * (gemm.m * gemm.k + gemm.k * gemm.n) + BF16 * gemm.m * gemm.n)
+        nbytes = concurrent * (width * (gemm.m * gemm.k + gemm.k * gemm.n) + BF16 * gemm.m * gemm.n)
         return max(compute, nbytes / (a.hbm_bandwidth * a.memory_bound_efficiency)) + a.kernel_overhead_s
 
     def attention_time(self, flops: float, head_dim: int = 128) -> float:
