@@ -193,7 +193,8 @@ def test_the_launch_rules_on_a_latent_argv(extra, line):
 
 def test_a_hugging_face_config_gives_its_latent_size(tmp_path):
     """NemotronH's config.json names it moe_latent_size; read from any family the file is (a Mixtral here), and then
-    refused for a traced model (model.source=hf traces megatron-core's local spec: rule latent-moe-te)."""
+    refused for a traced model (model.source=hf with model.transformer_impl=local traces megatron-core's local spec:
+    rule latent-moe-te)."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "mixtral", "hidden_size": 256, "intermediate_size": 512,
                                 "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
@@ -202,4 +203,4 @@ def test_a_hugging_face_config_gives_its_latent_size(tmp_path):
     base = load(["model=tiny_gpt"]).config.model
     assert model_config_from_hf(path, base).moe_latent_size == 64
     with pytest.raises(NestError, match=r"model.source=hf traces megatron-core's local spec"):
-        load(["model=tiny_gpt", "model.source=hf", f"model.hf_config={path}", *CLUSTER])
+        load(["model=tiny_gpt", "model.source=hf", f"model.hf_config={path}", "model.transformer_impl=local", *CLUSTER])

@@ -462,7 +462,9 @@ def test_module_source_supplies_tp1_and_leaves_wider_tp_to_the_formulas():
 def test_hf_source_loads_the_file_as_the_model(tmp_path):
     path = _write(tmp_path, {**LLAMA3_8B, "num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
                              "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1000})
-    loaded = load(["model=tiny_gpt", "model.source=hf", f"model.hf_config={path}", *SMALL])
+    # traced (megatron-core's local spec) when asked: model.transformer_impl=local (tests/test_hf_configs.py)
+    loaded = load(["model=tiny_gpt", "model.source=hf", f"model.hf_config={path}", "model.transformer_impl=local",
+                   *SMALL])
     cfg = loaded.problem.model.cfg
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_query_groups, cfg.swiglu, cfg.seq_length) == (2, 256, 4, True, 128)
     spec = loaded.problem.model

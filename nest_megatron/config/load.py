@@ -483,7 +483,8 @@ def _check_hybrid(m: ModelConfig) -> None:
         raise NestError("model.hybrid_layer_pattern: 'E' layers and model.num_experts go together; give both or "
                         "neither")
     for key, value in (("multi_latent_attention", m.multi_latent_attention), ("mtp_num_layers", m.mtp_num_layers),
-                       ("transformer_impl", m.transformer_impl == "local"), ("source", m.source != "analytic")):
+                       ("transformer_impl", m.transformer_impl == "local"),
+                       ("source", m.source in ("megatron", "module"))):
         if value:
             raise NestError(f"model.{key}={getattr(m, key)} with model.hybrid_layer_pattern: a hybrid stack is planned "
                             "with attention, Transformer Engine's layers and the analytic model only")

@@ -100,10 +100,11 @@ class ModelConfig:
     # to each row's denominator) | learnable (a learnt per-head logit, attention sinks); Transformer Engine runs the
     # last two in cuDNN's fused attention or its unfused one, not flash-attn, and with CP only by a2a
     softmax_type: str = "vanilla"
-    # Where the per-layer costs come from: analytic (the formulas of model/spec.py and cost/), or a
-    # traced model whose parameters, GEMMs, attention FLOPs and saved activations replace them:
-    # megatron (megatron-core's GPTModel of these keys, on the meta device), hf (the shape read from
-    # the Hugging Face config.json at hf_config, then traced as megatron), module (the nn.Module that
+    # Where the model and its per-layer costs come from: analytic (these keys, the formulas of model/spec.py and
+    # cost/); hf (the architecture read from the Hugging Face config.json at hf_config, priced by the same formulas
+    # and Transformer Engine's layers as a shipped config; with transformer_impl=local, traced as megatron); or a
+    # traced model whose parameters, GEMMs, attention FLOPs and saved activations replace the formulas: megatron
+    # (megatron-core's GPTModel of these keys, local layer spec, on the meta device), module (the nn.Module that
     # the factory `pkg.mod:function` returns; see nest_megatron/trace/module.py).
     source: str = "analytic"
     hf_config: Optional[str] = None  # path of a Hugging Face config.json (source=hf)

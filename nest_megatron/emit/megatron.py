@@ -146,8 +146,9 @@ def model_args(model: ModelSpec, *, tp: int) -> list[str]:
 
 def local_spec(m) -> bool:
     """Whether the model runs megatron-core's local layer spec (a traced model, or model.transformer_impl=local)
-    rather than Transformer Engine's (`m`: the model's config)."""
-    return m.source != "analytic" or m.transformer_impl == "local"
+    rather than Transformer Engine's (`m`: the model's config). A Hugging Face config.json is priced with Transformer
+    Engine's unless model.transformer_impl=local (trace/source.py)."""
+    return m.source in ("megatron", "module") or m.transformer_impl == "local"
 
 
 def moe_layer_freq_arg(freq) -> str:

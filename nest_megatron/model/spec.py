@@ -118,7 +118,7 @@ class OptimizerDtypes:
 @dataclass(frozen=True, eq=False)  # hashed by identity: per-layer costs are cached per model
 class ModelSpec:
     cfg: ModelConfig
-    # A traced model (model.source=megatron|hf|module): tracer(tp, ep, etp) is this rank's layer
+    # A traced model (model.source=megatron|module, or hf with transformer_impl=local): tracer(tp, ep, etp) is this rank's layer
     # graph at one sequence, or None where the source cannot trace that width. Its per-layer-kind
     # parameters, GEMMs, attention FLOPs and saved bytes replace the analytic ones (`traced_layer`).
     tracer: Callable[[int, int, int], LayerGraph | None] | None = field(default=None, repr=False)

@@ -1,8 +1,10 @@
 """model.source -> the ModelConfig the cost model reads and the tracer that supplies its layers.
 
-analytic: the formulas alone. megatron / hf: megatron-core's GPTModel (local layer spec) traced on
-the meta device at each (tp, ep, etp) the planner asks about, one layer of each kind, once each.
-module: a generic nn.Module, traced at TP = EP = 1; other widths use the analytic formulas.
+analytic: the formulas alone. hf: the architecture of a Hugging Face config.json, priced as the shipped configs are
+(the formulas, Transformer Engine's layers); with model.transformer_impl=local, traced as megatron is. megatron:
+megatron-core's GPTModel (local layer spec) traced on the meta device at each (tp, ep, etp) the planner asks about,
+one layer of each kind, once each. module: a generic nn.Module, traced at TP = EP = 1; other widths use the analytic
+formulas.
 """
 
 from __future__ import annotations
@@ -65,5 +67,7 @@ def resolve(cfg: ModelConfig):
         from nest_megatron.trace.hf_config import model_config_from_hf
 
         cfg = model_config_from_hf(cfg.hf_config, cfg)
+        if cfg.transformer_impl != "local":  # the kernels users run, as a shipped config of the same model
+            return cfg, None
     cfg = local_spec_kernels(cfg)
     return cfg, partial(_megatron_tracer, cfg)
