@@ -19,9 +19,10 @@ from nest_megatron.cost.activations import layer_activation_terms
 from nest_megatron.cost.flops import megatron_model_flops
 from nest_megatron.errors import NestError
 from nest_megatron.integrations.overrides import uneven_layout
-from nest_megatron.launch.changes import flag_reasons
+from nest_megatron.launch.changes import change_lines, flag_reasons
+from nest_megatron.launch.constraints import argv_constraints
 from nest_megatron.launch.megatron_rules import argv_split, argv_vpp, violations
-from nest_megatron.launch.rewrite import rewrite
+from nest_megatron.launch.rewrite import planner_part, rewrite
 from nest_megatron.model.kinds import LayerKind
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.layout import as_chunks
@@ -132,7 +133,7 @@ def test_nemotron_h_56b_has_its_56_billion_parameters_and_plans():
              + model.embedding_params(1) + model.output_params(tp=1, pp=2))
     assert total == 54 * 438_432_512 + 54 * 536_879_104 + 10 * 151_003_136 + 2 * 131072 * 8192 + 8192 == 56_324_350_464
     plan = api.plan(["model=nemotron_h_56b", "cluster=dgx_h100_superpod", "cluster.num_devices=256"])
-    assert "--hybrid-layer-pattern" in plan.megatron_args and plan.parallel["vpp"] == 1
+    assert "--hybrid-layer-pattern" in plan.megatron_args
     assert 8 % plan.parallel["tp"] == 0  # megatron-core splits the 8 groups (and 256 heads) over TP
 
 
@@ -193,31 +194,66 @@ def test_megatron_lm_s_hybrid_split_rules_on_an_argv(extra, line):
 
 def test_nemotron_h_56b_pipelines_over_4_stages_unevenly():
     """118 layers do not split evenly over 4 stages (Megatron-LM's even split refuses them: 118 % 4 = 2); the plan
-    cuts the pattern into 4 segments of whole layers, each no more than the even share rounded up (30)."""
+    cuts the pattern into 4 segments of whole layers, none far from the even share of 29.5: the DP balances their
+    time, and a Mamba, an attention and an MLP layer take different times."""
     plan = api.plan(["model=nemotron_h_56b", "cluster=dgx_h100_superpod", "cluster.num_devices=256", "plan.pp=4",
                      "plan.vpp=1"])
     args = plan.megatron_args
     written = args[args.index("--hybrid-layer-pattern") + 1]
     segments = written.split("|")
     assert len(segments) == 4 and "".join(segments) == load(["model=nemotron_h_56b"]).config.model.hybrid_layer_pattern
-    assert sum(map(len, segments)) == 118 and max(map(len, segments)) <= 30 + 2  # the DP weighs kinds, not counts
+    assert sum(map(len, segments)) == 118 and max(map(len, segments)) <= 32
     assert violations(args, world_size=256) == []
 
 
 def test_a_launch_cuts_the_user_s_pattern_where_the_plan_splits():
-    user = [*BASE[:-2], "--hybrid-override-pattern", "M*M-"]  # megatron-core 0.16.1's spelling, no split
+    user = [*BASE[:-2], "--hybrid-layer-pattern", "M*M-"]
     plan = api.evaluate([*TINY_KEYS, "plan.tp=1", "plan.pp=2", "plan.dp=4", "plan.decoder_first_pipeline_num_layers=1"])
     final = rewrite(user, plan)
-    assert "--hybrid-override-pattern" not in final and final.count("--hybrid-layer-pattern") == 1
+    assert final.count("--hybrid-layer-pattern") == 1 and final[final.index("--hybrid-layer-pattern") + 1] == "M|*M-"
+    # megatron-core 0.16.1's spelling stays the user's (Megatron-LM main reads it too, arguments.py:743-755); its
+    # pattern keeps '|' only where the split needs them, as that Megatron-LM takes none
+    old = [*BASE[:-2], "--hybrid-override-pattern", "M*M-"]
+    for keys, written in ((["plan.decoder_first_pipeline_num_layers=1"], "M|*M-"), ([], "M*M-")):
+        plan = api.evaluate([*TINY_KEYS, "plan.tp=1", "plan.pp=2", "plan.dp=4", *keys])
+        final = rewrite(old, plan)
+        assert "--hybrid-layer-pattern" not in final and final[final.index("--hybrid-override-pattern") + 1] == written
+
+
+def test_a_launch_says_why_the_pattern_changed():
+    """A pattern cut into the split the user's own flags gave is only said another way; one cut for another pp goes
+    with the pp change, whose line prices the user's pp with the user's pattern (the two reverted together)."""
+    same = [*BASE, "--hybrid-layer-pattern", "M*M-", "--decoder-first-pipeline-num-layers", "1"]
+    plan = api.evaluate([*TINY_KEYS, "plan.tp=1", "plan.pp=2", "plan.dp=4", "plan.decoder_first_pipeline_num_layers=1"])
+    final = rewrite(same, plan)
+    reasons = flag_reasons(planner_part(plan.megatron_args), same)
+    assert reasons["--hybrid-layer-pattern"].startswith("the same split, said by '|' segments of the pattern")
+    assert reasons["--decoder-first-pipeline-num-layers"] == reasons["--hybrid-layer-pattern"]
+    priced = []
+    other = [*BASE[:-2], "--hybrid-layer-pattern", "M*M-"]  # pp 1
+    plan = api.evaluate([*TINY_KEYS, "plan.tp=1", "plan.pp=2", "plan.dp=4"])
+    lines = change_lines(other, rewrite(other, plan), reasons=flag_reasons(planner_part(plan.megatron_args), other),
+                         layout=lambda argv: priced.append(argv) or "priced")
+    assert "--hybrid-layer-pattern: M*M- -> M*|M- (goes with --pipeline-model-parallel-size)" in lines
+    reverted = scan(priced[0])  # the pp line's argv: the user's pp and the user's pattern
+    assert reverted.get("--pipeline-model-parallel-size") is None and reverted.get("--hybrid-layer-pattern") == "M*M-"
     assert final[final.index("--hybrid-layer-pattern") + 1] == "M|*M-"
-    reasons = flag_reasons(plan.megatron_args, user)
-    assert reasons["--hybrid-override-pattern"].startswith("megatron-core 0.16.1's spelling")
+
+
+@pytest.mark.parametrize("pinned, kept", [(["pp"], "plan.layers_per_stage=[2,2]"),
+                                          (["pp", "vpp"], "plan.layers_per_stage=[1,1,1,1]")])
+def test_a_pinned_pp_keeps_the_segments_of_each_rank(pinned, kept):
+    """--pin pp keeps each rank's layers of the user's segments and leaves the virtual stages free, as it does with
+    first / last stage counts; pinning vpp too keeps every segment."""
+    user = [*BASE, "--hybrid-layer-pattern", "M|*|M|-"]
+    constraints = argv_constraints(user, [], model=ModelConfig(**TINY), pinned=pinned)
+    assert [item for c in constraints for item in c.overrides] == [kept]
 
 
 def test_nemo_and_bridge_overrides_refuse_a_hybrid_split_they_cannot_carry():
     plan = api.evaluate([*TINY_KEYS, "plan.tp=1", "plan.pp=2", "plan.dp=4", "plan.decoder_first_pipeline_num_layers=1"])
-    with pytest.raises(NestError, match=r"^the plan splits the hybrid stack into '\|' segments of \[1, 3\] layers "
-                                        r"\(pp=2, vpp=1\), which NeMo / Megatron-Bridge overrides do not carry"):
+    with pytest.raises(NestError, match=r"^the plan splits the hybrid stack as 'M\|\*M-' \(pp 2, vpp 1\), which NeMo "
+                                        r"/ Megatron-Bridge overrides do not carry"):
         uneven_layout(plan)
     # the even split at vpp 1 is the recipe's own pattern split by pp: nothing to carry
     assert uneven_layout(api.evaluate([*TINY_KEYS, "plan.tp=1", "plan.pp=2", "plan.dp=4"])) is None

@@ -358,7 +358,12 @@ def argv_hybrid_pattern(s: Scanned) -> str | None:
     if new is not None and old is not None:
         raise NestError("--hybrid-layer-pattern and --hybrid-override-pattern: one pattern; Megatron asserts it, give "
                         "--hybrid-layer-pattern")
-    return new if new is not None else old
+    pattern = new if new is not None else old
+    if pattern is not None and "/" in pattern:  # Megatron-LM main's MTP depths after the layers (arguments.py:864-880)
+        flag = "--hybrid-layer-pattern" if new is not None else "--hybrid-override-pattern"
+        raise NestError(f"{flag} {pattern}: '/' multi-token prediction depths in a hybrid stack are not in the cost "
+                        "model; give the layers alone")
+    return pattern
 
 
 def _moe_layer_freq(text: str) -> int | list[int]:

@@ -173,13 +173,13 @@ def split_args(cfg: ParallelConfig, *, num_layers: int, layers_per_stage: tuple[
     the virtual stages itself (Megatron takes no other virtual-stage flag with it: arguments.py:928-939).
     A hybrid stack says its split, even or not, as '|' segments of its --hybrid-layer-pattern, the only way
     Megatron-LM takes one with virtual stages and the one it asks for with pp > 1 (a pattern without them is
-    deprecated there: hybrid_layer_allocation.py:393-401)."""
+    deprecated there: hybrid_layer_allocation.py:393-399)."""
     chunks = chunk_split(cfg, layers_per_stage) if layers_per_stage else None
     if hybrid_pattern is not None:
         if cfg.pp == 1:
             return ["--hybrid-layer-pattern", hybrid_pattern]
-        chunks = chunks or (num_layers // (cfg.pp * cfg.vpp),) * (cfg.pp * cfg.vpp)
-        return ["--hybrid-layer-pattern", piped_pattern(hybrid_pattern, chunks)]
+        even = (num_layers // (cfg.pp * cfg.vpp),) * (cfg.pp * cfg.vpp)  # Megatron's split where none is given
+        return ["--hybrid-layer-pattern", piped_pattern(hybrid_pattern, chunks or even)]
     form = (simplest_form(chunks, num_layers=num_layers, pp=cfg.pp, mtp_num_layers=mtp_num_layers)
             if chunks and cfg.pp > 1 else EVEN)
     if form.pipeline_model_parallel_layout is not None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from nest_megatron.errors import NestError
 from nest_megatron.launch.megatron_rules import argv_split
-from nest_megatron.parallel.layout import layout_string, pattern_chunks
+from nest_megatron.parallel.layout import layout_string
 from nest_megatron.plan import Plan
 
 Overrides = dict[str, Any]  # dotted path -> value, in the order they are printed and applied
@@ -33,10 +33,10 @@ def uneven_layout(plan: Plan) -> str | None:
     if pattern is not None and (chunks is not None or plan.parallel["vpp"] > 1):
         # a hybrid stack takes its split only as '|' segments of its pattern, a model field these overrides leave
         # to the recipe (Megatron-LM refuses a layout beside a hybrid pattern: training/arguments.py:825-828)
-        raise NestError(f"the plan splits the hybrid stack into '|' segments of {list(pattern_chunks(pattern))} layers "
-                        f"(pp={plan.parallel['pp']}, vpp={plan.parallel['vpp']}), which NeMo / Megatron-Bridge overrides do not carry: give the "
-                        "recipe's model that pattern yourself, or plan an even split (plan.vpp=1 and pp dividing "
-                        "the layers)")
+        raise NestError(f"the plan splits the hybrid stack as '{pattern}' (pp {plan.parallel['pp']}, vpp "
+                        f"{plan.parallel['vpp']}), which NeMo / Megatron-Bridge overrides do not carry: give the "
+                        "recipe's model that pattern yourself, or plan an even split (plan.vpp=1, pp dividing the "
+                        "layers)")
     mtp = flag_value(plan, "--mtp-num-layers")
     return layout_string(chunks, mtp_num_layers=int(mtp or 0)) if chunks is not None else None
 

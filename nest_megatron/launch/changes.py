@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from nest_megatron.config.load import Loaded
-from nest_megatron.config.megatron_argv import PLANNER_FLAGS, scan
+from nest_megatron.config.megatron_argv import PLANNER_FLAGS, Scanned, scan
 from nest_megatron.config.schema import PlanChoice
 from nest_megatron.cost.evaluate import estimate
 from nest_megatron.errors import NestError
 from nest_megatron.hardware.accelerator import GIB
-from nest_megatron.launch.megatron_rules import argv_split, name_flags, violations
-from nest_megatron.launch.rewrite import DISPATCHER, DISPATCHER_FLAG_NAMES, PIN_FLAGS, pinned_values
-from nest_megatron.parallel.layout import PIPE, pattern_chunks
+from nest_megatron.launch.megatron_rules import argv_form, argv_split, name_flags, violations
+from nest_megatron.launch.rewrite import DISPATCHER, DISPATCHER_FLAG_NAMES, OLD_PATTERN, PIN_FLAGS, pinned_values
+from nest_megatron.parallel.layout import FIRST_LAST_FIELDS, PIPE, chunk_layers, flag_of, form_problem, pattern_chunks
 from nest_megatron.plan import Plan
 from nest_megatron.profile.for_plan import profiled_problem
 from nest_megatron.solver.space import evaluate_config
@@ -38,14 +38,30 @@ DEFAULTS = {
 
 
 # Flags that only mean something with another (Megatron-FSDP's): explained by it, and reverted with it.
+# A hybrid pattern's '|' segments are cut for its pp (launch/rewrite.py OLD_PATTERN: either spelling).
 FOLLOWERS = {"--data-parallel-sharding-strategy": "--use-megatron-fsdp", "--init-model-with-meta-device": "--use-megatron-fsdp",
-             "--ckpt-format": "--use-megatron-fsdp"}
+             "--ckpt-format": "--use-megatron-fsdp", "--hybrid-layer-pattern": "--pipeline-model-parallel-size",
+             OLD_PATTERN: "--pipeline-model-parallel-size"}
+FIRST_LAST_FLAGS = tuple(flag_of(name) for name in FIRST_LAST_FIELDS)
 
 
 def _shown(value) -> str:
     if isinstance(value, tuple):  # a flag of several values (--cp-comm-type p2p a2a ...)
         return " ".join(value)
     return "on" if value is True else str(value)
+
+
+def _same_hybrid_split(planned: Scanned, given: Scanned) -> bool:
+    """Whether the plan's hybrid pattern is the user's, without '|', cut where the user's flags split it (at the
+    same pp: evenly, or by first / last stage counts)."""
+    pattern, theirs = planned.get("--hybrid-layer-pattern"), given.get("--hybrid-layer-pattern", given.get(OLD_PATTERN))
+    pp = planned.get("--pipeline-model-parallel-size", 1)
+    if pattern is None or theirs is None or PIPE in theirs or given.get("--pipeline-model-parallel-size", 1) != pp:
+        return False
+    form = argv_form(given)
+    if form_problem(form, num_layers=len(theirs), pp=pp, vpp=1) is not None:
+        return False
+    return pattern_chunks(pattern) == chunk_layers(form, num_layers=len(theirs), pp=pp, vpp=1)
 
 
 def layout_why(argv: list[str], loaded: Loaded, plan: Plan) -> str:
@@ -94,13 +110,11 @@ def flag_reasons(plan_args: list[str], user: list[str]) -> dict[str, str]:
             out[flag] = f"the plan prices the {name} dispatcher's traffic"
         if dispatcher == "flex":
             out["--moe-enable-deepep"] = "megatron-core's deprecated spelling: the plan gives --moe-flex-dispatcher-backend"
-    pattern = planned.get("--hybrid-layer-pattern")
-    if pattern is not None and given.has("--hybrid-override-pattern"):
-        out["--hybrid-override-pattern"] = "megatron-core 0.16.1's spelling: the plan writes --hybrid-layer-pattern"
-        out["--hybrid-layer-pattern"] = "the same layers, cut by '|' where the plan splits them over its stages"
-    elif pattern is not None and PIPE not in given.get("--hybrid-layer-pattern", PIPE) and len(set(pattern_chunks(pattern))) == 1:
-        out["--hybrid-layer-pattern"] = ("the same even split, said by '|' segments (Megatron-LM deprecates a pattern "
-                                         "without them at pp > 1: hybrid_layer_allocation.py:393-399)")
+    if _same_hybrid_split(planned, given):  # only said another way
+        why = ("the same split, said by '|' segments of the pattern (Megatron-LM deprecates a pattern without them at "
+               "pp > 1: hybrid_layer_allocation.py:393-399)")
+        for flag in ("--hybrid-layer-pattern", OLD_PATTERN, *FIRST_LAST_FLAGS):
+            out[flag] = why
     if planned.has("--moe-grouped-gemm"):  # the argv's own stands (launch/rewrite.py): only added, never changed
         out["--moe-grouped-gemm"] = ("the plan prices each stage's experts as one grouped GEMM (Transformer Engine's "
                                      "TEGroupedMLP); without it Megatron runs them one expert at a time")

@@ -23,7 +23,7 @@ from nest_megatron.errors import NestError
 from nest_megatron.launch.megatron_rules import argv_form, argv_segments, argv_vpp
 from nest_megatron.launch.rewrite import pin_overrides
 from nest_megatron.parallel.config import CP_COMM_TYPES
-from nest_megatron.parallel.layout import ACCOUNT_FIELDS, EVEN, FIRST_LAST_FIELDS, LAYOUT_FIELD, flag_of
+from nest_megatron.parallel.layout import ACCOUNT_FIELDS, EVEN, FIRST_LAST_FIELDS, LAYOUT_FIELD, flag_of, rank_layers
 
 # training/config/training_config.py:486 (choices and default: --load without --ckpt-format reads torch_dist)
 CKPT_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
@@ -137,18 +137,22 @@ def _sharded_optimizer(s: Scanned, user: list[str], resume: Constraint | None) -
     return Constraint([f"solver.zero_stages=[{','.join(map(str, stages))}]"], "--fp8-param-gather (a sharded optimizer)")
 
 
-def _kept_split(s: Scanned, model: ModelConfig, *, even: bool) -> list[str]:
+def _kept_split(s: Scanned, model: ModelConfig, *, even: bool, virtual: bool = True) -> list[str]:
     """The argv's layer split as plan.* keys, for a launch that keeps it: its flags' keys (the embedding / loss
-    counted, first / last stage layers, a layout: parallel.layout's forms, which the plan emits again), or with
-    `even` (a checkpoint laid out per stage: a legacy file's layers, a bucket's parameters) Megatron's even split as
-    plan.layers_per_stage. Nothing with one stage."""
+    counted, first / last stage layers, a layout: parallel.layout's forms, which the plan emits again), a hybrid
+    pattern's '|' segments as plan.layers_per_stage (each model chunk's layers; each rank's without `virtual`, which
+    leaves the virtual stages free as the other forms do), or with `even` (a checkpoint laid out per stage: a legacy
+    file's layers, a bucket's parameters) Megatron's even split as plan.layers_per_stage. Nothing with one stage."""
     pp = s.get("--pipeline-model-parallel-size", 1)
     form = argv_form(s)
     if pp == 1:
         return []
     segments = argv_segments(s)
-    if segments is not None:  # a hybrid pattern's '|' segments: its chunks (their count / pp its virtual stages)
-        return [f"plan.layers_per_stage=[{','.join(map(str, segments))}]"] if len(segments) % pp == 0 else []
+    if segments is not None:
+        if len(segments) % pp:  # an argv Megatron refuses: its own rule says why
+            return []
+        split = segments if virtual else rank_layers(segments, pp=pp)
+        return [f"plan.layers_per_stage=[{','.join(map(str, split))}]"]
     if form != EVEN:
         return [f"plan.{name}={'true' if name in ACCOUNT_FIELDS else getattr(form, name)}" for name in form.given]
     vpp = argv_vpp(s, pp=pp, num_layers=model.num_layers)
@@ -185,7 +189,8 @@ def argv_constraints(argv: list[str], user: list[str], *, model: ModelConfig, pi
     exchange = _cp_comm_type(s, user_keys)
     out += [c for c in (sharded, exchange) if c is not None]
     decided = user_keys | _keys([item for c in out for item in c.overrides])
-    split = _kept_split(s, model, even=False) if "pp" in pinned and not decided & SPLIT_KEYS else []
+    split = (_kept_split(s, model, even=False, virtual="vpp" in pinned) if "pp" in pinned and not decided & SPLIT_KEYS
+             else [])
     if split:
         flags = ", ".join(flag_of(name) for name in argv_form(s).given) or "'|' segments of --hybrid-layer-pattern"
         out.append(Constraint(split, f"pinned pp with the argv's layer split ({flags})"))

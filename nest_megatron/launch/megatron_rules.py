@@ -183,11 +183,11 @@ def argv_split(argv: list[str], *, world_size: int, model: ModelConfig | None = 
     reads every form: the embedding / loss counted, first / last stage layers, a layout); None for Megatron's even
     split or flags that break a rule (`violations` says which)."""
     s = scan(argv)
-    m = model or ModelConfig(**model_values(s, vocab_size=s.get("--vocab-size", 1)))
     pp = s.get("--pipeline-model-parallel-size", 1)
     segments = argv_segments(s)
     if segments is not None:  # a hybrid stack's '|' segments are its chunks
         return segments if len(segments) % pp == 0 and len(set(segments)) > 1 else None
+    m = model or ModelConfig(**model_values(s, vocab_size=s.get("--vocab-size", 1)))
     form, vpp = argv_form(s), argv_vpp(s, pp=pp, num_layers=m.num_layers)
     if form == EVEN or form_problem(form, num_layers=m.num_layers, pp=pp, vpp=vpp,
                                     mtp_num_layers=m.mtp_num_layers) is not None:

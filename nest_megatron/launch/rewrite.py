@@ -17,6 +17,7 @@ from nest_megatron.errors import NestError
 from nest_megatron.launch.megatron_rules import FSDP_ZERO, argv_form, argv_recompute_modules, argv_vpp, name_flags
 from nest_megatron.model.spec import ModelSpec
 from nest_megatron.parallel.config import ParallelConfig
+from nest_megatron.parallel.layout import PIPE, pattern_chunks
 from nest_megatron.parallel.rules import violation
 from nest_megatron.plan import Plan
 
@@ -143,6 +144,22 @@ GROUPED_GEMM = "--moe-grouped-gemm"
 DISPATCHER_FLAG_NAMES = (DISPATCHER, "--moe-flex-dispatcher-backend", "--moe-enable-deepep")
 
 
+# megatron-core 0.16.1's Megatron-LM names a hybrid pattern --hybrid-override-pattern and takes no '|' in it (0.16.1
+# ssm/mamba_hybrid_layer_allocation.py:82-83); Megatron-LM main takes it as --hybrid-layer-pattern (arguments.py:743-755).
+OLD_PATTERN = "--hybrid-override-pattern"
+
+
+def _old_pattern_spelling(plan_args: list[str], plan: Plan) -> list[str]:
+    """The plan's pattern under the user's older flag, and without '|' where the split needs none (an even split
+    without virtual stages, which that Megatron-LM runs; another split needs Megatron-LM main's segments)."""
+    out = list(plan_args)
+    at = out.index("--hybrid-layer-pattern")
+    out[at] = OLD_PATTERN
+    if len(set(pattern_chunks(out[at + 1]))) == 1 and plan.parallel["vpp"] == 1:
+        out[at + 1] = out[at + 1].replace(PIPE, "")
+    return out
+
+
 def planner_part(args: list[str]) -> list[str]:
     """The tokens of the planner's flags in `args` (a plan's megatron_args), in their order."""
     s = scan(args)
@@ -165,6 +182,8 @@ def rewrite(argv: list[str], plan: Plan, *, model_args: list[str] = ()) -> list[
     plan_args = planner_part(plan.megatron_args)
     if s.has(GROUPED_GEMM):  # said once: the user's stands
         plan_args = [token for token in plan_args if token != GROUPED_GEMM]
+    if s.has(OLD_PATTERN):
+        plan_args = _old_pattern_spelling(plan_args, plan)
     fsdp = "--use-megatron-fsdp" in plan_args
     restated = {token for token in model_args if token.startswith("--")}
 

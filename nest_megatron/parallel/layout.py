@@ -205,8 +205,14 @@ def even_problem(*, num_layers: int, pp: int, vpp: int) -> str | None:
     return None
 
 
-def split_hint(*, num_layers: int, pp: int, vpp: int, mtp_num_layers: int = 0) -> str:
-    """What to give where the even split does not build: the plan.* keys of the simplest searched split there."""
+def split_hint(*, num_layers: int, pp: int, vpp: int, mtp_num_layers: int = 0, hybrid: bool = False) -> str:
+    """What to give where the even split does not build: the plan.* keys of the simplest searched split there; for a
+    hybrid stack, whose launch line says a split only by '|' segments, the nearest to even as plan.layers_per_stage."""
+    if hybrid:
+        count = pp * vpp
+        chunks = [num_layers // count + (k < num_layers % count) for k in range(count)]
+        return (f"give the split, e.g. plan.layers_per_stage=[{','.join(map(str, chunks))}] (on a launch line, "
+                "'|' segments of --hybrid-layer-pattern with those layers)")
     family = searched_splits(num_layers, pp, vpp) if vpp > 1 and pp > 1 else ()
     if not family:
         return "give the split (plan.layers_per_stage or plan.pipeline_model_parallel_layout)"
@@ -275,6 +281,8 @@ PIPE = "|"
 
 def piped_pattern(pattern: str, chunks: tuple[int, ...]) -> str:
     """`pattern` (one symbol a layer) cut into the chunks' segments."""
+    if sum(chunks) != len(pattern):
+        raise ValueError(f"chunks {list(chunks)} do not add up to the pattern's {len(pattern)} layers")
     bounds = [0, *itertools.accumulate(chunks)]
     return PIPE.join(pattern[a:b] for a, b in zip(bounds, bounds[1:]))
 

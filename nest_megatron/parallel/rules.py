@@ -336,7 +336,8 @@ def _even_split(c: Case):
         if not line:
             return line
         hint = split_hint(num_layers=c.model.cfg.num_layers, pp=c.cfg.pp, vpp=c.cfg.vpp,
-                          mtp_num_layers=c.model.cfg.mtp_num_layers or 0)
+                          mtp_num_layers=c.model.cfg.mtp_num_layers or 0,
+                          hybrid=c.model.cfg.hybrid_layer_pattern is not None)
         return f"{line}; {hint}"
 
 
