@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nest_megatron import api
+from nest_megatron import api, cli
 from nest_megatron.config.load import load
 from nest_megatron.errors import NestError
 
@@ -38,19 +38,16 @@ def test_the_config_json_reads_into_the_shipped_keys(name):
     assert _fields(read) == _fields(shipped)
 
 
-def test_a_llama_config_json_plans_as_the_shipped_llama():
+def test_a_llama_config_json_plans_as_the_shipped_llama(tmp_path):
     """The issue's case: Llama 3 8B from its config.json was planned with megatron-core's local spec (unfused
     kernels, --transformer-impl local), a slower plan than the shipped llama3_8b's. Now the same plan."""
     hf = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,
           "attention_bias": False, "attention_dropout": 0.0}  # meta-llama/Meta-Llama-3-8B's architecture keys
-    path = CONFIGS.parent / "nest-hf-llama3-8b.json"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
     cells = ["cluster=dgx_h100_superpod", "cluster.num_devices=64"]
-    try:
-        path.write_text(json.dumps(hf))
-        read = api.plan(["model=llama3_8b", "model.source=hf", f"model.hf_config={path}", *cells])
-    finally:
-        path.unlink(missing_ok=True)
+    read = api.plan(["model=llama3_8b", "model.source=hf", f"model.hf_config={path}", *cells])
     shipped = api.plan(["model=llama3_8b", *cells])
     assert read.megatron_args == shipped.megatron_args and "--transformer-impl" not in read.megatron_args
     assert read.predicted["step_time_s"] == shipped.predicted["step_time_s"]
@@ -68,16 +65,21 @@ def test_local_kernels_only_when_asked():
 @pytest.mark.parametrize("name, change, message", [
     # full attention on layers 1, 3, 5, ... counted from 1: no N has exactly those as its multiples
     ("gpt_oss_120b", {"layer_types": ["full_attention", "sliding_attention"] * 18},
-     "layer_types: the planner prices full attention every N-th layer and a window elsewhere"),
+     "gpt_oss layer_types: the planner prices full attention every N-th layer and a window elsewhere"),
     ("nemotron_h_56b", {"num_nextn_predict_layers": 1},
-     "num_nextn_predict_layers 1: multi-token prediction in a hybrid stack is not in the cost model"),
-    ("nemotron_h_56b", {"mlp_hidden_act": "silu"}, "mlp_hidden_act 'silu': the planner prices Nemotron-H's relu2"),
-    ("deepseek_v3", {"kv_lora_rank": None}, "deepseek_v3 needs kv_lora_rank as a positive integer"),
+     "nemotron_h num_nextn_predict_layers 1: multi-token prediction in a hybrid stack is not in the cost model"),
+    ("nemotron_h_56b", {"mlp_hidden_act": "silu"},
+     "nemotron_h mlp_hidden_act 'silu': the planner prices Nemotron-H's relu2"),
+    ("deepseek_v3", {"kv_lora_rank": None}, "deepseek_v3 needs kv_lora_rank as an integer >= 1, found None"),
+    ("qwen3_30b_a3b", {"decoder_sparse_step": 0}, "qwen3_moe needs decoder_sparse_step as an integer >= 1, found 0"),
+    ("qwen3_30b_a3b", {"use_sliding_window": True}, "qwen3_moe use_sliding_window true: Qwen3's sliding window"),
+    ("gpt_oss_120b", {"layer_types": ["sliding_attention", "full_attention"] * 10},
+     "gpt_oss layer_types: one of sliding_attention, full_attention for each of the 36 layers"),
 ])
 def test_a_config_json_the_planner_cannot_price_is_one_line(tmp_path, name, change, message):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**json.loads((CONFIGS / f"{name}.json").read_text()), **change}))
-    with pytest.raises(NestError, match=f"^model.hf_config={path}: .*{message}"):
+    with pytest.raises(NestError, match=f"^model.hf_config={path}: {message}"):
         load([f"model={name}", "model.source=hf", f"model.hf_config={path}"])
 
 
@@ -108,3 +110,33 @@ def test_a_nemotron_h_moe_config_reads_its_experts_and_latent(tmp_path):
     assert (model.num_experts, model.moe_router_topk, model.moe_ffn_hidden_size,
             model.moe_shared_expert_intermediate_size, model.moe_latent_size, model.moe_router_num_groups) == (
         512, 22, 2688, 5376, 1024, None)
+
+
+def test_deepseek_experts_every_moe_layer_freq_th_layer_after_the_dense_ones(tmp_path):
+    """DeepSeek's own modeling code puts experts in layer i when i >= first_k_dense_replace and i % moe_layer_freq ==
+    0 (transformers reads no moe_layer_freq: 1): with 1 dense layer and a frequency of 2 over 6 layers, layers 2 and
+    4."""
+    data = {**json.loads((CONFIGS / "deepseek_v3.json").read_text()), "num_hidden_layers": 6,
+            "first_k_dense_replace": 1, "moe_layer_freq": 2, "num_nextn_predict_layers": 0}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    model = load(["model=deepseek_v3", "model.source=hf", f"model.hf_config={path}"]).config.model
+    assert model.moe_layer_freq == [0, 0, 1, 0, 1, 0] and model.mtp_num_layers is None
+
+
+def test_nemotron_h_blocks_come_before_the_legacy_pattern(tmp_path):
+    """transformers reads hybrid_override_pattern only where layers_block_type is not given
+    (configuration_nemotron_h.py:171-174)."""
+    data = {**json.loads((CONFIGS / "nemotron_h_56b.json").read_text()),
+            "layers_block_type": ["mamba", "mlp", "attention", "mlp"]}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    assert load(["model=nemotron_h_56b", "model.source=hf", f"model.hf_config={path}"]).config.model.hybrid_layer_pattern == "M-*-"
+
+
+def test_trace_builds_a_config_json_as_megatron_core_s_local_spec(capsys):
+    """`trace` builds megatron-core's local spec: a hybrid stack, which that spec has not, is one line (it was traced
+    as a dense stack when hf was priced with Transformer Engine's layers and trace did not ask for local)."""
+    path = CONFIGS / "nemotron_h_56b.json"
+    assert cli.main(["trace", "model=nemotron_h_56b", "model.source=hf", f"model.hf_config={path}"]) == 2
+    assert "model.transformer_impl=local with model.hybrid_layer_pattern" in capsys.readouterr().err

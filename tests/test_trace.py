@@ -357,7 +357,7 @@ def test_hf_gpt2_and_neox_parameter_counts(tmp_path):
     ("{not json", "not JSON"),
     ("[1, 2]", "one JSON object"),
     (json.dumps({"model_type": "bert"}), "model_type 'bert' is not supported; supported are llama"),
-    (json.dumps({**LLAMA3_8B, "hidden_size": None}), "llama needs hidden_size as a positive integer"),
+    (json.dumps({**LLAMA3_8B, "hidden_size": None}), r": llama needs hidden_size as an integer >= 1, found None$"),
 ])
 def test_hf_config_errors(tmp_path, content, message):
     path = tmp_path / "config.json"

@@ -69,6 +69,9 @@ def trace(args: argparse.Namespace):
         overrides = model_overrides + overrides  # the user's overrides win
     if not any(o.startswith("model.source=") for o in overrides):
         overrides.append("model.source=megatron")
+    # a Hugging Face config is traced as megatron-core's local spec builds it (plan prices it as Transformer Engine's)
+    if "model.source=hf" in overrides and not any(o.startswith("model.transformer_impl=") for o in overrides):
+        overrides.append("model.transformer_impl=local")
     loaded = load(overrides)
     model = loaded.config.model
     if model.source == "analytic":

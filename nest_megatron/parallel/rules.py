@@ -838,8 +838,8 @@ MODEL_RULES = (
     Rule("latent-moe-te", f"{MC}transformer/moe/moe_layer.py:266-267 (assert HAVE_TE: fc1_latent_proj and "
          "fc2_latent_proj are TELinear; megatron-core 0.16.1 moe_layer.py:170-171); the local spec's grouped experts are "
          "the legacy GroupedMLP, megatron-core 0.16.1 experts.py:86-87 (core_v0.16.1 arguments.py:1273); nest: "
-         "model.transformer_impl=local is the planner's Transformer-Engine-free spec, which model.source=megatron|hf "
-         "traces", _latent_moe_te),
+         "model.transformer_impl=local is the planner's Transformer-Engine-free spec, which model.source=megatron traces "
+         "(and hf with it)", _latent_moe_te),
 )
 
 
