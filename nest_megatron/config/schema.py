@@ -90,7 +90,8 @@ class ModelConfig:
     mtp_num_layers: Optional[int] = None
     mtp_loss_scaling_factor: float = 0.1  # the weight of the depths' loss (it changes no cost)
     # transformer_engine (its layer spec: MLA's down projections duplicated on every TP rank) | local (megatron-core's
-    # own modules, as a traced model runs: MLA's down projections split over TP)
+    # own modules, as a traced model runs: MLA's down projections split over TP, unfused attention and SwiGLU, which
+    # the plan prices and emits: trace/source.py local_spec_kernels)
     transformer_impl: str = "transformer_engine"
     # sliding-window attention over this many past tokens (Megatron's "left,right" = N,0); None: full
     window_size: Optional[int] = None

@@ -53,8 +53,8 @@ def _module_tracer(cfg: ModelConfig, tp: int, ep: int, etp: int) -> LayerGraph |
 def resolve(cfg: ModelConfig):
     """(ModelConfig, tracer or None) for `cfg.source`; one NestError line on bad input."""
     _check(cfg)
-    if cfg.source == "analytic":
-        return cfg, None
+    if cfg.source == "analytic":  # the formulas, of the kernels the layer spec runs
+        return (local_spec_kernels(cfg) if cfg.transformer_impl == "local" else cfg), None
     if cfg.source == "module":
         from nest_megatron.trace.module import load_factory
 
