@@ -366,6 +366,9 @@ def test_the_band_is_the_cross_validated_errors_percentiles():
     # errors -10 %, 0, +10 %, +20 %: 5th percentile -8.5 %, 95th +18.5 % (numpy's linear interpolation)
     low, high = band(10.0, [-0.10, 0.0, 0.10, 0.20])
     assert low == pytest.approx(10.0 / 1.185) and high == pytest.approx(10.0 / 0.915)
+    # one run, predicted 50 % too slow: it measured 10 / 1.5; the band reaches the prediction itself
+    assert band(10.0, [0.5]) == pytest.approx((10.0 / 1.5, 10.0))
+    assert band(10.0, [-0.2, -0.1]) == pytest.approx((10.0, 10.0 / (1 - 0.195)))  # 5th percentile -19.5 %
 
 
 @pytest.mark.parametrize("command", ["plan", "evaluate"])

@@ -431,3 +431,13 @@ def test_an_edited_plan_that_cannot_be_explained_is_refused_in_one_line(tiny_pla
         assert cli.main(["explain", str(path), f"out={out}", "--no-baselines"]) == 2, edit
         assert capsys.readouterr().err == f"nest-megatron explain: error: {line}\n"
         assert not out.exists()
+
+
+def test_a_band_beside_its_prediction_is_drawn(tmp_path):
+    """A band need not hold its bar's step time (a calibration whose runs all measured slower than predicted, as a
+    band from other code could be): drawn from its low to its high end (it crashed: matplotlib's negative xerr)."""
+    from nest_megatron.report.plots import prediction
+
+    rows = [{"name": "plan", "step_time_s": 29.2, "band_s": (45.9, 46.5)}]
+    drawn = prediction.draw(rows, measured_s=46.0, title="t", path=tmp_path / "p.png")
+    assert drawn["whiskers"] == [(45.9, 46.5)] and (tmp_path / "p.png").stat().st_size > 0

@@ -2,7 +2,9 @@
 report).
 
 With errors e = predicted / measured - 1 of the runs the calibration held out, a run predicted at t measured
-t / (1 + e); the band spans that for the 5th to the 95th percentile of e (with few runs, nearly their extremes).
+t / (1 + e); the band spans that for the 5th to the 95th percentile of e (with few runs, nearly their extremes),
+and reaches t itself where those errors are all of one sign: one run's error alone would give a band of no width
+beside the prediction.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ def band(step_s: float, errors) -> tuple[float, float] | None:
     if len(errors) == 0:
         return None
     low_error, high_error = np.percentile(np.asarray(errors, dtype=float), BAND_PERCENTILES)
-    return step_s / (1 + float(high_error)), step_s / (1 + float(low_error))
+    return min(step_s, step_s / (1 + float(high_error))), max(step_s, step_s / (1 + float(low_error)))
 
 
 def overlaps(step_s: float, best_s: float, errors) -> bool:

@@ -23,8 +23,7 @@ def draw(rows: list[dict], *, measured_s: float | None, title: str, path: Path) 
     for yi, r in zip(y, rows):
         if r.get("band_s"):
             low, high = r["band_s"]
-            ax.errorbar(r["step_time_s"], yi, xerr=[[r["step_time_s"] - low], [high - r["step_time_s"]]], fmt="none",
-                        ecolor="black", capsize=4, linewidth=1.2)
+            ax.plot([low, high], [yi, yi], color="black", marker="|", markersize=9, linewidth=1.2)
             whiskers.append((low, high))
     best = rows[0].get("band_s")
     if best:  # the best plan's band, across every row: a row whose bar or band reaches it is tied
