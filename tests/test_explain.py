@@ -20,7 +20,7 @@ import yaml
 from nest_megatron import api, cli
 from nest_megatron.config.load import load
 from nest_megatron.cost.schedule import megatron_order
-from nest_megatron.plan import Plan
+from nest_megatron.plan import Plan, key_overrides
 from nest_megatron.report.explain import (
     SCHEDULE_TOLERANCE,
     placement_marks,
@@ -382,7 +382,7 @@ def _bad_plans(tiny_plan: Plan, tmp_path: Path) -> list[tuple[list[str], str]]:
     good = tmp_path / "plan.json"
     good.write_text(tiny_plan.to_json())
     cases = [([str(tmp_path / "missing.json")], "cannot read it"),
-             ([str(good), "dir=x"], "explain takes one option, out=DIR")]
+             ([str(good), "dir=x"], "explain takes out=DIR and calibration=PATH")]
     for name, text, message in [
         ("notjson.json", "{plan", "not JSON"),
         ("list.json", "[1, 2]", "not a plan"),
@@ -441,3 +441,28 @@ def test_a_band_beside_its_prediction_is_drawn(tmp_path):
     rows = [{"name": "plan", "step_time_s": 29.2, "band_s": (45.9, 46.5)}]
     drawn = prediction.draw(rows, measured_s=46.0, title="t", path=tmp_path / "p.png")
     assert drawn["whiskers"] == [(45.9, 46.5)] and (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_explain_re_prices_a_plan_with_a_calibration(tiny_plan, tmp_path, capsys, monkeypatch):
+    """`explain PLAN calibration=PATH` (or NEST_MEGATRON_CALIBRATION) reports the plan and its runners-up priced with
+    that profile: the plan's step time is `evaluate` of its own plan.* keys with the calibration."""
+    profile = tmp_path / "cal.yaml"
+    profile.write_text(yaml.safe_dump({
+        "format": "nest-megatron calibration", "version": 1, "accelerator": "h100_sxm",
+        "constants": {"gemm_efficiency": {"value": 0.4, "fitted": True}}, "leave_one_out": {"errors": [0.05, -0.05]}}))
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(tiny_plan.to_dict()))
+    expected = api.evaluate([*ONE_F_ONE_B, *key_overrides(tiny_plan.choice),
+                             f"calibration={profile}"]).predicted["step_time_s"]
+    for options, env in (([f"calibration={profile}"], None), ([], str(profile))):
+        if env:
+            monkeypatch.setenv("NEST_MEGATRON_CALIBRATION", env)
+        out = tmp_path / f"report{len(options)}"
+        assert cli.main(["explain", str(path), f"out={out}", "--no-baselines", *options]) == 0
+        printed = capsys.readouterr().out
+        assert "re-priced with calibration cal.yaml (the plan was priced with shipped H100 calibration)" in printed
+        index = (out / "index.html").read_text()
+        assert f"{expected:.4g} s" in index and "calibration cal.yaml" in index
+    assert expected > tiny_plan.predicted["step_time_s"]  # GEMMs at 0.4 of the peak, not the shipped 0.61
+    assert cli.main(["explain", str(path), "cal=x"]) == 2
+    assert "'cal=x': explain takes out=DIR and calibration=PATH" in capsys.readouterr().err

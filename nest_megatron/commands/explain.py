@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import tempfile
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, replace
 from pathlib import Path
 
 from rich.progress import Progress
 
+from nest_megatron import api
+from nest_megatron.calibration.band import overlaps
+from nest_megatron.calibration.profile import ENV
 from nest_megatron.calibration.runs import measured_in
 from nest_megatron.commands.common import check_writable, fail, progress_bar, stdout_console
 from nest_megatron.config.load import Loaded, load
 from nest_megatron.errors import NestError
-from nest_megatron.plan import Plan
+from nest_megatron.plan import Plan, key_overrides
 from nest_megatron.report.explain import FIGURES, plan_mismatch, report_data, write_report
 from nest_megatron.solver.baselines import flat_network, manual
 from nest_megatron.solver.registry import SOLVERS
@@ -31,7 +35,8 @@ BASELINE_STEPS = 2
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan", help="a Plan JSON, as `nest-megatron plan ... out=PLAN.json` writes it")
-    parser.add_argument("options", nargs="*", help="out=DIR: where index.html and the PNGs go (default: PLAN_report/)")
+    parser.add_argument("options", nargs="*", help="out=DIR: where index.html and the PNGs go (default: PLAN_report/); "
+                        f"calibration=PATH (or {ENV}): re-price the plan and its runners-up with that calibration")
     parser.add_argument("--no-baselines", action="store_true",
                         help="leave out the Manual and flat-network baselines (the flat one repeats the search)")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
@@ -57,14 +62,37 @@ def read_plan(path: str) -> Plan:
         raise NestError(f"{path}: {err}") from None
 
 
-def output_dir(plan_path: str, options: list[str]) -> Path:
-    out = None
+def parse_options(plan_path: str, options: list[str]) -> tuple[Path, str | None]:
+    """(the report's folder, the calibration= profile to re-price the plan with or None)."""
+    given = {}
     for option in options:
         key, sep, value = option.partition("=")
-        if key != "out" or not sep or not value:
-            raise NestError(f"'{option}': explain takes one option, out=DIR")
-        out = Path(value)
-    return out or Path(plan_path).with_suffix("").with_name(Path(plan_path).stem + "_report")
+        if key not in ("out", "calibration") or not sep or not value:
+            raise NestError(f"'{option}': explain takes out=DIR and calibration=PATH")
+        given[key] = value
+    out = Path(given["out"]) if "out" in given else Path(plan_path).with_name(Path(plan_path).stem + "_report")
+    return out, given.get("calibration") or os.environ.get(ENV) or None
+
+
+def repriced(plan: Plan, calibration: str) -> Plan:
+    """`plan` and its runners-up that fit, priced again with the calibration profile at `calibration` (the same
+    configurations and layer splits: their plan.* keys); a runner-up that no longer fits is left out."""
+    if not plan.choice:
+        raise NestError("the plan holds no plan.* keys of its configuration (written before them): plan it again to "
+                        "re-price it with calibration=")
+    keep = [o for o in plan.overrides if not o.startswith("calibration=")] + [f"calibration={calibration}"]
+    again = api.evaluate([*keep, *key_overrides(plan.choice)])
+    runners = []
+    for row in plan.runners_up:
+        if row["fits"]:
+            try:
+                other = api.evaluate([*keep, *key_overrides(row["plan"])])
+            except NestError:  # it does not fit, priced so
+                continue
+            runners.append({**row, "step_time_s": other.predicted["step_time_s"],
+                            "tied_within_error": overlaps(other.predicted["step_time_s"], again.predicted["step_time_s"],
+                                                          again.calibration.get("errors") or ())})
+    return replace(again, runners_up=runners, search=plan.search)
 
 
 def explain(loaded: Loaded, plan: Plan, out: Path, *, baselines: bool, progress: Progress,
@@ -106,9 +134,15 @@ def explain(loaded: Loaded, plan: Plan, out: Path, *, baselines: bool, progress:
 def run(args: argparse.Namespace) -> int:
     console = stdout_console()
     try:
-        out = output_dir(args.plan, args.options)
+        out, calibration = parse_options(args.plan, args.options)
         plan = read_plan(args.plan)
         check_writable(out, "out", folder=True)
+        if calibration is not None and Path(calibration).resolve() != Path(plan.calibration.get("path") or "").resolve():
+            was = plan.calibration.get("label") or "no calibration recorded"
+            plan = repriced(plan, calibration)
+            if not args.quiet:
+                console.print(f"re-priced with {plan.calibration['label']} (the plan was priced with {was})",
+                              highlight=False, soft_wrap=True)
         loaded = load(plan.overrides)
         with progress_bar(quiet=args.quiet) as progress:
             # a plan in the run directory of its launch: what the run measured, beside what was predicted
