@@ -235,7 +235,7 @@ def _world_divisible(launch: Launch):
 
 
 def _virtual_flags(launch: Launch):
-    """At most one of the three ways to set virtual stages (Megatron-LM silently prefers one)."""
+    """At most one of the three ways to set virtual stages."""
     given = [f for f in VIRTUAL_FLAGS if launch.s.has(f)]
     if len(given) > 1:
         return f"{' and '.join(given)}: at most one of {', '.join(VIRTUAL_FLAGS)}"
@@ -479,7 +479,7 @@ ARGS = "megatron/training/arguments.py"
 # the configuration.
 ARGV_RULES = (
     Rule("world-divisible", f"{ARGS}:432", _world_divisible),
-    Rule("virtual-flags", f"nest: {ARGS}:940-977 reads one and ignores the others", _virtual_flags),
+    Rule("virtual-flags", f"{ARGS}:928-939", _virtual_flags),
     *(Rule(rule_id, source, _exclusion(rule_id, one, other)) for rule_id, one, other, source in EXCLUSIONS),
     Rule("hybrid-split-flags", f"{ARGS}:814-838", _hybrid_split_flags),
     Rule("hybrid-pipes-first-last", f"{ARGS}:802-813; {MC}models/hybrid/hybrid_layer_allocation.py:377-383",
