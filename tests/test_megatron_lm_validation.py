@@ -113,7 +113,7 @@ def test_what_our_rules_accept_megatron_lm_accepts(tmp_path):
 
 # The models of the reach issue, on the machines it names: 256 and 2,048 H100s, 72 and 1,152 GB200s (NVL72).
 NEW_MODELS = ("llama31_405b", "deepseek_v3", "qwen3_30b_a3b", "qwen3_235b_a22b", "gpt_oss_120b", "kimi_k2",
-              "nemotron_h_56b")
+              "nemotron_h_56b", "nemotron3_super")
 MACHINES = (("dgx_h100_superpod", 256, 8), ("dgx_h100_superpod", 2048, 8), ("gb200_nvl72", 72, 4),
             ("gb200_nvl72", 1152, 4))
 DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--lr", "1e-4", "--train-iters", "10"]
