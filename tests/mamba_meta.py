@@ -161,3 +161,25 @@ def mamba_layer_params(*, hidden, state_dim, head_dim, num_groups, num_heads=Non
         layer = build_meta_mamba_layer(hidden=hidden, state_dim=state_dim, head_dim=head_dim,
                                        num_groups=num_groups, num_heads=num_heads, tp=tp, fp8=fp8)
         return sum(p.numel() for p in layer.parameters())
+
+
+def mamba_projection_gemms(*, hidden, state_dim, head_dim, num_groups, num_heads=None, tp=1, tokens=128):
+    """MambaMixer's two GEMMs on rank 0 of a TP-`tp` job, as megatron-core builds and runs them: for in_proj
+    (ColumnParallelLinear) and out_proj (RowParallelLinear), (name, its weight's [out, in] shape, the FLOPs
+    FlopCounterMode counts for that module's own forward on one sequence of `tokens` on the meta device).
+    Only the two linear modules run: the mixer's forward between them is the fused Triton scan (above)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    gemms = []
+    with warnings.catch_warnings(action="ignore"), _as_tp_cp_rank(tp, 1):
+        mixer = build_meta_mamba_layer(hidden=hidden, state_dim=state_dim, head_dim=head_dim,
+                                       num_groups=num_groups, num_heads=num_heads, tp=tp).mixer
+        for name in ("in_proj", "out_proj"):
+            module = getattr(mixer, name)
+            out_features, in_features = module.weight.shape
+            x = torch.empty(tokens, 1, in_features, device="meta", dtype=torch.bfloat16)  # [s, b, in]
+            with FlopCounterMode(display=False) as counter:
+                y, _ = module(x)
+            assert y.shape == (tokens, 1, out_features if name == "in_proj" else hidden)
+            gemms.append((name, (out_features, in_features), counter.get_total_flops()))
+    return gemms

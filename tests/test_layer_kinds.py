@@ -2,8 +2,9 @@
 group-limited routing, each worked out by hand on a small shape; Megatron's FLOPs for them; the argv, Hydra and
 emitted forms; DeepSeek-V3- and Kimi-K2-shaped models priced by `evaluate`.
 
-The traced-vs-analytic checks (meta-device megatron-core models) are in tests/test_trace.py, the rules against
-megatron-core's config classes in tests/test_megatron_rules.py.
+The traced-vs-analytic checks (meta-device megatron-core models) are in tests/test_trace.py, group-limited routing
+against megatron-core's own router in tests/test_routing_trace.py, the rules against megatron-core's config classes in
+tests/test_megatron_rules.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """megatron-core 0.16.1's real Mamba-2 layer (tests/mamba_meta.py builds it on the meta device) against a
-parameter count worked out by hand, and against the cost model's ModelSpec.mixer_params."""
+parameter count worked out by hand, and against the cost model's ModelSpec.mixer_params; its two GEMMs (in_proj,
+out_proj) against ModelSpec.mixer_gemms."""
 
 
 import pytest
-from mamba_meta import mamba_layer_params
+from mamba_meta import mamba_layer_params, mamba_projection_gemms
+from test_mamba_hybrid import MAMBA, TINY
 
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.model.kinds import LayerKind
@@ -90,3 +92,31 @@ def test_cost_model_mamba_params_match_megatron(mamba, tp):
     built = mamba_layer_params(hidden=cfg.hidden_size, state_dim=cfg.mamba_state_dim, head_dim=cfg.mamba_head_dim,
                                num_groups=cfg.mamba_num_groups, num_heads=cfg.mamba_num_heads, tp=tp)
     assert ModelSpec(cfg).mixer_params(LayerKind("mamba", "none"), tp) == built
+
+
+@pytest.mark.parametrize("cfg, tp, by_hand", [
+    # TINY (tests/test_mamba_hybrid.py): h 256, d_inner 512, 8 heads, 8 groups of state 128; one sequence of 128.
+    #   TP 1: in_proj [2 x 512 + 2 x 8 x 128 + 8, 256] = [3080, 256], 2 x 128 x 3080 x 256 = 201,850,880 FLOPs;
+    #         out_proj [256, 512], 2 x 128 x 256 x 512 = 33,554,432
+    (ModelConfig(**TINY), 1, [("in_proj", (3080, 256), 201_850_880), ("out_proj", (256, 512), 33_554_432)]),
+    #   TP 2: in_proj's outputs and out_proj's inputs halved, [1540, 256] and [256, 256]: half the FLOPs
+    (ModelConfig(**TINY), 2, [("in_proj", (1540, 256), 100_925_440), ("out_proj", (256, 256), 16_777_216)]),
+    # 12 heads of 32 given (d_inner 384), 4 groups of state 16, h 256, at TP 4:
+    #   in_proj [(768 + 128 + 12) / 4, 256] = [227, 256], 2 x 128 x 227 x 256 = 14,876,672;
+    #   out_proj [256, 96], 2 x 128 x 256 x 96 = 6,291,456
+    (_cfg_with_mamba(mamba_state_dim=16, mamba_head_dim=32, mamba_num_groups=4, mamba_num_heads=12), 4,
+     [("in_proj", (227, 256), 14_876_672), ("out_proj", (256, 96), 6_291_456)]),
+])
+def test_cost_model_mamba_gemms_are_megatron_s_projections(cfg, tp, by_hand):
+    """The analytic Mamba GEMMs (ModelSpec.mixer_gemms: 2 m n k each, m = tokens) are megatron-core's in_proj and
+    out_proj: n x k is the weight megatron-core builds on the TP rank ([out, in]), and 2 m n k the FLOPs
+    FlopCounterMode counts for the module's forward, each also worked out by hand. The rest of the mixer's
+    forward is the fused Triton scan, which does not run here (tests/mamba_meta.py); the cost model prices the
+    scan by Megatron-LM's own formula (hybrid_flops' 7 x tokens x d_inner x state), hand-checked in
+    tests/test_mamba_hybrid.py (test_mamba_gemms_and_scan_flops_by_hand, test_megatron_s_hybrid_flops_by_hand)."""
+    traced = mamba_projection_gemms(hidden=cfg.hidden_size, state_dim=cfg.mamba_state_dim, head_dim=cfg.mamba_head_dim,
+                                    num_groups=cfg.mamba_num_groups, num_heads=cfg.mamba_num_heads, tp=tp, tokens=128)
+    assert traced == by_hand
+    priced = ModelSpec(cfg).mixer_gemms(MAMBA, tokens=128, tp=tp, sp=False)
+    assert [(g.name, (g.n, g.k), g.flops) for g in priced] == traced
+    assert all(g.m == 128 for g in priced)
