@@ -126,18 +126,14 @@ def test_megatron_group_limit_keeps_each_token_in_its_groups(groups, group_topk)
         assert deepep_level_copies(model(groups, group_topk), (8.0, 8.0))[1] <= group_topk
 
 
-# Found by these two tests: the cost model draws a token's k experts uniformly from the K E/G experts of its K
-# groups, so a picked group may hold none of them; megatron-core picks the K groups by the sum of each group's top
-# k/K scores (moe_utils.py:553-556), so a picked group nearly always holds some of the k. The cost model prices
-# fewer ranks and nodes reached than megatron-core routes to: EP 8 with G = 8, K = 4 (one group a rank) 0.454 a
-# rank priced, 0.494 measured, DeepEP's ranks reached 3.63 priced, 3.96 measured; the smaller ranks of EP 64 are
-# off by less (0.1150 priced, 0.1170 measured over 200,000 tokens: inside 4 standard errors of 20,000, so not
-# compared here). Strict: once the cost model follows megatron-core's group choice these pass and must be un-marked.
-GROUP_CHOICE = pytest.mark.xfail(strict=True, reason="cost model: k experts uniform over the K groups' pool; "
-                                 "megatron-core: groups picked by the sum of their top k/K scores")
+# Found by these two tests: the cost model drew a token's k experts uniformly from the K E/G experts of its K groups,
+# so a picked group might hold none of them; megatron-core picks the K groups by the sum of each group's top k/K
+# scores (moe_utils.py:553-556), so a picked group nearly always holds some of the k. It priced fewer ranks and nodes
+# reached than megatron-core routes to (EP 8 with G = 8, K = 4: 0.454 a rank priced, 0.494 measured; DeepSeek-V3's
+# cross-node copies 3.18 priced, 3.47 measured). The cost model now draws megatron-core's choice (cost/routing.py
+# group_counts).
 
 
-@GROUP_CHOICE
 @pytest.mark.parametrize("groups, group_topk, ep", [(8, 4, 8), (8, 4, 16), (16, 4, 8), (16, 4, 16)])
 def test_megatron_group_limited_routing_reaches_each_rank_as_priced(groups, group_topk, ep):
     local = EXPERTS // ep
@@ -147,11 +143,10 @@ def test_megatron_group_limited_routing_reaches_each_rank_as_priced(groups, grou
                    for q in range(ep)])
 
 
-@GROUP_CHOICE
 def test_megatron_node_limited_routing_gives_deepep_s_copies_per_level():
     """DeepSeek-V3's routing (G = 8 groups = nodes, K = 4) on EP 64 as 8 nodes of 8 ranks: DeepEP's copies per
-    level counted on megatron-core's routing map against `deepep_level_copies` (priced 4.07 over NVLink and 3.18
-    across nodes; measured 3.90 and 3.47: the cross-node traffic is priced 8.5 % low)."""
+    level counted on megatron-core's routing map against `deepep_level_copies` (measured 3.90 over NVLink and 3.47
+    across nodes; priced 3.90 and 3.47 now, 4.07 and 3.18 when the cost model drew the experts uniformly)."""
     nvlink, across = deepep_copies_measured(rank_hits(megatron_routing_map(8, 4, seed=4), 64), per_node=8)
     priced = deepep_level_copies(model(8, 4), (8.0, 8.0))
     assert_mean(nvlink, priced[0])

@@ -5,7 +5,8 @@ Experts sit on the expert-parallel ranks in order, E/ep consecutive experts a ra
 MoELayer: local_expert_indices). Group-limited routing (--moe-router-num-groups G, --moe-router-group-topk K)
 splits the experts into G groups of E/G consecutive experts and takes a token's top-k experts from the K groups
 its router scores highest (megatron/core/transformer/moe/moe_utils.py group_limited_topk: scores.view(tokens,
-G, E/G)). A learned router is taken as uniform: K of the G groups, then k distinct experts among their K E/G.
+G, E/G)). A learned router is taken as balanced: its scores i.i.d., through megatron-core's own choice of the K
+groups and the k experts among theirs (`group_counts`).
 
 Megatron's alltoall dispatcher sends a copy per routed expert: with a uniform router each copy lands on any
 expert alike, so the traffic per level is topk copies spread over the group's peers, group limit or not (it
@@ -21,28 +22,53 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+import numpy as np
+
 from nest_megatron.model.spec import ModelSpec
+
+# megatron-core's group-limited routing (moe_utils.py group_limited_topk, :515-560 at 0.16.1, :673 at d98e8a6):
+# a group's score is the sum of its top k/K expert scores, the K best groups are kept, then the top k experts among
+# theirs, so a kept group nearly always gets some of them (a uniform choice among the kept groups' experts would
+# leave some kept groups empty: tests/test_routing_trace.py measured it 8.5 % short of the cross-node copies).
+# With the scores i.i.d. (a learned router taken as balanced; sigmoid of normal logits, DeepSeek-V3's score) how a
+# token's k experts fall over the groups has no closed form: it is drawn once for GROUP_SAMPLES tokens (seeded, so
+# prices repeat), and a range of experts is priced from those counts, the experts of a group uniform within it.
+GROUP_SAMPLES = 16384
+
+
+@lru_cache(maxsize=64)
+def group_counts(experts: int, k: int, groups: int, group_topk: int) -> np.ndarray:
+    """[GROUP_SAMPLES, groups]: how many of a token's k experts megatron-core's group-limited routing puts in each
+    group, for i.i.d. scores."""
+    rng = np.random.default_rng(0)
+    scores = 1 / (1 + np.exp(-rng.standard_normal((GROUP_SAMPLES, experts), dtype=np.float32)))
+    size = experts // groups
+    group_scores = np.sort(scores.reshape(GROUP_SAMPLES, groups, size), axis=-1)[:, :, size - k // group_topk:].sum(-1)
+    kept = np.zeros((GROUP_SAMPLES, groups), dtype=bool)
+    np.put_along_axis(kept, np.argpartition(-group_scores, group_topk - 1, axis=1)[:, :group_topk], True, axis=1)
+    masked = np.where(np.repeat(kept, size, axis=1), scores, -np.inf)
+    chosen = np.argpartition(-masked, k - 1, axis=1)[:, :k]
+    counts = np.zeros((GROUP_SAMPLES, groups), dtype=np.int64)
+    np.add.at(counts, (np.arange(GROUP_SAMPLES)[:, None], chosen // size), 1)
+    return counts
 
 
 @lru_cache(maxsize=65536)
 def experts_hit_probability(experts: int, k: int, groups: int, group_topk: int, lo: int, hi: int) -> float:
-    """P(at least one of a token's k experts is one of experts [lo, hi)), for a router taken as uniform:
-    `group_topk` of `groups` equal groups of consecutive experts, then k distinct experts among theirs (no group
-    limit: groups = group_topk = 1)."""
+    """P(at least one of a token's k experts is one of experts [lo, hi)), for a router taken as uniform: without a
+    group limit (groups = group_topk = 1) k distinct experts of all; with one, megatron-core's choice of `group_topk`
+    of `groups` equal groups of consecutive experts and k experts among theirs (`group_counts`), averaged over the
+    groups' rotations (they are alike)."""
     size = experts // groups
-    pool = group_topk * size
-    overlaps = [c for c in (min(hi, (g + 1) * size) - max(lo, g * size) for g in range(groups)) if c > 0]
-    # ways[(j, a)]: the subsets of j of the overlapping groups holding a of the experts [lo, hi)
-    ways = {(0, 0): 1}
-    for c in overlaps:
-        grown = dict(ways)
-        for (j, a), w in ways.items():
-            grown[(j + 1, a + c)] = grown.get((j + 1, a + c), 0) + w
-        ways = grown
-    others = groups - len(overlaps)
-    miss = sum(w * math.comb(others, group_topk - j) * math.comb(pool - a, k)
-               for (j, a), w in ways.items() if j <= group_topk)
-    return 1 - miss / (math.comb(groups, group_topk) * math.comb(pool, k))
+    if groups > 1:
+        counts = group_counts(experts, k, groups, group_topk)
+        overlap = [max(0, min(hi, (g + 1) * size) - max(lo, g * size)) for g in range(groups)]
+        # P(none of c experts, uniform in a group of `size`, in its `o` experts of the range)
+        miss = np.array([[math.comb(size - o, c) / math.comb(size, c) for c in range(min(k, size) + 1)]
+                         for o in range(size + 1)])
+        return 1 - float(np.mean([np.prod(miss[np.roll(overlap, r), counts], axis=1).mean() for r in range(groups)]))
+    span = max(0, min(hi, experts) - max(lo, 0))
+    return 1 - math.comb(experts - span, k) / math.comb(experts, k)
 
 
 def _groups(model: ModelSpec) -> tuple[int, int]:
@@ -99,7 +125,7 @@ def dispatch_copies(model: ModelSpec, ep: int, *, dispatcher: str = "alltoall", 
     deepep: DeepEP's dispatch (Megatron's flex dispatcher, NeMo AutoModel's) sends a token once to
     each rank holding one of its experts (deep_ep Buffer.get_dispatch_layout, is_token_in_rank), and
     the receiving rank expands it to its local experts: the expected number of ranks hit, for the router:
-      learned: taken as uniform (with group-limited routing, within K of G groups), E/ep experts a rank:
+      learned: taken as balanced (with group-limited routing, megatron-core's choice: `group_counts`), E/ep experts a rank:
         without groups ep (1 - C(E - E/ep, k) / C(E, k)) (`experts_hit_probability`);
       fake_balanced: the ranks of AutoModel's consecutive experts, averaged over the starts ik mod E.
     """
