@@ -32,9 +32,11 @@ from nest_megatron.plan import Plan
 
 MAX_POINTS = 256
 
-# What a row holds after the swept values, in table / CSV order.
+# What a row holds after the swept values, in table / CSV order: the step time's band and the calibration that
+# priced it are the plan's (Plan.calibration: step_time_band_s, summary).
 COLUMNS = ("num_devices", "tp", "pp", "dp", "cp", "ep", "vpp", "mbs", "zero", "recompute", "step_time_s",
-           "tokens_per_s", "tokens_per_s_per_device", "mfu", "peak_memory_gib", "capacity_gib", "error", "overrides")
+           "step_time_low_s", "step_time_high_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "peak_memory_gib",
+           "capacity_gib", "calibration", "error", "overrides")
 
 
 @dataclass(frozen=True)
@@ -145,13 +147,16 @@ def row(outcome: Outcome) -> dict:
     plan = outcome.plan
     if plan is not None:
         p, pred = plan.parallel, plan.predicted
+        low, high = plan.calibration["step_time_band_s"] or (None, None)
         values.update(
             tp=p["tp"], pp=p["pp"], dp=p["dp"], cp=p["cp"], ep=p["ep"], vpp=p["vpp"], mbs=plan.micro_batch_size,
             zero=plan.zero_stage, recompute=plan.recompute["granularity"] or "none",
-            step_time_s=pred["step_time_s"], tokens_per_s=pred["tokens_per_s"],
+            step_time_s=pred["step_time_s"], step_time_low_s=low, step_time_high_s=high,
+            tokens_per_s=pred["tokens_per_s"],
             # per device of the cluster, idle ones included: what each GPU bought delivers
             tokens_per_s_per_device=pred["tokens_per_s"] / plan.num_devices,
             mfu=pred["mfu"], peak_memory_gib=pred["peak_memory_gib"], capacity_gib=pred["capacity_gib"],
+            calibration=plan.calibration["summary"],
         )
     return values
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ from megatron_logs import (
 from nest_megatron import api, cli
 from nest_megatron.calibration.band import band
 from nest_megatron.calibration.constants import CONSTANTS
+from nest_megatron.calibration.fit import fit
 from nest_megatron.calibration.logs import read
 from nest_megatron.calibration.profile import SHIPPED, read_profile
 from nest_megatron.calibration.runs import DEST, read_run
@@ -308,27 +310,36 @@ def namespace_of(argv: list[str], world: int, vpp: int) -> dict:
     return out
 
 
+def perturbed_truth() -> dict[str, float]:
+    shipped = load(CLUSTER).problem.accelerator
+    return {"gemm_efficiency": 0.9 * shipped.gemm_efficiency,
+            "kernel_overhead_us": 1.3 * shipped.kernel_overhead_s * 1e6, "network_efficiency.1": 0.8}
+
+
+def perturbed_log(case: str, truth: dict[str, float]) -> tuple[str, api.Plan]:
+    """The Megatron-LM log of `case` run on a cluster whose constants are `truth`, and the plan it runs."""
+    plan = api.evaluate([*CLUSTER, *case.split()])
+    loaded = load([*CLUSTER, *case.split()])
+    problem = loaded.problem
+    for name, value in truth.items():
+        problem = CONSTANTS[name].write(problem, value)
+    cfg = api.evaluate_config(loaded.problem, loaded.config.plan, default_mbs=None)
+    measured = estimate(problem, cfg).step_time
+    namespace = namespace_of(plan.megatron_args, plan.world_size, plan.parallel["vpp"])
+    vocab = loaded.config.model.vocab_size
+    lines = arguments_block(namespace) + [padded_vocab_line(vocab, problem.model.padded_vocab(cfg.tp))] + [
+        iteration_line(iteration=it, train_iters=3, consumed=it, elapsed_s=measured * (3 if it == 1 else 1),
+                       batch_size=plan.global_batch_size) for it in (1, 2, 3)]
+    return "\n".join(lines) + "\n", plan
+
+
 @pytest.mark.slow
 def test_calibrate_recovers_perturbed_constants(tmp_path, capsys):
-    shipped = load(CLUSTER).problem.accelerator
-    truth = {"gemm_efficiency": 0.9 * shipped.gemm_efficiency, "kernel_overhead_us": 1.3 * shipped.kernel_overhead_s * 1e6,
-             "network_efficiency.1": 0.8}
+    truth = perturbed_truth()
     logs = []
     for i, case in enumerate(RECOVERY):
-        plan = api.evaluate([*CLUSTER, *case.split()])
-        loaded = load([*CLUSTER, *case.split()])
-        problem = loaded.problem
-        for name, value in truth.items():
-            problem = CONSTANTS[name].write(problem, value)
-        cfg = api.evaluate_config(loaded.problem, loaded.config.plan, default_mbs=None)
-        measured = estimate(problem, cfg).step_time
-        namespace = namespace_of(plan.megatron_args, plan.world_size, plan.parallel["vpp"])
-        vocab = loaded.config.model.vocab_size
-        lines = arguments_block(namespace) + [padded_vocab_line(vocab, problem.model.padded_vocab(cfg.tp))] + [
-            iteration_line(iteration=it, train_iters=3, consumed=it, elapsed_s=measured * (3 if it == 1 else 1),
-                           batch_size=plan.global_batch_size) for it in (1, 2, 3)]
         logs.append(tmp_path / f"run{i}.log")
-        logs[-1].write_text("\n".join(lines) + "\n")
+        logs[-1].write_text(perturbed_log(case, truth)[0])
     out = tmp_path / "cal.yaml"
     code, err = _calibrate(capsys, *map(str, logs), *CLUSTER, f"out={out}")
     assert code == 0, err
@@ -347,6 +358,66 @@ def test_calibrate_recovers_perturbed_constants(tmp_path, capsys):
     calibration = read_profile(str(out))
     assert set(calibration.values) == {n for n, e in constants.items() if e["fitted"]}
     assert len(calibration.errors) == len(RECOVERY)
+
+
+# --- cross-validation by source and release -------------------------------------------------------------------
+
+def run_directory(folder: Path, text: str, plan: api.Plan) -> Path:
+    """What `nest-megatron launch` leaves (launch/run_dir.py): the plan, run.json and rank 0's teed log."""
+    worker = folder / "logs" / "node0" / "run" / "attempt_0" / "0"
+    worker.mkdir(parents=True)
+    (worker / "stdout.log").write_text(text)
+    (folder / "plan.json").write_text(plan.to_json())
+    (folder / "run.json").write_text('{"logs": "logs"}')
+    return folder
+
+
+def test_calibrate_holds_out_each_source(tmp_path, capsys):
+    """Megatron-LM logs and launch run directories: each source's runs are priced by a fit to the other source's
+    alone, its candidates the constants the full fit determined (fit.cross_validate); no log states a release."""
+    truth, paths = perturbed_truth(), []
+    for i, case in enumerate(RECOVERY):
+        text, plan = perturbed_log(case, truth)
+        if i < 4:
+            paths.append(tmp_path / f"run{i}.log")
+            paths[-1].write_text(text)
+        else:
+            paths.append(run_directory(tmp_path / f"nest-run-{i}", text, plan))
+    out = tmp_path / "cal.yaml"
+    code = cli.main(["calibrate", *map(str, paths), *CLUSTER, f"out={out}"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    profile = yaml.safe_load(out.read_text())
+    assert [r["source"] for r in profile["runs"]] == ["Megatron-LM log"] * 4 + ["launch run directory"] * 2
+
+    runs = [read_run(str(p), user=CLUSTER, label=str(p)).run() for p in paths]
+    full = fit(runs)
+    expected = []
+    for run in runs:
+        others = fit([r for r in runs if r.groups["source"] != run.groups["source"]], only=full.fitted)
+        expected.append(run.predict(others.values) / run.measured_s - 1)
+    held = profile["cross_validation"]["leave-one-source-out"]
+    assert held["errors"] == pytest.approx(expected, abs=1e-4)
+    assert held["median_abs_error"] == pytest.approx(statistics.median(map(abs, expected)), abs=1e-4)
+    assert f"leave-one-source-out: 6 runs: median |error| {held['median_abs_error']:.1%}, bias {held['bias']:+.1%}, " \
+           f"worst {held['worst_abs_error']:.1%}" in printed
+    why = "the logs state no release (none of the formats calibrate reads prints one)"
+    assert profile["cross_validation"]["leave-one-release-out"] == {"not_computed": why}
+    assert f"leave-one-release-out: not computed: {why}" in printed
+
+
+def test_runs_of_one_source_say_why_there_is_no_fold(tmp_path, capsys):
+    paths = []
+    for i, case in enumerate(RECOVERY[:3]):
+        paths.append(tmp_path / f"run{i}.log")
+        paths[-1].write_text(perturbed_log(case, perturbed_truth())[0])
+    out = tmp_path / "cal.yaml"
+    code = cli.main(["calibrate", *map(str, paths), *CLUSTER, f"out={out}"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "leave-one-source-out: not computed: all 3 runs are Megatron-LM logs\n" in printed
+    held = yaml.safe_load(out.read_text())["cross_validation"]
+    assert held["leave-one-source-out"] == {"not_computed": "all 3 runs are Megatron-LM logs"}
 
 
 # --- the shipped calibration and the band ---------------------------------------------------------------------

@@ -387,8 +387,14 @@ def test_bridge_command_cli_form(capsys):
     status, stdout, stderr = run_cli(capsys, "bridge", *pins)
     assert status == 0, stderr
     words = shlex.split(stdout)
+    assert all("=" in word for word in words)  # stdout is the overrides alone
     assert "model.tensor_model_parallel_size=2" in words and "train.global_batch_size=64" in words
     assert "optimizer.use_distributed_optimizer=false" in words
+    # the band and the calibration go to stderr, as the plan records them
+    plan = api.plan(pins)
+    step, (low, high) = plan.predicted["step_time_s"], plan.calibration["step_time_band_s"]
+    assert stderr == f"nest-megatron: predicted {step:.3f} s ({low:.3g}-{high:.3g} s) a step; " \
+                     f"{plan.calibration['summary']}\n"
     assert run_cli(capsys, "nemo", "--target", "bridge", *pins)[1] == stdout
 
 

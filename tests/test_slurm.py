@@ -278,9 +278,13 @@ def test_sbatch_script_text(tmp_path, capsys):
     assert "# nest-megatron from the PATH of the nodes (or of the container): when written, none was found as an " \
            "executable, or srun runs it in a container." in lines
     # the digest of the same problem on 2 x 2 devices, planned here through the API
-    digest = api.plan_loaded(load(problem_overrides("pretrain_gpt.py", megatron_args, [*CLUSTER, "plan.pp=2"])
-                                  + ["cluster.num_devices=4"])).digest
+    plan = api.plan_loaded(load(problem_overrides("pretrain_gpt.py", megatron_args, [*CLUSTER, "plan.pp=2"])
+                                + ["cluster.num_devices=4"]))
+    digest = plan.digest
     assert f"# plan digest {digest} (every node must plan the same: --expect-plan)" in lines
+    # the predicted step, its band and the calibration that priced it, as the plan records them
+    step, (low, high) = plan.predicted["step_time_s"], plan.calibration["step_time_band_s"]
+    assert f"# predicted {step:.3f} s ({low:.3g}-{high:.3g} s) a step; {plan.calibration['summary']}" in lines
     assert lines[-1] == (
         "exec srun --ntasks-per-node=1 --kill-on-bad-exit=1 '--container-image=nvcr.io#nvidia/pytorch:25.01' "
         f"--container-mounts=/data:/data nest-megatron launch --expect-plan {digest} cluster=dgx_h100_superpod "

@@ -43,6 +43,9 @@ def test_each_row_is_the_plan_of_its_point(outcomes):
         assert r["step_time_s"] == pytest.approx(pred["step_time_s"], rel=1e-12)
         assert r["tokens_per_s_per_device"] == pytest.approx(pred["tokens_per_s"] / devices, rel=1e-12)
         assert r["mfu"] == pytest.approx(pred["mfu"], rel=1e-12)
+        assert [r["step_time_low_s"], r["step_time_high_s"]] == pytest.approx(expected.calibration["step_time_band_s"],
+                                                                               rel=1e-12)
+        assert r["calibration"] == expected.calibration["summary"]
         assert r["error"] is None
 
 
@@ -123,8 +126,9 @@ def test_out_csv_round_trips(cli_run, outcomes):
         reader = csv.DictReader(f)
         rows = list(reader)
     assert reader.fieldnames == ["cluster", "cluster.num_devices", "num_devices", "tp", "pp", "dp", "cp", "ep", "vpp",
-                                 "mbs", "zero", "recompute", "step_time_s", "tokens_per_s", "tokens_per_s_per_device",
-                                 "mfu", "peak_memory_gib", "capacity_gib", "error", "overrides"]
+                                 "mbs", "zero", "recompute", "step_time_s", "step_time_low_s", "step_time_high_s",
+                                 "tokens_per_s", "tokens_per_s_per_device", "mfu", "peak_memory_gib", "capacity_gib",
+                                 "calibration", "error", "overrides"]
     assert [(r["cluster"], int(r["cluster.num_devices"])) for r in rows] == ORDER
     for r, outcome in zip(rows[:3], outcomes[:3]):  # the same cost model, so the same numbers as the Python run
         assert float(r["step_time_s"]) == pytest.approx(outcome.plan.predicted["step_time_s"], rel=1e-12)
@@ -132,6 +136,23 @@ def test_out_csv_round_trips(cli_run, outcomes):
     assert rows[3]["tp"] == "" and rows[3]["error"].startswith("cluster.num_devices=6: must be a multiple of 4")
     assert rows[1]["overrides"] == "model=tiny_gpt train.global_batch_size=48 cluster=dgx_h100_superpod cluster.num_devices=6"
     assert [r["cluster.num_devices"] for r in printed] == [4, 6, 4, 6]  # --json keeps the numbers typed
+
+
+def test_the_table_prints_each_plans_band_and_calibration(capsys, monkeypatch):
+    """The band column and the calibration lines are the plans' (Plan.calibration), a line for each calibration:
+    the A100 points are priced with the H100 calibration's errors, and say so."""
+    monkeypatch.delenv("COLUMNS", raising=False)  # piped: the table as wide as it needs, no cell cut
+    assert main(["sweep", *SWEEP]) == 0
+    printed = capsys.readouterr().out
+    summaries = []
+    for cluster, devices in ORDER[:3]:
+        plan = api.plan([*FIXED, f"cluster={cluster}", f"cluster.num_devices={devices}"])
+        low, high = plan.calibration["step_time_band_s"]
+        assert plan.predicted["step_time_s"] < 0.1  # tiny_gpt: a step of milliseconds
+        assert f"│ {low * 1e3:.3g}-{high * 1e3:.3g} ms │" in printed
+        summaries.append(plan.calibration["summary"])
+    assert summaries[0] == summaries[1] != summaries[2]
+    assert printed.splitlines()[-2:] == [f"calibration: {summaries[0]}", f"calibration: {summaries[2]}"]
 
 
 def test_plot_is_a_png_with_a_line_per_cluster(cli_run, tmp_path):

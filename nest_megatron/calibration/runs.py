@@ -44,6 +44,10 @@ BRIDGE_DEST = {"--swiglu": "gated_linear_unit", "--seq-length": "dataset.sequenc
 # recompute_granularity selective) or that describe no run (the planner's derived ones).
 NOT_ARGUMENTS = frozenset({"--recompute-activations"})
 CLUSTER_KEYS = ("cluster", "accelerator")
+# Where a run comes from, for leave-one-source-out: the kind of log it was read from. No release is stated: none of
+# the formats read (logs.py) prints the software's version, so a user's runs have no leave-one-release-out.
+SOURCES = {"megatron": "Megatron-LM log", "bridge": "Megatron-Bridge log", "nemo2": "NeMo 2 log"}
+RUN_DIR_SOURCE = "launch run directory"
 
 
 @dataclass(frozen=True)
@@ -60,10 +64,15 @@ class Rebuilt:
     plan: dict | None = None  # the Plan JSON of a run directory
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def source(self) -> str:
+        """The kind of log it was read from: a run directory of `nest-megatron launch` (its plan), else the format."""
+        return RUN_DIR_SOURCE if self.plan is not None else SOURCES[self.log.format]
+
     def run(self) -> Run:
         return Run(label=self.label, problem=self.loaded.problem, config=self.config,
                    measured_s=self.log.measured_step_s, layers_per_stage=self.layers_per_stage,
-                   rank_to_device=self.rank_to_device)
+                   rank_to_device=self.rank_to_device, groups={"source": self.source})
 
 
 # validate_args maps the dtype flags' names to torch dtypes before printing them (arguments.py:1077-1085)

@@ -3,7 +3,8 @@
 Each RUN is a training log (Megatron-LM, Megatron-Bridge, NeMo 2) or a run directory `nest-megatron launch` wrote.
 Its configuration is rebuilt from the arguments it logged (calibration/runs.py), priced with the one cost model,
 and the constants the runs determine are fitted (calibration/fit.py); the profile holds the constants, each run
-before and after, and the leave-one-out errors that give every later plan its error band (`calibration=PROFILE`).
+before and after, and the leave-one-out errors that give every later plan its error band (`calibration=PROFILE`),
+with the leave-one-source-out and leave-one-release-out errors where the runs fall in two groups or more.
 A bad or truncated log is one line naming the file and line, exit 2, and nothing is written.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from nest_megatron import __version__
 from nest_megatron.calibration.constants import CONSTANTS, level_name
-from nest_megatron.calibration.fit import Fit, errors_of, fit, leave_one_out
+from nest_megatron.calibration.fit import Errors, Fit, Run, cross_validation, errors_of, fit, leave_one_out
 from nest_megatron.calibration.profile import write_profile
 from nest_megatron.calibration.runs import Rebuilt, read_run
 from nest_megatron.commands.common import check_writable, fail, stdout_console, write_atomically
@@ -71,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         measured = [r.run() for r in rebuilt]
         full = fit(measured)
         loo = leave_one_out(measured, full=full)
-        text = write_profile(profile(rebuilt, full, loo))
+        held = held_out(measured, full)
+        text = write_profile(profile(rebuilt, full, loo, held))
         if out:
             write_atomically(Path(out), text)
     except (NestError, OSError) as err:
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if not out:
         print(text, end="")
     elif not args.quiet:
-        report(rebuilt, full, loo, out=out)
+        report(rebuilt, full, loo, held, out=out)
     return 0
 
 
@@ -89,7 +91,30 @@ def _label(path: str, before: list[str]) -> str:
     return path if not count else f"{path}#{count + 1}"
 
 
-def profile(rebuilt: list[Rebuilt], full: Fit, loo) -> dict:
+# The cross-validations by group (calibration/fit.py CROSS_VALIDATIONS), each with the group it holds out
+GROUPED = {"leave-one-source-out": "source", "leave-one-release-out": "release"}
+
+
+def held_out(runs: list[Run], full: Fit) -> dict[str, Errors | str]:
+    """Each grouped cross-validation: its errors where the runs fall in two groups or more, else why not (a line)."""
+    computed = cross_validation(runs, full=full, which=tuple(GROUPED))
+    return {name: computed[name] if name in computed else _why_not(runs, group) for name, group in GROUPED.items()}
+
+
+def _why_not(runs: list[Run], group: str) -> str:
+    if any(group not in run.groups for run in runs):
+        return f"the logs state no {group} (none of the formats calibrate reads prints one)"
+    kind = runs[0].groups[group]
+    if len(runs) == 1:
+        return f"the one run is a {kind}"
+    return f"all {len(runs)} runs are {kind[:-1] + 'ies' if kind.endswith('y') else kind + 's'}"
+
+
+def _held_out_entry(errors: Errors | str) -> dict:
+    return {**_summary(errors), "errors": list(errors.errors)} if isinstance(errors, Errors) else {"not_computed": errors}
+
+
+def profile(rebuilt: list[Rebuilt], full: Fit, loo, held: dict[str, Errors | str]) -> dict:
     """The profile's content (calibration/profile.py reads it back)."""
     problem, measured = rebuilt[0].loaded.problem, [r.run() for r in rebuilt]
     before, after = errors_of(full.prior_predicted_s, measured), errors_of(full.predicted_s, measured)
@@ -110,6 +135,7 @@ def profile(rebuilt: list[Rebuilt], full: Fit, loo) -> dict:
         runs.append({
             "log": r.log.source,
             "format": r.log.format,
+            "source": r.source,
             "overrides": list(r.overrides),
             "configuration": {"world": c.world, "tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep,
                               "etp": c.etp, "vpp": c.vpp, "sp": c.sp, "mbs": c.mbs, "zero": c.zero,
@@ -135,6 +161,7 @@ def profile(rebuilt: list[Rebuilt], full: Fit, loo) -> dict:
         "runs": runs,
         "errors": {"before": _summary(before), "after": _summary(after)},
         "leave_one_out": {**_summary(loo), "errors": list(loo.errors)},
+        "cross_validation": {name: _held_out_entry(errors) for name, errors in held.items()},
     }
 
 
@@ -149,7 +176,7 @@ def _summary(errors) -> dict:
             "worst_abs_error": errors.worst}
 
 
-def report(rebuilt: list[Rebuilt], full: Fit, loo, *, out: str) -> None:
+def report(rebuilt: list[Rebuilt], full: Fit, loo, held: dict[str, Errors | str], *, out: str) -> None:
     from rich.table import Table
 
     from nest_megatron.report.table import print_table
@@ -171,5 +198,8 @@ def report(rebuilt: list[Rebuilt], full: Fit, loo, *, out: str) -> None:
                      f"{full.predicted_s[i]:.4g} ({full.predicted_s[i] / m - 1:+.1%})", f"{loo.errors[i]:+.1%}")
     print_table(console, runs)
     console.print(f"leave-one-out: {loo.line()}", highlight=False)
+    for name, errors in held.items():
+        line = errors.line() if isinstance(errors, Errors) else f"not computed: {errors}"
+        console.print(f"{name}: {line}", highlight=False, soft_wrap=True)
     console.print(f"calibration written to {out}; plan with it: calibration={out}", highlight=False, soft_wrap=True)
     sys.stdout.flush()

@@ -40,7 +40,7 @@ from nest_megatron.launch.elastic import (
 from nest_megatron.launch.prepare import Prepared, check_digest_format, check_expected_plan, prepare
 from nest_megatron.launch.run_dir import begin as begin_run_dir
 from nest_megatron.launch.torchrun import NodeCommand, check_script, run_command, sigterm_stops_with_status
-from nest_megatron.report.table import render, step_time
+from nest_megatron.report.table import calibration_line, render
 
 HELP = "plan a Megatron launch line, rewrite its parallel flags and run torchrun"
 EPILOG = """examples:
@@ -97,8 +97,7 @@ def show(prepared: Prepared, *, dry_run: bool) -> None:
     if not dry_run:
         print(summary, file=sys.stderr, flush=True)
         if prepared.plan.calibration:  # which calibration priced it (the table says it under --dry-run)
-            print(f"nest-megatron: predicted {step_time(prepared.plan)} a step; {prepared.plan.calibration['summary']}",
-                  file=sys.stderr, flush=True)
+            print(f"nest-megatron: {calibration_line(prepared.plan)}", file=sys.stderr, flush=True)
         return
     console = stdout_console()
     render(prepared.plan, console, megatron_args=prepared.script_args)  # what the commands below run, not the plan's

@@ -1,8 +1,12 @@
-"""`nest-megatron nemo|bridge [overrides] [--format cli|python]`: the plan as NeMo 2 / Megatron-Bridge overrides."""
+"""`nest-megatron nemo|bridge [overrides] [--format cli|python]`: the plan as NeMo 2 / Megatron-Bridge overrides.
+
+stdout is the overrides alone (a script appends them to a command); the predicted step, its band and the calibration
+that priced it go to stderr."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from nest_megatron import api
@@ -12,6 +16,7 @@ from nest_megatron.errors import NestError
 from nest_megatron.integrations.bridge import bridge_overrides
 from nest_megatron.integrations.nemo import nemo_overrides
 from nest_megatron.integrations.overrides import cli_line, hydra_literal, python_lines, python_literal
+from nest_megatron.report.table import calibration_line
 
 HELP = {
     "nemo": "plan, then print the overrides for a NeMo 2 recipe (or, with --target bridge, Megatron-Bridge)",
@@ -55,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
             write_atomically(Path(out), text)
     except (NestError, OSError) as e:
         return fail(args.command, e)
+    print(f"nest-megatron: {calibration_line(plan)}", file=sys.stderr, flush=True)
     if not out:
         print(text, end="")
     return 0

@@ -21,6 +21,7 @@ from nest_megatron.errors import NestError
 from nest_megatron.launch.devices import Devices
 from nest_megatron.launch.prepare import Prepared, prepare, problem_overrides, split_keep
 from nest_megatron.launch.sbatch import SbatchOptions, sbatch_script
+from nest_megatron.report.table import calibration_line
 
 HELP = "plan a Megatron launch for N nodes and write the sbatch script that runs it (out=PATH or stdout)"
 EPILOG = """example:
@@ -54,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _plan_lines(prepared: Prepared) -> list[str]:
     plan, p = prepared.plan, prepared.plan.parallel
     lines = [f"plan when written: tp={p['tp']} pp={p['pp']} dp={p['dp']} cp={p['cp']} ep={p['ep']} vpp={p['vpp']} "
-             f"mbs={plan.micro_batch_size} zero={plan.zero_stage}, predicted step "
-             f"{plan.predicted['step_time_s']:.3g} s, peak memory {plan.predicted['peak_memory_gib']:.1f} GiB",
+             f"mbs={plan.micro_batch_size} zero={plan.zero_stage}, peak memory "
+             f"{plan.predicted['peak_memory_gib']:.1f} GiB",
+             calibration_line(plan),
              f"plan digest {plan.digest} (every node must plan the same: --expect-plan)"]
     order = [c.node_rank for c in prepared.commands]
     if order != sorted(order):

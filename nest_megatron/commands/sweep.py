@@ -18,7 +18,7 @@ from nest_megatron.commands.explain import progress_bar
 from nest_megatron.errors import NestError
 from nest_megatron.report.plots import time_unit
 from nest_megatron.report.plots.sweep import draw
-from nest_megatron.report.table import fits_console
+from nest_megatron.report.table import band_text, fits_console
 
 HELP = "plan every point of a sweep (cluster=a,b cluster.num_devices=256,1024) and tabulate the best plans"
 EPILOG = """examples:
@@ -89,10 +89,10 @@ def table(rows: list[dict], swept: list[str], fixed: str) -> tuple[Table, list[s
     failed = sum(r["error"] is not None for r in rows)
     title = f"nest-megatron sweep: {len(rows)} points" + (f", {failed} without a plan" if failed else "")
     t = Table(title=title, caption=f"every point: {fixed}" if fixed else None)
-    heads = [*swept, "devices", "TP", "PP", "DP", "CP", "EP", "VPP", "mbs", "ZeRO", "recompute", "step", "tokens/s",
-             "tok/s/dev", "MFU", "GiB peak/cap"]
+    heads = [*swept, "devices", "TP", "PP", "DP", "CP", "EP", "VPP", "mbs", "ZeRO", "recompute", "step", "band",
+             "tokens/s", "tok/s/dev", "MFU", "GiB peak/cap"]
     for head in heads:
-        t.add_column(head, justify="left" if head in swept or head == "recompute" else "right")
+        t.add_column(head, justify="left" if head in swept or head == "recompute" else "right", no_wrap=head == "band")
     notes = []
     for r in rows:
         cells = [str(r[k]) for k in swept] + [str(r["num_devices"] or "-")]
@@ -102,10 +102,17 @@ def table(rows: list[dict], swept: list[str], fixed: str) -> tuple[Table, list[s
             continue
         cells += [str(r[k]) for k in ("tp", "pp", "dp", "cp", "ep", "vpp", "mbs", "zero")] + [r["recompute"]]
         unit, scale = time_unit(r["step_time_s"])
-        cells += [f"{r['step_time_s'] / scale:.3g} {unit}", f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_device']:,.0f}",
+        band = (r["step_time_low_s"], r["step_time_high_s"])
+        cells += [f"{r['step_time_s'] / scale:.3g} {unit}", band_text(band, unit, scale) if band[0] is not None else "",
+                  f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_device']:,.0f}",
                   f"{r['mfu']:.1%}", f"{r['peak_memory_gib']:.1f}/{r['capacity_gib']:.0f}"]
         t.add_row(*cells)
     return t, notes
+
+
+def calibration_lines(rows: list[dict]) -> list[str]:
+    """`calibration: ...` once for each calibration that priced a point and its band (an accelerator sweep: several)."""
+    return [f"calibration: {summary}" for summary in dict.fromkeys(r["calibration"] for r in rows if r["calibration"])]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         console.print(rendered)
         for number, note in enumerate(notes, 1):
             console.print(f"[{number}] {note}", highlight=False, soft_wrap=True, markup=False)
+        for line in calibration_lines(rows):
+            console.print(line, highlight=False, soft_wrap=True, markup=False)
         for key in OPTIONS:
             if key in chosen:
                 console.print(f"{'rows' if key == 'out' else 'plot'} written to {chosen[key]}", highlight=False)

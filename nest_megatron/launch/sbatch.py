@@ -83,7 +83,8 @@ def sbatch_script(options: SbatchOptions, overrides: list[str], script_argv: lis
         "# plan's placement and starts its torchrun agent; SLURM_GPUS_ON_NODE gives the processes per node.",
         "# A node whose plan differs from this one (--expect-plan) starts nothing and fails the job (exit 2).",
     ]
-    comments += [f"# {line}" for line in plan_lines]
+    # a line break inside a plan line (a calibration file's name) must not end the comment
+    comments += [f"# {line}" for plan_line in plan_lines for line in plan_line.splitlines()]
     if launcher == "nest-megatron":
         comments.append("# nest-megatron from the PATH of the nodes (or of the container): when written, none was "
                         "found as an executable, or srun runs it in a container.")

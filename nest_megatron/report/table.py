@@ -35,11 +35,22 @@ def print_table(console: Console, table: Table) -> None:
         console.width = width
 
 
+def band_text(band: list[float], unit: str = "s", scale: float = 1.0) -> str:
+    """`14.1-16.9 s`: a step time's band (in `unit`, seconds / `scale`)."""
+    return f"{band[0] / scale:.3g}-{band[1] / scale:.3g} {unit}"
+
+
 def step_time(plan: Plan) -> str:
     """`15.400 s (14.1-16.9 s)`: the predicted step time and the band its calibration's errors give it."""
     step = plan.predicted["step_time_s"]
     band = (plan.calibration or {}).get("step_time_band_s")
-    return f"{step:.3f} s" + (f" ({band[0]:.3g}-{band[1]:.3g} s)" if band else "")
+    return f"{step:.3f} s" + (f" ({band_text(band)})" if band else "")
+
+
+def calibration_line(plan: Plan) -> str:
+    """`predicted 15.400 s (14.1-16.9 s) a step; shipped H100 calibration: ...`: the band and the calibration that
+    priced the plan, for the commands whose output is not the plan's table (launch, sweep, nemo, bridge, sbatch)."""
+    return f"predicted {step_time(plan)} a step; {plan.calibration['summary']}"
 
 
 def render(plan: Plan, console: Console, *, megatron_args: list[str] | None = None) -> None:
