@@ -29,7 +29,7 @@ from megatron_logs import (
 )
 
 from nest_megatron import api, cli
-from nest_megatron.calibration.band import band
+from nest_megatron.calibration.band import band, overlaps
 from nest_megatron.calibration.constants import CONSTANTS
 from nest_megatron.calibration.fit import fit
 from nest_megatron.calibration.logs import read
@@ -440,6 +440,9 @@ def test_the_band_is_the_cross_validated_errors_percentiles():
     # one run, predicted 50 % too slow: it measured 10 / 1.5; the band reaches the prediction itself
     assert band(10.0, [0.5]) == pytest.approx((10.0 / 1.5, 10.0))
     assert band(10.0, [-0.2, -0.1]) == pytest.approx((10.0, 10.0 / (1 - 0.195)))  # 5th percentile -19.5 %
+    # tied: the two bands meet, whichever is the faster (10 s: 9.8-10.2 s; 100 s: 98-102 s)
+    assert overlaps(10.0, 10.1, [0.02, -0.02]) and overlaps(10.1, 10.0, [0.02, -0.02])
+    assert not overlaps(10.0, 100.0, [0.02, -0.02]) and not overlaps(100.0, 10.0, [0.02, -0.02])
 
 
 @pytest.mark.parametrize("command", ["plan", "evaluate"])

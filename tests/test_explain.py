@@ -18,6 +18,7 @@ import websocket
 import yaml
 
 from nest_megatron import api, cli
+from nest_megatron.commands.explain import repriced
 from nest_megatron.config.load import load
 from nest_megatron.cost.schedule import megatron_order
 from nest_megatron.plan import Plan, key_overrides
@@ -464,5 +465,8 @@ def test_explain_re_prices_a_plan_with_a_calibration(tiny_plan, tmp_path, capsys
         index = (out / "index.html").read_text()
         assert f"{expected:.4g} s" in index and "calibration cal.yaml" in index
     assert expected > tiny_plan.predicted["step_time_s"]  # GEMMs at 0.4 of the peak, not the shipped 0.61
+    # the overrides stay the user's (the baselines search as before), with the calibration
+    again = repriced(tiny_plan, str(profile))
+    assert again.overrides == [*tiny_plan.overrides, f"calibration={profile}"]
     assert cli.main(["explain", str(path), "cal=x"]) == 2
     assert "'cal=x': explain takes out=DIR and calibration=PATH" in capsys.readouterr().err

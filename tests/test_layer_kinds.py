@@ -264,9 +264,10 @@ def _megatron_enumerated_hit(experts, k, groups, group_topk, lo, hi):
 ])
 def test_hit_probability_against_megatron_s_choice_enumerated(experts, k, groups, group_topk, lo, hi):
     """Without a group limit the formula is exact; with one the cost model draws megatron-core's choice for
-    GROUP_SAMPLES tokens (cost/routing.py group_counts): within 0.01, about 4 standard errors of that draw."""
+    GROUP_SAMPLES tokens (cost/routing.py group_counts), averaged over the groups' rotations: within 2e-3 (the
+    cases here differ by at most 4e-4)."""
     expected = _megatron_enumerated_hit(experts, k, groups, group_topk, lo, hi)
-    tolerance = dict(rel=1e-12) if groups == 1 else dict(abs=0.01)
+    tolerance = dict(rel=1e-12) if groups == 1 else dict(abs=2e-3)
     assert experts_hit_probability(experts, k, groups, group_topk, lo, hi) == pytest.approx(expected, **tolerance)
 
 

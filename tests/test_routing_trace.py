@@ -14,7 +14,9 @@ Tolerance. A rank's measured share is the mean of N independent Bernoulli(p) dra
 sqrt(p (1 - p) / N), about 0.0034 at p = 0.5 and 0.0023 at p = 0.12 for N = 20,000; the test allows 4 of them
 (a two-sided miss of a right p has probability 6e-5 per comparison, under 1 % over the ~90 compared here, and
 the seed fixes the draw). A per-token count (ranks reached, copies per level) is the mean of N i.i.d. bounded
-draws: its sample standard deviation / sqrt(N) (central limit theorem), again 4 of them.
+draws: its sample standard deviation / sqrt(N) (central limit theorem), again 4 of them. With a group limit the
+priced p is itself a draw of megatron-core's choice (cost/routing.py group_counts, 16,384 tokens averaged over the
+groups' rotations), whose error is a small part of the measured one's.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ report).
 
 With errors e = predicted / measured - 1 of the runs the calibration held out, a run predicted at t measured
 t / (1 + e); the band spans that for the 5th to the 95th percentile of e (with few runs, nearly their extremes),
-and reaches t itself where those errors are all of one sign: one run's error alone would give a band of no width
+and reaches t itself where those percentiles are of one sign: one run's error alone would give a band of no width
 beside the prediction.
 """
 
@@ -23,7 +23,6 @@ def band(step_s: float, errors) -> tuple[float, float] | None:
 
 
 def overlaps(step_s: float, best_s: float, errors) -> bool:
-    """Whether the bands of a plan at `step_s` and of the best at `best_s` (<= step_s) overlap: tied within the
-    model's error."""
+    """Whether the bands of a plan at `step_s` and of the best at `best_s` overlap: tied within the model's error."""
     mine, best = band(step_s, errors), band(best_s, errors)
-    return mine is not None and mine[0] <= best[1]
+    return mine is not None and mine[0] <= best[1] and best[0] <= mine[1]

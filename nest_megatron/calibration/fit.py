@@ -276,8 +276,9 @@ def leave_one_out(runs: list[Run], *, full: Fit | None = None, **fit_options) ->
     return cross_validate(runs, lambda run: run.label, full=full, **fit_options)
 
 
-# Held-out groups: every run alone, every source (framework) of runs, every software release; a run lacks a group
-# key when it does not say (a user's logs have no release).
+# Held-out groups: every run alone, every source of runs (the framework of a published run; the kind of log a user's
+# run was read from, calibration/runs.py SOURCES), every software release; a run lacks a group key when it does not
+# say (a user's logs have no release).
 CROSS_VALIDATIONS: dict[str, Callable[[Run], str | None]] = {
     "leave-one-out": lambda run: run.label,
     "leave-one-source-out": lambda run: run.groups.get("source"),

@@ -111,7 +111,7 @@ def _why_not(runs: list[Run], group: str) -> str:
 
 
 def _held_out_entry(errors: Errors | str) -> dict:
-    return {**_summary(errors), "errors": list(errors.errors)} if isinstance(errors, Errors) else {"not_computed": errors}
+    return errors.as_dict() if isinstance(errors, Errors) else {"not_computed": errors}
 
 
 def profile(rebuilt: list[Rebuilt], full: Fit, loo, held: dict[str, Errors | str]) -> dict:
@@ -160,7 +160,7 @@ def profile(rebuilt: list[Rebuilt], full: Fit, loo, held: dict[str, Errors | str
         "constants": constants,
         "runs": runs,
         "errors": {"before": _summary(before), "after": _summary(after)},
-        "leave_one_out": {**_summary(loo), "errors": list(loo.errors)},
+        "leave_one_out": loo.as_dict(),
         "cross_validation": {name: _held_out_entry(errors) for name, errors in held.items()},
     }
 

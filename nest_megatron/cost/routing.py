@@ -26,7 +26,7 @@ import numpy as np
 
 from nest_megatron.model.spec import ModelSpec
 
-# megatron-core's group-limited routing (moe_utils.py group_limited_topk, :515-560 at 0.16.1, :673 at d98e8a6):
+# megatron-core's group-limited routing (moe_utils.py group_limited_topk, :515-570 at 0.16.1, :673 at d98e8a6):
 # a group's score is the sum of its top k/K expert scores, the K best groups are kept, then the top k experts among
 # theirs, so a kept group nearly always gets some of them (a uniform choice among the kept groups' experts would
 # leave some kept groups empty: tests/test_routing_trace.py measured it 8.5 % short of the cross-node copies).
@@ -55,20 +55,31 @@ def group_counts(experts: int, k: int, groups: int, group_topk: int) -> np.ndarr
 
 @lru_cache(maxsize=65536)
 def experts_hit_probability(experts: int, k: int, groups: int, group_topk: int, lo: int, hi: int) -> float:
-    """P(at least one of a token's k experts is one of experts [lo, hi)), for a router taken as uniform: without a
-    group limit (groups = group_topk = 1) k distinct experts of all; with one, megatron-core's choice of `group_topk`
-    of `groups` equal groups of consecutive experts and k experts among theirs (`group_counts`), averaged over the
-    groups' rotations (they are alike)."""
-    size = experts // groups
-    if groups > 1:
-        counts = group_counts(experts, k, groups, group_topk)
+    """P(at least one of a token's k experts is one of experts [lo, hi)), for a router taken as balanced: without a
+    group limit (or one that keeps every group) k distinct experts of all; with one, megatron-core's choice of
+    `group_topk` of `groups` equal groups of consecutive experts and k experts among theirs (`group_counts`)."""
+    if 1 < group_topk < groups:
+        size = experts // groups
         overlap = [max(0, min(hi, (g + 1) * size) - max(lo, g * size)) for g in range(groups)]
-        # P(none of c experts, uniform in a group of `size`, in its `o` experts of the range)
-        miss = np.array([[math.comb(size - o, c) / math.comb(size, c) for c in range(min(k, size) + 1)]
-                         for o in range(size + 1)])
-        return 1 - float(np.mean([np.prod(miss[np.roll(overlap, r), counts], axis=1).mean() for r in range(groups)]))
+        # the groups are alike, so every rotation of the overlaps prices alike: one per rotation class
+        return _grouped_hit(experts, k, groups, group_topk, min(tuple(np.roll(overlap, r)) for r in range(groups)))
+    if 1 == group_topk < groups:  # one group a token: the k experts all in it
+        size = experts // groups
+        return sum(1 - math.comb(size - o, k) / math.comb(size, k)
+                   for o in (max(0, min(hi, (g + 1) * size) - max(lo, g * size)) for g in range(groups))) / groups
     span = max(0, min(hi, experts) - max(lo, 0))
     return 1 - math.comb(experts - span, k) / math.comb(experts, k)
+
+
+@lru_cache(maxsize=4096)
+def _grouped_hit(experts: int, k: int, groups: int, group_topk: int, overlap: tuple[int, ...]) -> float:
+    """P(some of a token's experts among a range overlapping the groups by `overlap`), from `group_counts`, the
+    experts of a group uniform within it, averaged over the groups' rotations (they are alike)."""
+    size, counts = experts // groups, group_counts(experts, k, groups, group_topk)
+    # P(none of c experts, uniform in a group of `size`, in its `o` experts of the range)
+    miss = np.array([[math.comb(size - o, c) / math.comb(size, c) for c in range(min(k, size) + 1)]
+                     for o in range(size + 1)])
+    return 1 - float(np.mean([np.prod(miss[np.roll(overlap, r), counts], axis=1).mean() for r in range(groups)]))
 
 
 def _groups(model: ModelSpec) -> tuple[int, int]:
