@@ -415,9 +415,9 @@ def test_runs_of_one_source_say_why_there_is_no_fold(tmp_path, capsys):
     code = cli.main(["calibrate", *map(str, paths), *CLUSTER, f"out={out}"])
     printed = capsys.readouterr().out
     assert code == 0
-    assert "leave-one-source-out: not computed: all 3 runs are Megatron-LM logs\n" in printed
+    assert "leave-one-source-out: not computed: all 3 runs of one source: Megatron-LM log\n" in printed
     held = yaml.safe_load(out.read_text())["cross_validation"]
-    assert held["leave-one-source-out"] == {"not_computed": "all 3 runs are Megatron-LM logs"}
+    assert held["leave-one-source-out"] == {"not_computed": "all 3 runs of one source: Megatron-LM log"}
 
 
 # --- the shipped calibration and the band ---------------------------------------------------------------------

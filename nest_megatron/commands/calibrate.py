@@ -104,10 +104,7 @@ def held_out(runs: list[Run], full: Fit) -> dict[str, Errors | str]:
 def _why_not(runs: list[Run], group: str) -> str:
     if any(group not in run.groups for run in runs):
         return f"the logs state no {group} (none of the formats calibrate reads prints one)"
-    kind = runs[0].groups[group]
-    if len(runs) == 1:
-        return f"the one run is a {kind}"
-    return f"all {len(runs)} runs are {kind[:-1] + 'ies' if kind.endswith('y') else kind + 's'}"
+    return f"{'the one run' if len(runs) == 1 else f'all {len(runs)} runs'} of one {group}: {runs[0].groups[group]}"
 
 
 def _held_out_entry(errors: Errors | str) -> dict:
