@@ -58,15 +58,13 @@ def experts_hit_probability(experts: int, k: int, groups: int, group_topk: int, 
     """P(at least one of a token's k experts is one of experts [lo, hi)), for a router taken as balanced: without a
     group limit (or one that keeps every group) k distinct experts of all; with one, megatron-core's choice of
     `group_topk` of `groups` equal groups of consecutive experts and k experts among theirs (`group_counts`)."""
-    if 1 < group_topk < groups:
+    if group_topk < groups:
         size = experts // groups
         overlap = [max(0, min(hi, (g + 1) * size) - max(lo, g * size)) for g in range(groups)]
+        if group_topk == 1:  # one group a token: the k experts all in it
+            return sum(1 - math.comb(size - o, k) / math.comb(size, k) for o in overlap) / groups
         # the groups are alike, so every rotation of the overlaps prices alike: one per rotation class
         return _grouped_hit(experts, k, groups, group_topk, min(tuple(np.roll(overlap, r)) for r in range(groups)))
-    if 1 == group_topk < groups:  # one group a token: the k experts all in it
-        size = experts // groups
-        return sum(1 - math.comb(size - o, k) / math.comb(size, k)
-                   for o in (max(0, min(hi, (g + 1) * size) - max(lo, g * size)) for g in range(groups))) / groups
     span = max(0, min(hi, experts) - max(lo, 0))
     return 1 - math.comb(experts - span, k) / math.comb(experts, k)
 
