@@ -165,6 +165,8 @@ def megatron_args(problem: Problem, est: Estimate) -> list[str]:
         layers_per_stage=est.layers_per_stage,
         tp_comm_overlap=problem.tp_comm_overlap,
         moe_dispatcher=problem.moe_dispatcher,
+        moe_a2a_overlap=problem.moe_a2a_overlap,
+        delay_wgrad_compute=problem.delay_wgrad_compute,
     )
 
 

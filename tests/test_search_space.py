@@ -101,12 +101,14 @@ def test_the_recompute_rules_are_the_ones_reading_the_recompute_fields():
     variants = [dict(recompute="none"), dict(recompute="full"), dict(recompute="full", recompute_num_layers=20),
                 dict(recompute="selective", recompute_modules=("moe_act",)),
                 dict(recompute="selective", recompute_modules=("core_attn", "mlp")), dict(recompute="bogus"),
-                dict(recompute="none", recompute_num_layers=1), dict(recompute="selective", recompute_modules=("x",))]
-    assert len(configurations) > 100 and len([r for r in RULES if r.id in RECOMPUTE_RULES]) == 4
+                dict(recompute="none", recompute_num_layers=1), dict(recompute="selective", recompute_modules=("x",)),
+                dict(recompute="selective", recompute_modules=("moe",))]
+    assert len(configurations) > 100 and len([r for r in RULES if r.id in RECOMPUTE_RULES]) == 5
 
     def answer(rule, c, variant):
+        # with the EP all-to-all overlap, whose rules read the recompute fields too
         return rule.check(Case(dataclasses.replace(c, **variant), problem.model, problem.num_devices,
-                               problem.global_batch_size, None, True))
+                               problem.global_batch_size, None, True, moe_a2a_overlap=True))
 
     recompute_answers: dict[tuple, set] = {}
     for c in configurations:

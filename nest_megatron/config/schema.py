@@ -218,6 +218,12 @@ class TrainConfig:
     # --external-cuda-graph): each layer's pass is one graph replay for the host (cost/host.py). Read from the argv;
     # the plan does not emit the flag (its other requirements are the user's: Megatron-LM arguments.py:1953-1971)
     cuda_graphs: bool = False
+    # --overlap-moe-expert-parallel-comm: a MoE model's EP dispatch and combine of one micro-batch beside another's
+    # computation in the steady state of the schedule (cost/a2a_overlap.py; its requirements are rules: EP > 1,
+    # virtual stages with PP > 1, no full recompute); --delay-wgrad-compute, with it: the experts' weight gradient
+    # after the backward's dispatch.
+    moe_a2a_overlap: bool = False
+    delay_wgrad_compute: bool = False
 
 
 @dataclass

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from nest_megatron.cost.a2a_overlap import dispatch_sm_share, unpaired_microbatches
 from nest_megatron.cost.collectives import (
     Network,
     all_gather_time,
@@ -103,6 +104,14 @@ class Context:
         """Step time = pipeline_factor x slowest stage + the slowest after-pipeline part."""
         return pipeline_factor(self.problem, self.cfg, self.num_microbatches)
 
+    @property
+    def a2a_paired_share(self) -> float:
+        """Of the slowest stage's pipeline_factor times per micro-batch, the share a paired forward and backward
+        saves its layers' a2a_saving in (cost/a2a_overlap.py): the micro-batches not in the warm-up, over the
+        factor. Charging every time the share keeps step = factor x stage time."""
+        m = self.num_microbatches
+        return (m - unpaired_microbatches(self.cfg.pp, self.cfg.vpp, m)) / self.pipeline_factor
+
 
 def pipeline_factor(problem: Problem, cfg: ParallelConfig, num_microbatches: int) -> float:
     """The slowest stage's times per micro-batch in a step: every micro-batch, and each pipeline schedule's fill and
@@ -120,7 +129,9 @@ def context(problem: Problem, cfg: ParallelConfig, *, rank_to_device: np.ndarray
             compute: ComputeModel | None = None) -> Context:
     compute = compute or problem.compute_model
     spans, net = groups_and_network(problem, cfg, rank_to_device)
-    costs = layer_costs(problem.model, cfg, spans=spans, net=net, compute=compute, **layer_options(problem, cfg))
+    costs = layer_costs(problem.model, cfg, spans=spans, net=net, compute=compute, **layer_options(problem, cfg),
+                        delay_wgrad=problem.delay_wgrad_compute,
+                        dispatch_sm_share=dispatch_sm_share(problem.accelerator.sm_count))
     return Context(problem, cfg, spans, net, compute, costs, num_microbatches(cfg, problem.global_batch_size),
                    rank_to_device)
 
@@ -131,7 +142,8 @@ def layer_options(problem: Problem, cfg: ParallelConfig) -> dict:
     copies = (dispatch_copies(problem.model, cfg.ep, dispatcher=problem.moe_dispatcher, router=problem.moe_router)
               if problem.model.is_moe else None)
     return {"tp_comm_overlap": problem.tp_comm_overlap, "ep_copies": copies, "dispatcher": problem.moe_dispatcher,
-            "router": problem.moe_router, "permute_fusion": problem.moe_permute_fusion}
+            "router": problem.moe_router, "permute_fusion": problem.moe_permute_fusion,
+            "a2a_overlap": problem.moe_a2a_overlap}
 
 
 def uniform_split(num_layers: int, pp: int) -> tuple[int, ...]:
@@ -201,7 +213,8 @@ def fits_in(ctx: Context, split: tuple[int, ...]) -> bool:
     for stage in range(cfg.pp):
         memory = memory_of_rank(problem.model, cfg, stage_sums(ctx.costs, cfg, tuple(split), stage), stage=stage,
                                 num_microbatches=ctx.num_microbatches,
-                                reserved_bytes=problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt)
+                                reserved_bytes=problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt,
+                                a2a_overlap=problem.moe_a2a_overlap)
         if memory.total > problem.accelerator.memory_bytes:
             return False
     return True
@@ -209,7 +222,8 @@ def fits_in(ctx: Context, split: tuple[int, ...]) -> bool:
 
 def _memory_in(ctx: Context, sums: list[StageSums]) -> tuple:
     return memory_per_stage(ctx.problem.model, ctx.cfg, sums, num_microbatches=ctx.num_microbatches,
-                            reserved_bytes=ctx.problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt)
+                            reserved_bytes=ctx.problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt,
+                            a2a_overlap=ctx.problem.moe_a2a_overlap)
 
 
 def stage_parts(ctx: Context, sums: StageSums, *, stage: int) -> dict:
@@ -257,6 +271,8 @@ def stage_body(ctx: Context, sums: StageSums, *, first: bool, last: bool) -> dic
     model, cfg, spans, net = ctx.problem.model, ctx.cfg, ctx.spans, ctx.net
     tokens = cfg.mbs * model.cfg.seq_length // cfg.cp
     compute_s, recompute, tp_comm, cp_comm, ep_comm = sums.compute, sums.recompute, sums.tp_comm, sums.cp_comm, sums.ep_comm
+    if ctx.problem.moe_a2a_overlap:  # the EP communication paired passes hide (a2a_overlap.py)
+        ep_comm = ep_comm - ctx.a2a_paired_share * sums.a2a_saving
     gpu_fwd, gpu_bwd = sums.fwd, sums.bwd + sums.recompute  # the GPU work of the host's spans (host.py)
     host_fwd, host_bwd = _layer_operators(ctx, sums)
     heads = 1 + model.mtp_depths  # the output layer runs once more per multi-token-prediction depth

@@ -62,6 +62,12 @@ class LayerTime:
     # The forward's exposed communication by part: "tp:<block>:column" and "tp:<block>:row" (`tp_blocks`' names),
     # "tp:experts" (expert TP), "ep" (dispatch and combine); what a recompute of some modules sends again.
     fwd_comm_parts: tuple[tuple[str, float], ...] = ()
+    # Of the computation above, a MoE layer's experts (`EXPERT_NODE`): forward, input-gradient and weight-gradient
+    # time; what the other micro-batch's dispatch and combine overlap with under --overlap-moe-expert-parallel-comm
+    # (cost/a2a_overlap.py).
+    experts_fwd: float = 0.0
+    experts_dgrad: float = 0.0
+    experts_wgrad: float = 0.0
 
     @property
     def fwd(self) -> float:
@@ -193,24 +199,25 @@ def quantisation_bytes(model: ModelSpec, gemms: list[Gemm]) -> tuple[float, floa
 def layer_time(
     model: ModelSpec, *, cfg: ParallelConfig, kind: LayerKind, spans: Spans, net: Network, compute: ComputeModel,
     tp_comm_overlap: bool = False, ep_copies: float | None = None, dispatcher: str = "alltoall",
-    router: str = "learned", permute_fusion: bool = False,
+    router: str = "learned", permute_fusion: bool = False, a2a_overlap: bool = False,
 ) -> LayerTime:
     """One layer's times for a layer of `kind`; configurations that differ only in what a layer does not see
     (ZeRO, recompute, pipeline depth, ...) share one computation. `ep_copies`: the copies of a token the EP
     all-to-alls carry (`routing.dispatch_copies`; None: topk, Megatron's alltoall dispatcher); `dispatcher` and
     `permute_fusion` set the permutation's bytes (`permutation_elements`); `router` where DeepEP's copies go
-    (`routing.deepep_level_copies`)."""
+    (`routing.deepep_level_copies`); `a2a_overlap`: --overlap-moe-expert-parallel-comm (`ordered_streams`)."""
     copies = float(model.cfg.moe_router_topk) if ep_copies is None else ep_copies
     return _layer_time(model, cfg.tp, cfg.sp, cfg.cp, cfg.ep, cfg.etp, cfg.mbs, kind, spans.tp, spans.cp, spans.ep, net,
-                       compute, tp_comm_overlap, ordered_streams(cfg), copies, dispatcher, router, permute_fusion,
-                       cfg.cp_comm_type)
+                       compute, tp_comm_overlap, ordered_streams(cfg, a2a_overlap=a2a_overlap), copies, dispatcher,
+                       router, permute_fusion, cfg.cp_comm_type)
 
 
-def ordered_streams(cfg: ParallelConfig) -> bool:
+def ordered_streams(cfg: ParallelConfig, *, a2a_overlap: bool = False) -> bool:
     """Whether the launch sets CUDA_DEVICE_MAX_CONNECTIONS=1 (launch/prepare.py megatron_env): with TP, unless
-    Megatron-FSDP needs more queues. Only then are the backward's collectives issued ahead of the GEMMs
-    they overlap (megatron/core/tensor_parallel/layers.py:843-849); otherwise they may wait behind them."""
-    return cfg.zero < 2
+    Megatron-FSDP or the EP all-to-all overlap needs more queues. Only then are the backward's collectives issued
+    ahead of the GEMMs they overlap (megatron/core/tensor_parallel/layers.py:843-849); otherwise they may wait
+    behind them."""
+    return cfg.zero < 2 and not a2a_overlap
 
 
 def _exposed(comm: float, gemm: float, chunks: int) -> float:
@@ -285,6 +292,8 @@ def _layer_time(model, tp, sp, cp, ep, etp, mbs, kind, tp_shapes, cp_shapes, ep_
             cp_fwd = (cfg.cp - 1) * max(0.0, one - step_fwd)
             cp_bwd = 2 * max(0.0, one - step_bwd) + (cfg.cp - 2) * max(0.0, both - step_bwd)
 
+    experts = expert_node_times(compute, model, timed, gemms, memory) if kind.is_moe else (0.0, 0.0, 0.0)
+
     # EP: dispatch and combine all-to-alls of the copies of this rank's tokens (`routing.dispatch_copies`; with
     # DeepEP, per level: `routing.deepep_level_copies`); the allgather dispatcher gathers the whole group's
     # tokens and reduce-scatters the experts' outputs in that size (its backward the mirror), whatever the
@@ -312,7 +321,29 @@ def _layer_time(model, tp, sp, cp, ep, etp, mbs, kind, tp_shapes, cp_shapes, ep_
         ep_comm=2 * ep_pass,
         fwd_parts=forward_parts(compute, timed, attention=attention, memory=memory, quantise_fwd=quantise[0]),
         fwd_comm_parts=tuple(tp_parts.items()) + ((("ep", ep_pass),) if ep_pass else ()),
+        experts_fwd=experts[0],
+        experts_dgrad=experts[1],
+        experts_wgrad=experts[2],
     )
+
+
+# What megatron-core runs between a MoE layer's dispatch and its combine (models/gpt/fine_grained_callables.py
+# submodule_moe_forward at 0.16.1: the experts' grouped GEMMs and their activation); the shared experts, the router
+# and the token permutation run before the dispatch (submodule_attn_forward :427-482), the unpermutation after the
+# combine (submodule_combine_forward :544-556).
+EXPERT_NODE = ("expert_fc1", "expert_fc2")
+
+
+def expert_node_times(compute: ComputeModel, model: ModelSpec, timed, gemms: list[Gemm],
+                      memory: dict[str, float]) -> tuple[float, float, float]:
+    """(forward, input-gradient, weight-gradient) time of a MoE layer's experts: their GEMMs (with their fp8 casts)
+    and their activation, priced as `pass_times` prices them (the activation's backward reads twice the bytes)."""
+    fwd = sum(t[1] for t in timed if t[0] in EXPERT_NODE)
+    dgrad = sum(t[2] for t in timed if t[0] in EXPERT_NODE)
+    wgrad = sum(t[3] for t in timed if t[0] in EXPERT_NODE)
+    cast_fwd, cast_bwd = quantisation_bytes(model, [g for g in gemms if g.name in EXPERT_NODE])
+    act = memory.get("mlp_act", 0.0)
+    return fwd + compute.memory_time(act + cast_fwd), dgrad + compute.memory_time(2 * act + cast_bwd), wgrad
 
 
 def _key_share(model: ModelSpec, kind: LayerKind) -> float:

@@ -21,8 +21,10 @@ transpose; 1 B on Blackwell with a per-tensor recipe; 2 + 2/32 B with MXFP8).
 
 Activations: the k-th stage from the end keeps k micro-batches in flight under 1F1B; with v
 virtual stages, rank i keeps min(m v, 2 (p - i - 1) + (v - 1) p + 1) chunks of L/(p v) layers
-(Megatron's interleaved warm-up count plus the one in progress). Unfused attention adds one score
-buffer per rank (activations.attention_buffer_bytes).
+(Megatron's interleaved warm-up count plus the one in progress); --overlap-moe-expert-parallel-comm
+warms up one chunk more (schedules.py:773-779 at megatron-core 0.16.1) and, without pipelining, runs one
+micro-batch's forward before the last one's backward (combined_1f1b.py): one chunk more in flight. Unfused
+attention adds one score buffer per rank (activations.attention_buffer_bytes).
 """
 
 from __future__ import annotations
@@ -76,12 +78,13 @@ def model_state_bytes(params: float, *, zero: int, shards: int, grad_bytes: int 
     return weights, grads, optimizer
 
 
-def in_flight_chunks(cfg: ParallelConfig, *, stage: int, num_microbatches: int) -> int:
-    """Micro-batch chunks whose activations a pipeline rank holds at its peak."""
+def in_flight_chunks(cfg: ParallelConfig, *, stage: int, num_microbatches: int, a2a_overlap: bool = False) -> int:
+    """Micro-batch chunks whose activations a pipeline rank holds at its peak (`a2a_overlap`: with
+    --overlap-moe-expert-parallel-comm, one more)."""
     p, v = cfg.pp, cfg.vpp
     if v == 1:
-        return min(p - stage, num_microbatches)
-    return min(num_microbatches * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
+        return min(p - stage + a2a_overlap, num_microbatches)
+    return min(num_microbatches * v, 2 * (p - stage - 1) + (v - 1) * p + 1 + a2a_overlap)
 
 
 def activation_bytes(sums: StageSums, *, in_flight: int, act_rebuilt: float):
@@ -174,18 +177,21 @@ def memory_per_stage(
     num_microbatches: int,
     reserved_bytes: float,
     act_rebuilt: float,
+    a2a_overlap: bool = False,
 ) -> tuple[StageMemory, ...]:
     """Memory of every pipeline rank, whose layers `sums[i]` adds up, under 1F1B or interleaving."""
     return tuple(
         memory_of_rank(model, cfg, s, stage=i, num_microbatches=num_microbatches, reserved_bytes=reserved_bytes,
-                       act_rebuilt=act_rebuilt)
+                       act_rebuilt=act_rebuilt, a2a_overlap=a2a_overlap)
         for i, s in enumerate(sums)
     )
 
 
 def memory_of_rank(model: ModelSpec, cfg: ParallelConfig, sums: StageSums, *, stage: int, num_microbatches: int,
-                   reserved_bytes: float, act_rebuilt: float) -> StageMemory:
-    """Memory of pipeline rank `stage`, whose layers `sums` adds up, under 1F1B or interleaving."""
+                   reserved_bytes: float, act_rebuilt: float, a2a_overlap: bool = False) -> StageMemory:
+    """Memory of pipeline rank `stage`, whose layers `sums` adds up, under 1F1B or interleaving (`a2a_overlap`:
+    with --overlap-moe-expert-parallel-comm)."""
     return stage_memory(model, cfg, sums, first=stage == 0, last=stage == cfg.pp - 1,
-                        in_flight=in_flight_chunks(cfg, stage=stage, num_microbatches=num_microbatches),
+                        in_flight=in_flight_chunks(cfg, stage=stage, num_microbatches=num_microbatches,
+                                                   a2a_overlap=a2a_overlap),
                         reserved_bytes=reserved_bytes, act_rebuilt=act_rebuilt)

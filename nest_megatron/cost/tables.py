@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from nest_megatron.cost.a2a_overlap import pair_saving
 from nest_megatron.cost.activations import layer_activation_bytes
 from nest_megatron.cost.collectives import Network
 from nest_megatron.cost.compute import ComputeModel
@@ -56,6 +57,9 @@ class LayerCosts:
     # operators the host issues for a layer's forward and backward (host.layer_operators)
     host_fwd: np.ndarray
     host_bwd: np.ndarray
+    # what a layer saves per micro-batch when its forward is paired with another's backward under
+    # --overlap-moe-expert-parallel-comm (a2a_overlap.pair_saving; zeros without the flag)
+    a2a_saving: np.ndarray
     act_rebuilt: float  # the most bytes one fully recomputed layer rebuilds during its backward
     # The multi-token-prediction depths, all on the last pipeline stage (model.mtp_kind): one depth's times
     # (NO_TIME without them, or for a memory-only table); `mtp_memory` has their parameters and activations.
@@ -71,13 +75,15 @@ class LayerCosts:
 def layer_costs(
     model: ModelSpec, cfg: ParallelConfig, *, spans: Spans | None, net: Network | None, compute: ComputeModel | None,
     tp_comm_overlap: bool = False, ep_copies: float | None = None, dispatcher: str = "alltoall",
-    router: str = "learned", permute_fusion: bool = False,
+    router: str = "learned", permute_fusion: bool = False, a2a_overlap: bool = False, delay_wgrad: bool = False,
+    dispatch_sm_share: float = 0.0,
 ) -> LayerCosts:
     """Per-layer costs, computed once per layer kind (model.kinds) and laid out per layer (model.layer_kinds);
     with spans=None only the memory columns (times are left at zero). `ep_copies`, `dispatcher`, `router`,
-    `permute_fusion`: layer.layer_time's."""
+    `permute_fusion`: layer.layer_time's; `a2a_overlap`, `delay_wgrad`: --overlap-moe-expert-parallel-comm and
+    --delay-wgrad-compute, `dispatch_sm_share` the SMs its all-to-alls hold (a2a_overlap.py)."""
     options = dict(spans=spans, net=net, compute=compute, tp_comm_overlap=tp_comm_overlap, ep_copies=ep_copies,
-                   dispatcher=dispatcher, router=router, permute_fusion=permute_fusion)
+                   dispatcher=dispatcher, router=router, permute_fusion=permute_fusion, a2a_overlap=a2a_overlap)
     per_kind = [_kind_costs(model, cfg, kind, **options) for kind in model.kinds]
     kind_of_layer = model.kind_index
 
@@ -108,6 +114,8 @@ def layer_costs(
         act_rebuilt=max(act["none"] for _, act, _, _ in per_kind),
         host_fwd=_prefix(operators[kind_of_layer, 0]),
         host_bwd=_prefix(operators[kind_of_layer, 1]),
+        a2a_saving=column(lambda lt, act, p, r: pair_saving(lt, delay_wgrad=delay_wgrad, sm_share=dispatch_sm_share)
+                          if a2a_overlap else 0.0),
         mtp=_kind_costs(model, cfg, mtp_kind, **options)[0] if mtp_kind else NO_TIME,
         mtp_depths=model.mtp_depths,
         mtp_host=(layer_operators(model, cfg, mtp_kind, dispatcher=dispatcher, permute_fusion=permute_fusion)
@@ -148,6 +156,7 @@ class StageSums(NamedTuple):
     host_fwd: object = 0.0
     host_bwd: object = 0.0
     host_recompute: object = 0.0
+    a2a_saving: object = 0.0  # LayerCosts.a2a_saving
 
 
 def range_sums(c: LayerCosts, cfg: ParallelConfig, a, b) -> StageSums:
@@ -184,6 +193,7 @@ def range_sums(c: LayerCosts, cfg: ParallelConfig, a, b) -> StageSums:
         host_fwd=c.host_fwd[b] - c.host_fwd[a],
         host_bwd=c.host_bwd[b] - c.host_bwd[a],
         host_recompute=c.host_fwd[r_end] - c.host_fwd[a],  # r_end = a unless fully recomputed
+        a2a_saving=c.a2a_saving[b] - c.a2a_saving[a],
     )
 
 

@@ -203,9 +203,11 @@ def parallel_args(
     layers_per_stage: tuple[int, ...] | None = None,
     tp_comm_overlap: bool = False,
     moe_dispatcher: str = "alltoall",
+    moe_a2a_overlap: bool = False,
+    delay_wgrad_compute: bool = False,
 ) -> list[str]:
-    """The flags the planner owns: parallel sizes, batch, ZeRO, recompute, layout, the MoE token dispatcher and
-    Transformer Engine's context-parallel exchange."""
+    """The flags the planner owns: parallel sizes, batch, ZeRO, recompute, layout, the MoE token dispatcher (and
+    its all-to-all overlap) and Transformer Engine's context-parallel exchange."""
     args = [
         "--tensor-model-parallel-size", str(cfg.tp),
         "--pipeline-model-parallel-size", str(cfg.pp),
@@ -217,6 +219,10 @@ def parallel_args(
         args += ["--expert-model-parallel-size", str(cfg.ep), "--expert-tensor-parallel-size", str(cfg.etp)]
         # The dispatcher the cost model priced (train.moe_dispatcher); Megatron's default is allgather.
         args += DISPATCHER_FLAGS[moe_dispatcher]
+        if moe_a2a_overlap:  # train.moe_a2a_overlap, as priced (cost/a2a_overlap.py)
+            args.append("--overlap-moe-expert-parallel-comm")
+            if delay_wgrad_compute:
+                args.append("--delay-wgrad-compute")
         if not local_spec(model.cfg):
             # The experts as the cost model prices them: a stage's local experts in one grouped GEMM (model/spec.py
             # mlp_gemms), Transformer Engine's TEGroupedMLP; without the flag megatron-core runs SequentialMLP, an

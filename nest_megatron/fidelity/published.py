@@ -171,7 +171,11 @@ ROW_SETTINGS["mb-25.09-DeepSeekV3-fp8blockwise"] = {**ROW_SETTINGS["mb-25.09-Dee
 # qwen_provider.py:396 / :375; GPTOSSProvider gpt_oss_provider.py:73; deepseek_v3.py:109), the current-scaling FP8
 # recipe (utils/helpers.py get_precision_config 'cs': bf16_with_fp8_current_scaling_mixed, --fp8-recipe tensorwise)
 # and Megatron's distributed optimizer with fp32 state.
-FP8_RECIPE_OF = (("blockwise", "blockwise"), ("current scaling", "tensorwise"))  # the row's fp8_recipe note -> key
+FP8_RECIPE_OF = (("blockwise", "blockwise"), ("current scaling", "tensorwise"))
+# BRIDGE_A2A_OVERLAP: the rows whose optimizations say ep_a2a_overlap_1f1b (the DeepSeek-V3 rows of 25.09, Qwen3 of 25.11)
+# ran Megatron's EP all-to-all overlap with the delayed weight gradient: overlap_moe_expert_parallel_comm and
+# delay_wgrad_compute, set on H100 by run_script.py:62,82-84 at v0.1.0rc4 and by moe_a2a_overlap=True
+# (workload_base_configs.py:131,143,227,238 at v0.2.0) through helpers.py:182-186 set_moe_a2a_overlap_overrides  # the row's fp8_recipe note -> key
 # The optimizer's state, as the dtypes of its master weight and moments (model/spec.py OptimizerDtypes; None:
 # Megatron's fp32 ones, 12 B a parameter):
 # - megatron: Megatron's distributed optimizer.
@@ -456,6 +460,8 @@ def row_of(entry: dict) -> Row:
              f"train.tp_comm_overlap={str(tp_overlap and entry['tp'] > 1).lower()}",
              f"train.grad_reduce_in_bf16={str(grad_bf16).lower()}",
              f"train.cross_entropy_fusion={str(fused_loss).lower()}"]
+    if opt.get("ep_a2a_overlap_1f1b"):  # the Bridge recipes' moe_a2a_overlap: both flags (BRIDGE_A2A_OVERLAP)
+        train += ["train.moe_a2a_overlap=true", f"train.delay_wgrad_compute={str(bool(opt.get('delay_wgrad_compute'))).lower()}"]
     if bridge and fp8_recipe and entry["precision_class"] == "FP8":
         train.append(f"train.fp8_recipe={fp8_recipe}")
     model = ([f"model={shipped}", f"model.seq_length={entry['seq_length']}"] if shipped

@@ -72,6 +72,7 @@ FLAG_OF_FIELD = {
     "plan.recompute_num_layers": "--recompute-num-layers",
     "train.global_batch_size": "--global-batch-size",
     "train.tp_comm_overlap=true": "--tp-comm-overlap",
+    "train.moe_a2a_overlap=true": "--overlap-moe-expert-parallel-comm",
 }
 # Transformer Engine's context-parallel exchanges (context_parallel.py:4076-4110; Megatron-LM's help text at
 # training/arguments.py:3223 says "allgather", which TE refuses with a ValueError).
@@ -474,6 +475,14 @@ def _latent_shared_expert_overlap(launch: Launch):
                 "with latent-wide tokens, which megatron-core refuses in training; drop --moe-shared-expert-overlap")
 
 
+def _a2a_shared_expert_overlap(launch: Launch):
+    """The EP all-to-all overlap not with the shared expert overlapped with the dispatch."""
+    s = launch.s
+    if s.present("--overlap-moe-expert-parallel-comm") and s.present("--moe-shared-expert-overlap"):
+        return ("--overlap-moe-expert-parallel-comm with --moe-shared-expert-overlap: megatron-core takes one of the "
+                "two; drop --moe-shared-expert-overlap")
+
+
 ARGS = "megatron/training/arguments.py"
 # The flag combinations Megatron-LM (and Transformer Engine) reject; the sizes are checked by parallel.rules.RULES on
 # the configuration.
@@ -514,6 +523,8 @@ ARGV_RULES = (
          f"{ARGS}:1273 (d98e8a6 has no legacy GroupedMLP left)", _latent_legacy_grouped_gemm),
     Rule("latent-shared-expert-overlap", "megatron/core/transformer/moe/moe_layer.py:476-481 (megatron-core 0.16.1 "
          "moe_layer.py:264-268)", _latent_shared_expert_overlap),
+    Rule("a2a-shared-expert-overlap", "megatron/core/transformer/transformer_config.py:3039-3041",
+         _a2a_shared_expert_overlap),
     Rule("first-last-bf16-delayed", "megatron/core/transformer/transformer_config.py:1527-1530",
          _first_last_bf16_delayed),
     Rule("cp-comm-type-layers", "megatron/core/transformer/transformer_config.py:3103-3113", _cp_comm_type_layers),
@@ -558,6 +569,7 @@ def violations(argv: list[str], *, world_size: int) -> list[str]:
     numerics = Numerics(fp8_recipe=s.get("--fp8-recipe", "delayed") if s.has("--fp8-format") else None)
     rule = violation(cfg, model=ModelSpec(m, numerics=numerics), num_devices=world_size, global_batch_size=gbs,
                      tp_comm_overlap=s.present("--tp-comm-overlap"), form=launch.form,
+                     moe_a2a_overlap=s.present("--overlap-moe-expert-parallel-comm"),
                      layers_per_stage=argv_segments(s))  # a hybrid pattern's segments: a given split
     if rule and name_flags(rule) not in out:
         out.append(name_flags(rule))

@@ -180,9 +180,16 @@ def megatron_env(plan: Plan) -> dict[str, str | None]:
     Blackwell architecture"; Megatron-Bridge's Blackwell recipes set 32, scripts/performance/utils/overrides.py:
     258-262); the launch keeps 1 there too: Megatron accepts it, and it is the stream order the cost model prices
     (cost/layer.py ordered_streams). A TP group across the trays of a GB200 NVL72 rack needs nothing more here:
-    NCCL finds the rack's NVLink itself (MNNVL, NCCL_MNNVL_ENABLE=2 by default: nccl src/init.cc)."""
+    NCCL finds the rack's NVLink itself (MNNVL, NCCL_MNNVL_ENABLE=2 by default: nccl src/init.cc).
+
+    --overlap-moe-expert-parallel-comm runs its all-to-alls on a stream of their own beside the computation, which one
+    queue would serialise: Megatron then only warns with TP or CP (arguments.py:1466-1475), and Megatron-Bridge's perf
+    launches set 8 queues, 32 with DeepEP or HybridEP (scripts/performance/perf_plugins.py:206-236 at v0.2.0); so does
+    this launch (the cost model then prices the TP collectives unordered: cost/layer.py ordered_streams)."""
     if plan.zero_stage >= 2:
         return {"CUDA_DEVICE_MAX_CONNECTIONS": None}
+    if "--overlap-moe-expert-parallel-comm" in plan.megatron_args:
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "32" if "flex" in plan.megatron_args else "8"}
     if plan.parallel["tp"] > 1 or plan.parallel["cp"] > 1:
         return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     return {}

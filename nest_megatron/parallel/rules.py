@@ -63,6 +63,7 @@ class Case(NamedTuple):
     any_split: bool
     tp_comm_overlap: bool = False  # --tp-comm-overlap: Transformer Engine's userbuffers, with TP > 1 and SP
     form: SplitForm = EVEN  # how Megatron is told the split (plan.account_for_*, plan.decoder_*, plan.pipeline_*)
+    moe_a2a_overlap: bool = False  # --overlap-moe-expert-parallel-comm (train.moe_a2a_overlap)
 
 
 def num_microbatches(cfg: ParallelConfig, global_batch_size: int) -> int:
@@ -345,6 +346,29 @@ def _vpp_pp(c: Case):
     """Virtual stages need PP > 1."""
     if c.cfg.vpp > 1 and c.cfg.pp == 1:
         return f"plan.vpp={c.cfg.vpp}: virtual pipeline stages need pp > 1"
+
+
+def _a2a_overlap_layout(c: Case):
+    """The EP all-to-all overlap needs EP > 1, and virtual stages with PP > 1."""
+    if not c.moe_a2a_overlap:
+        return None
+    if c.cfg.ep == 1:
+        return ("plan.ep=1 with train.moe_a2a_overlap=true: the overlap hides expert-parallel all-to-alls; "
+                "use plan.ep > 1 or train.moe_a2a_overlap=false")
+    if c.cfg.pp > 1 and c.cfg.vpp == 1:
+        return (f"plan.pp={c.cfg.pp} without virtual stages and train.moe_a2a_overlap=true: the overlap needs "
+                "plan.vpp > 1 with pp > 1")
+
+
+def _a2a_overlap_recompute(c: Case):
+    """The EP all-to-all overlap takes no full recompute and no recomputed MoE layer."""
+    if not c.moe_a2a_overlap:
+        return None
+    if c.cfg.recompute == "full":
+        return "plan.recompute=full with train.moe_a2a_overlap=true: the overlap takes none or selective recompute"
+    if c.cfg.recompute == "selective" and "moe" in c.cfg.recompute_modules:
+        return ("plan.recompute_modules with moe and train.moe_a2a_overlap=true: the overlap does not recompute a "
+                "whole MoE layer; drop moe (moe_act recomputes its activation)")
 
 
 def _global_batch(c: Case):
@@ -651,6 +675,7 @@ RULES = (
     Rule("even-split", f"{ARGS}:969, 973, 998; {MC}transformer/transformer_block.py:156-159, 175-178 (not with a "
          f"layout: {ARGS}:941)", _even_split),
     Rule("vpp-pp", f"{MC}parallel_state.py:830", _vpp_pp),
+    Rule("a2a-overlap-layout", f"{TC}:3007-3015", _a2a_overlap_layout),
     Rule("global-batch", f"{MC}num_microbatches_calculator.py:381", _global_batch),
     Rule("fill-pipeline", "nest: 1F1B with fewer micro-batches than stages leaves stages idle", _fill_pipeline),
     Rule("interleaved-microbatches", f"{MC}pipeline_parallel/schedules.py:1173", _interleaved_microbatches),
@@ -659,6 +684,7 @@ RULES = (
          _mla_local_tp),
     Rule("recompute-layers-full", f"{TC}:1931", _recompute_layers_full),
     Rule("recompute-layers-range", f"{TC}:1922 (per virtual stage: nest)", _recompute_layers_range),
+    Rule("a2a-overlap-recompute", f"{TC}:3021-3032", _a2a_overlap_recompute),
     *TE_RULES,
 )
 
@@ -697,14 +723,17 @@ def violation(
     any_split: bool = False,
     tp_comm_overlap: bool = False,
     form: SplitForm = EVEN,
+    moe_a2a_overlap: bool = False,
 ) -> str | None:
     """The first Megatron rule `cfg` breaks, as one line, or None when it can launch.
 
     The layers are split evenly unless `layers_per_stage` (the layers of each pipeline rank or model chunk) or
     `form` (Megatron's flags for a split: parallel.layout) gives the split; `any_split` asks whether some split the
-    planner searches can launch; `tp_comm_overlap`: whether the launch overlaps TP communication (--tp-comm-overlap).
+    planner searches can launch; `tp_comm_overlap`: whether the launch overlaps TP communication (--tp-comm-overlap),
+    `moe_a2a_overlap` the EP all-to-alls (--overlap-moe-expert-parallel-comm).
     """
-    case = Case(cfg, model, num_devices, global_batch_size, layers_per_stage, any_split, tp_comm_overlap, form)
+    case = Case(cfg, model, num_devices, global_batch_size, layers_per_stage, any_split, tp_comm_overlap, form,
+                moe_a2a_overlap)
     for check in _CHECKS:
         line = check(case)
         if line is not None:
@@ -718,16 +747,18 @@ _CHECKS = tuple(rule.check for rule in RULES)  # in RULES' order, without a look
 # the rest only pp and vpp. The others answer the same for every recompute choice of a configuration, so the search
 # judges each half once for all the configurations that share its fields (solver/space.py; tests/test_search_space.py
 # holds this split to the rules).
-RECOMPUTE_RULES = frozenset({"recompute-kind", "recompute-modules", "recompute-layers-full", "recompute-layers-range"})
+RECOMPUTE_RULES = frozenset({"recompute-kind", "recompute-modules", "recompute-layers-full", "recompute-layers-range",
+                             "a2a-overlap-recompute"})
 Broken = tuple[int, str]  # a broken rule's position in RULES and its line
 
 
 def broken_apart(cfg: ParallelConfig, *, recompute: bool, model: ModelSpec, num_devices: int, global_batch_size: int,
                  layers_per_stage: tuple[int, ...] | None = None, any_split: bool = False,
-                 tp_comm_overlap: bool = False, form: SplitForm = EVEN) -> Broken | None:
+                 tp_comm_overlap: bool = False, form: SplitForm = EVEN, moe_a2a_overlap: bool = False) -> Broken | None:
     """The first rule `cfg` breaks among the recompute rules (`recompute`) or among the others: with the other half's,
     first_of gives violation()'s line."""
-    case = Case(cfg, model, num_devices, global_batch_size, layers_per_stage, any_split, tp_comm_overlap, form)
+    case = Case(cfg, model, num_devices, global_batch_size, layers_per_stage, any_split, tp_comm_overlap, form,
+                moe_a2a_overlap)
     for position, check in _RECOMPUTE_CHECKS if recompute else _OTHER_CHECKS:
         line = check(case)
         if line is not None:

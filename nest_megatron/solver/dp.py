@@ -31,6 +31,7 @@ import numba
 import numpy as np
 
 from nest_megatron.config.schema import PlanChoice, SolverConfig
+from nest_megatron.cost.a2a_overlap import pair_saving
 from nest_megatron.cost.evaluate import (
     Context,
     Estimate,
@@ -126,7 +127,8 @@ def memory_tables(ctx: Context, sums=None) -> tuple:
         room.append(np.where(too_short, -np.inf, acc.memory_bytes - states.total + 0 * a * b))
     return (np.stack(room).astype(float), np.asarray(per_chunk + 0 * a * b, dtype=float),
             np.array([distinct.index((s == 0, s == cfg.pp - 1)) for s in range(cfg.pp)], dtype=np.int64),
-            np.array([in_flight_chunks(cfg, stage=s, num_microbatches=ctx.num_microbatches)
+            np.array([in_flight_chunks(cfg, stage=s, num_microbatches=ctx.num_microbatches,
+                                       a2a_overlap=problem.moe_a2a_overlap)
                       for s in range(cfg.pp)], dtype=float))
 
 
@@ -339,6 +341,8 @@ def layers_work(problem: Problem, cfg: ParallelConfig, *, times: LayerTimes | No
     per_microbatch = 0.0
     for kind, count, lt in layer_times(problem, cfg) if times is None else times:
         work = lt.fwd_compute + lt.bwd_compute + lt.tp_comm + lt.cp_comm + lt.ep_comm
+        if problem.moe_a2a_overlap:  # at most this much hidden, in every micro-batch (a lower bound stays one)
+            work -= pair_saving(lt, delay_wgrad=problem.delay_wgrad_compute)
         if cfg.recompute == "selective":
             work += recompute_seconds(lt, problem.model, kind, cfg.recompute_modules)
         elif cfg.recompute == "full" and cfg.recompute_num_layers is None:
@@ -352,7 +356,7 @@ def context_bound(ctx: Context) -> float:
     (pipeline transfers, embedding and output layer) join the mean, and the stage with the largest
     fixed part holds at least the lightest layer."""
     c, cfg = ctx.costs, ctx.cfg
-    work = np.diff(c.compute + c.tp_comm + c.cp_comm + c.ep_comm)
+    work = np.diff(c.compute + c.tp_comm + c.cp_comm + c.ep_comm - c.a2a_saving)  # a2a_saving: at most, every micro-batch
     if cfg.recompute == "selective":
         work = work + np.diff(c.selective)
     elif cfg.recompute == "full" and cfg.recompute_num_layers is None:

@@ -83,6 +83,7 @@ def evaluate_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | 
     cfg = choice_config(problem, choice, default_mbs=default_mbs)
     problem_line = violation(cfg, model=problem.model, num_devices=problem.num_devices, global_batch_size=problem.global_batch_size,
                              layers_per_stage=pinned_split(choice), tp_comm_overlap=problem.tp_comm_overlap,
+                             moe_a2a_overlap=problem.moe_a2a_overlap,
                              form=SplitForm.from_fields(choice))
     if problem_line:
         raise NestError(f"invalid configuration: {problem_line}")
@@ -198,7 +199,7 @@ def empty_space_reason(
         lines = [violation(replace(cfg, cp_comm_type=t), model=problem.model, num_devices=problem.num_devices,
                            global_batch_size=problem.global_batch_size, any_split=any_split,
                            layers_per_stage=pinned_split(pins), tp_comm_overlap=problem.tp_comm_overlap,
-                           form=SplitForm.from_fields(pins))
+                           moe_a2a_overlap=problem.moe_a2a_overlap, form=SplitForm.from_fields(pins))
                  for t in comm_types]
         line = None if None in lines else lines[0]
         if line is None:
@@ -334,7 +335,8 @@ class _Judge:
     def __init__(self, problem: Problem, pins: PlanChoice, any_split: bool, form: SplitForm):
         self.context = dict(model=problem.model, num_devices=problem.num_devices,
                             global_batch_size=problem.global_batch_size, any_split=any_split,
-                            layers_per_stage=pinned_split(pins), tp_comm_overlap=problem.tp_comm_overlap, form=form)
+                            layers_per_stage=pinned_split(pins), tp_comm_overlap=problem.tp_comm_overlap,
+                            moe_a2a_overlap=problem.moe_a2a_overlap, form=form)
         self.others: dict[tuple, Broken | None] = {}  # (every field but the recompute ones) -> the first rule broken
         self.recomputing: dict[tuple, Broken | None] = {}  # (the recompute fields, pp, vpp) -> the first rule broken
 

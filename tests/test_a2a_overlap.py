@@ -1,0 +1,170 @@
+"""Megatron's EP all-to-all overlap (train.moe_a2a_overlap: --overlap-moe-expert-parallel-comm, with
+train.delay_wgrad_compute: --delay-wgrad-compute), priced by cost/a2a_overlap.py and held to megatron-core's rules.
+
+megatron-core 0.16.1 (installed) checks the flag in TransformerConfig.__post_init__ (transformer_config.py:1852-1913);
+Megatron-LM d98e8a6, which the rule table cites, checks the same and also refuses a recomputed whole MoE layer
+(:3030-3032), which 0.16.1 still accepts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nest_megatron import api
+from nest_megatron.config.load import load
+from nest_megatron.config.megatron_argv import train_overrides
+from nest_megatron.cost.a2a_overlap import pair_saving, unpaired_microbatches
+from nest_megatron.cost.evaluate import estimate
+from nest_megatron.cost.layer import LayerTime
+from nest_megatron.cost.memory import in_flight_chunks
+from nest_megatron.errors import NestError
+from nest_megatron.launch.megatron_rules import violations
+from nest_megatron.launch.prepare import megatron_env
+from nest_megatron.parallel.config import ParallelConfig
+
+BASE = ["model=tiny_moe", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64"]
+OVERLAP = ["train.moe_a2a_overlap=true", "train.delay_wgrad_compute=true"]
+
+
+def _layer(*, c, attn_fwd, experts_fwd, attn_bwd, experts_dgrad, experts_wgrad) -> LayerTime:
+    """A MoE layer's times from its parts: c a dispatch (or combine), each pass one dispatch and one combine."""
+    return LayerTime(fwd_compute=attn_fwd + experts_fwd, bwd_compute=attn_bwd + experts_dgrad + experts_wgrad,
+                     fwd_comm=2 * c, bwd_comm=2 * c, tp_comm=0.0, cp_comm=0.0, ep_comm=4 * c,
+                     experts_fwd=experts_fwd, experts_dgrad=experts_dgrad, experts_wgrad=experts_wgrad)
+
+
+def test_a_pair_hides_communication_shorter_than_the_computation_beside_it():
+    # c = 1 beside A_f = 2, E_b = 3, E_f = 3, A_b = 4: one after the other 2 + 3 + 4 + 3 + 4 x 1 = 16 s;
+    # paired max(1, 2) + max(3, 1) + max(3, 1) + max(1, 4) = 12 s: the 4 s of all-to-alls hidden.
+    layer = _layer(c=1, attn_fwd=2, experts_fwd=3, attn_bwd=4, experts_dgrad=2, experts_wgrad=1)
+    assert layer.fwd + layer.bwd == 16
+    assert pair_saving(layer, delay_wgrad=False) == pytest.approx(4)
+    assert pair_saving(layer, delay_wgrad=True) == pytest.approx(4)
+
+
+def test_the_delayed_weight_gradient_lets_the_backward_dispatch_start_earlier():
+    # c = 2, A_f = A_b = E_f = 1, E_d = 1, E_w = 4: one after the other 1 + 1 + 1 + 5 + 8 = 16 s.
+    # Without the delay the backward's dispatch waits for all 5 s of the experts' backward:
+    #   max(2, 1) + max(5, 2) + max(1, 2) + max(2, 1) = 2 + 5 + 2 + 2 = 11 s, saving 5 s.
+    # With it, only for the 1 s input gradient: the middle is max(max(5, 2) + 1, max(2, 1) + 2) = 6,
+    #   2 + 6 + 2 = 10 s, saving 6 s.
+    layer = _layer(c=2, attn_fwd=1, experts_fwd=1, attn_bwd=1, experts_dgrad=1, experts_wgrad=4)
+    assert pair_saving(layer, delay_wgrad=False) == pytest.approx(5)
+    assert pair_saving(layer, delay_wgrad=True) == pytest.approx(6)
+
+
+def test_the_all_to_alls_slow_the_computation_beside_them():
+    # The first layer with the all-to-all holding half the SMs: each computation beside it loses 0.5 x 1 s:
+    # max(1, 2.5) + max(max(3.5, 1) + 3.5, max(1, 3.5) + 1) + max(1, 4.5) = 2.5 + 7 + 4.5 = 14 s, saving 2 s.
+    layer = _layer(c=1, attn_fwd=2, experts_fwd=3, attn_bwd=4, experts_dgrad=2, experts_wgrad=1)
+    assert pair_saving(layer, delay_wgrad=True, sm_share=0.5) == pytest.approx(2)
+    # a dense layer has no all-to-all to hide
+    assert pair_saving(LayerTime(1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0), delay_wgrad=True) == 0
+
+
+@pytest.mark.parametrize("pp, vpp, microbatches, unpaired", [
+    (1, 1, 32, 1),  # the first forward and the last backward
+    (8, 4, 128, 9.75),  # 2 x 7 + 3 x 8 + 1 = 39 warm-up chunks of a quarter of the rank's layers
+    (4, 2, 4, 4),  # all in the warm-up
+])
+def test_the_warm_up_runs_unpaired(pp, vpp, microbatches, unpaired):
+    assert unpaired_microbatches(pp, vpp, microbatches) == unpaired
+
+
+def test_the_overlap_shortens_the_step_by_what_its_pairs_hide():
+    plain, overlapped = load([*BASE, "train.moe_dispatcher=alltoall"]), load([*BASE, *OVERLAP])
+    cfg = ParallelConfig(tp=1, dp=16, ep=4, etp=1, mbs=1)
+    before, after = estimate(plain.problem, cfg), estimate(overlapped.problem, cfg)
+    # pp 1: 4 micro-batches, the first forward and last backward unpaired: 3 of the 4 pair
+    hidden = before.breakdown["ep_comm"] - after.breakdown["ep_comm"]
+    assert 0 < hidden <= 3 / 4 * before.breakdown["ep_comm"] + 1e-12
+    assert before.step_time - after.step_time == pytest.approx(hidden)
+    assert after.step_time == pytest.approx(sum(after.breakdown.values()))
+
+
+def test_the_overlap_holds_one_more_chunk_in_flight():
+    cfg = ParallelConfig(pp=4, vpp=2, dp=2)
+    assert in_flight_chunks(cfg, stage=0, num_microbatches=16, a2a_overlap=True) == \
+        in_flight_chunks(cfg, stage=0, num_microbatches=16) + 1 == 2 * 3 + 4 + 1 + 1
+    assert in_flight_chunks(ParallelConfig(dp=8), stage=0, num_microbatches=8, a2a_overlap=True) == 2
+
+
+def test_a_plan_with_the_overlap_launches_it_and_passes_the_argv_rules():
+    plan = api.plan([*BASE, *OVERLAP, "plan.zero=1"])  # Megatron-FSDP removes the variable instead
+    args = plan.megatron_args
+    assert "--overlap-moe-expert-parallel-comm" in args and "--delay-wgrad-compute" in args
+    assert plan.parallel["ep"] > 1 and plan.recompute != "full"
+    assert violations(args, world_size=plan.world_size) == []
+    # Megatron-Bridge's queues for the overlap (8 with NCCL's all-to-all)
+    assert megatron_env(plan) == {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
+
+
+def test_the_argv_flags_become_the_train_keys():
+    out = train_overrides(["--bf16", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"])
+    assert "train.moe_a2a_overlap=true" in out and "train.delay_wgrad_compute=true" in out
+    assert "train.moe_a2a_overlap=false" in train_overrides(["--bf16"])
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["train.delay_wgrad_compute=true"], "train.delay_wgrad_compute=true needs train.moe_a2a_overlap=true"),
+    (["train.moe_dispatcher=allgather", *OVERLAP],
+     "train.moe_a2a_overlap=true with train.moe_dispatcher=allgather: the overlap runs with the alltoall or flex"),
+    ([*OVERLAP, "model.mtp_num_layers=2"], "train.moe_a2a_overlap=true with model.mtp_num_layers=2: the overlap takes "
+                                           "at most 1"),
+])
+def test_what_the_overlap_asks_of_the_run_is_one_line(extra, line):
+    with pytest.raises(NestError, match="^" + line):
+        load([*BASE, *extra])
+
+
+def test_a_dense_model_has_nothing_to_overlap():
+    with pytest.raises(NestError, match="^train.moe_a2a_overlap=true: model tiny_gpt has no experts"):
+        load(["model=tiny_gpt", "train.moe_a2a_overlap=true"])
+
+
+@pytest.mark.parametrize("plan, line", [
+    (["plan.ep=1"], "plan.ep=1 with train.moe_a2a_overlap=true: the overlap hides expert-parallel all-to-alls"),
+    (["plan.pp=2", "plan.vpp=1", "plan.ep=4"], "plan.pp=2 without virtual stages and train.moe_a2a_overlap=true"),
+    (["plan.ep=4", "plan.recompute=full"], "plan.recompute=full with train.moe_a2a_overlap=true"),
+    (["plan.ep=4", "plan.recompute=selective", "plan.recompute_modules=[moe]"],
+     "plan.recompute_modules with moe and train.moe_a2a_overlap=true"),
+])
+def test_the_layouts_the_overlap_refuses(plan, line):
+    with pytest.raises(NestError, match="^invalid configuration: " + line):
+        api.evaluate([*BASE, *OVERLAP, "plan.tp=1", *plan])
+
+
+def _megatron_core_refusal(**fields) -> str | None:
+    pytest.importorskip("megatron.core")
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_moe_experts=4, moe_grouped_gemm=True,
+                moe_token_dispatcher_type="alltoall", expert_model_parallel_size=2, bf16=True,
+                params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, overlap_moe_expert_parallel_comm=True)
+    try:
+        TransformerConfig(**{**base, **fields})
+    except AssertionError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("fields, plan", [
+    ({}, ["plan.ep=2"]),
+    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), ["plan.ep=2", "plan.pp=2", "plan.vpp=2"]),
+    (dict(pipeline_model_parallel_size=2), ["plan.ep=2", "plan.pp=2", "plan.vpp=1"]),
+    (dict(expert_model_parallel_size=1), ["plan.ep=1"]),
+    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+     ["plan.ep=2", "plan.recompute=full"]),
+    (dict(recompute_granularity="selective", recompute_modules=["moe_act"]),
+     ["plan.ep=2", "plan.recompute=selective", "plan.recompute_modules=[moe_act]"]),
+])
+def test_the_layout_rules_refuse_what_megatron_core_refuses(fields, plan):
+    refusal = _megatron_core_refusal(**fields)
+    try:
+        api.evaluate([*BASE, *OVERLAP, "plan.tp=1", *plan])
+        line = None
+    except NestError as err:
+        line = str(err)
+    assert (refusal is None) == (line is None), (refusal, line)
