@@ -324,6 +324,14 @@ def test_bridge_overrides_of_a_moe_plan(moe_plan):
     assert cfg.ddp.use_megatron_fsdp is False and cfg.ddp.data_parallel_sharding_strategy == "no_shard"
     assert cfg.checkpoint.ckpt_format == "torch_dist" and cfg.dist.use_tp_pp_dp_mapping is False
     assert m.init_model_with_meta_device is False
+    assert m.overlap_moe_expert_parallel_comm is False and m.delay_wgrad_compute is False  # not asked for
+
+
+def test_bridge_overrides_carry_the_a2a_overlap():
+    plan = api.evaluate(["model=tiny_moe", *BASE, "plan.tp=1", "plan.ep=2", "train.moe_a2a_overlap=true",
+                         "train.delay_wgrad_compute=true"])
+    m = apply_to_config(bridge_container_stand_in(), plan).model
+    assert m.overlap_moe_expert_parallel_comm is True and m.delay_wgrad_compute is True
 
 
 def test_bridge_overrides_of_zero3_and_zero0(fsdp_plan, plain_plan):

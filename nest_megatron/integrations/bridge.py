@@ -64,6 +64,10 @@ def bridge_overrides(plan: Plan) -> Overrides:
         if flag_value(plan, "--moe-flex-dispatcher-backend") == "deepep":
             out["model.moe_enable_deepep"] = True  # the spelling older megatron-core releases have too
         out["model.moe_grouped_gemm"] = "--moe-grouped-gemm" in plan.megatron_args  # the experts' kernel priced
+        # the EP all-to-all overlap priced (ModelParallelConfig / TransformerConfig fields; a recipe's CommOverlapConfig
+        # sets the same two at setup, Megatron-Bridge scripts/performance/utils/helpers.py:182-186 at v0.2.0)
+        out["model.overlap_moe_expert_parallel_comm"] = "--overlap-moe-expert-parallel-comm" in plan.megatron_args
+        out["model.delay_wgrad_compute"] = "--delay-wgrad-compute" in plan.megatron_args
     out |= {
         "model.sequence_parallel": bool(p["sp"]),
         "model.pipeline_model_parallel_layout": uneven_layout(plan),
