@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ["model=llama3_70b", "cluster=h100_spine_leaf", "cluster.num_devices=1024", "train.global_batch_size=4096"]
 # --grid: each 2025-era shipped model on 256 and 2,048 H100 of a DGX SuperPOD and on 72 and 1,152 GB200 of NVL72 racks
 GRID_MODELS = ["llama31_405b", "qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3", "kimi_k2", "gpt_oss_120b",
-               "nemotron_h_56b", "nemotron3_super"]
+               "nemotron_h_56b", "nemotron3_super", "nemotron3_ultra"]
 GRID_CELLS = [("dgx_h100_superpod", 256), ("dgx_h100_superpod", 2048), ("gb200_nvl72", 72), ("gb200_nvl72", 1152)]
 WARM = ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64"]
 

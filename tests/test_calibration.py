@@ -240,12 +240,11 @@ def bad_logs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
                                                                       "here does not end"),
         "truncated in an iteration": ("\n".join(good[: second + 1])[:-90], f":{second + 1}: the last iteration line is cut"),
     }
-    hybrid = dict(LLAMA3_70B, mtp_hybrid_override_pattern="M*")
-    hybrid_line = line_of(hybrid, "mtp_hybrid_override_pattern")
+    encoder = dict(LLAMA3_70B, encoder_num_layers=4)
+    encoder_line = line_of(encoder, "encoder_num_layers")
     cases["a model the project cannot express"] = (
-        llama3_70b_log(tmp_path, namespace=hybrid).read_text(),
-        f":{hybrid_line}: --mtp-hybrid-override-pattern: multi-token prediction in a hybrid (Mamba) stack is not in "
-        "the cost model")
+        llama3_70b_log(tmp_path, namespace=encoder).read_text(),
+        f":{encoder_line}: --encoder-num-layers: encoder-decoder models are not in the cost model")
     # Megatron's MLAConfig has no query groups: transformer_config.py asserts MLA and GQA exclude each other
     mla_gqa = dict(LLAMA3_70B, multi_latent_attention=True)
     mla_line = line_of(mla_gqa, "multi_latent_attention")

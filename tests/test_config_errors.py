@@ -100,7 +100,9 @@ MODEL_KEYS = {
     "window_attn_skip_freq": ("4", 4), "moe_load_imbalance": ("1.2", 1.2),
     "moe_router_num_groups": ("2", 2), "moe_router_group_topk": ("1", 1), "kv_lora_rank": ("64", 64),
     "qk_head_dim": ("64", 64), "qk_pos_emb_head_dim": ("32", 32), "v_head_dim": ("64", 64),
-    "mtp_num_layers": ("1", 1), "mtp_loss_scaling_factor": ("0.3", 0.3), "transformer_impl": ("local", "local"),
+    "mtp_num_layers": ("1", 1), "mtp_loss_scaling_factor": ("0.3", 0.3), "mtp_use_repeated_layer": ("true", True),
+    # a hybrid stack's depth: tests/test_hybrid_mtp.py
+    "mtp_hybrid_pattern": ("null", None), "transformer_impl": ("local", "local"),
     "softmax_type": ("off-by-one", "off-by-one"),
     # MLA excludes the query groups set above: tests/test_layer_kinds.py loads MLA models
     "multi_latent_attention": ("false", False), "q_lora_rank": ("null", None),

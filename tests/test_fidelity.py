@@ -125,8 +125,8 @@ def test_no_published_layout_is_refused_as_out_of_memory(tmp_path):
     (table,) = tmp_path.glob("published_*.md")
     text = table.read_text()
     assert "- published layouts refused as out of memory: 0" in text
-    # 76 rows, 1 not expressible (Nemotron-3 Ultra: no published shape), every other one priced
-    assert "| all | 75 |" in text
+    # every one of the 76 rows priced (Nemotron-3 Ultra with its shape recovered: hydra_configs/model/nemotron3_ultra.yaml)
+    assert "| all | 76 |" in text
     assert len(list(tmp_path.glob("published_*.png"))) == 1
 
 

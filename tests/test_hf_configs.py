@@ -67,7 +67,7 @@ def test_local_kernels_only_when_asked():
     ("gpt_oss_120b", {"layer_types": ["full_attention", "sliding_attention"] * 18},
      "gpt_oss layer_types: the planner prices full attention every N-th layer and a window elsewhere"),
     ("nemotron_h_56b", {"num_nextn_predict_layers": 1},
-     "nemotron_h num_nextn_predict_layers 1: multi-token prediction in a hybrid stack is not in the cost model"),
+     "nemotron_h num_nextn_predict_layers 1 with MTP layers '': give mtp_layers_block_type"),
     ("nemotron_h_56b", {"mlp_hidden_act": "silu"},
      "nemotron_h mlp_hidden_act 'silu': the planner prices Nemotron-H's relu2"),
     ("deepseek_v3", {"kv_lora_rank": None}, "deepseek_v3 needs kv_lora_rank as an integer >= 1, found None"),
@@ -132,6 +132,20 @@ def test_nemotron_h_blocks_come_before_the_legacy_pattern(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(data))
     assert load(["model=nemotron_h_56b", "model.source=hf", f"model.hf_config={path}"]).config.model.hybrid_layer_pattern == "M-*-"
+
+
+def test_nemotron_h_mtp_layers_read_as_a_hybrid_depth(tmp_path):
+    """num_nextn_predict_layers depths of mtp_layers_block_type's blocks (AutoModel's Nemotron-3 reads it, its
+    examples/llm_benchmark/nemotron/nemotron_ultra_v3_te_deepep.yaml at 36044ad3), else mtp_hybrid_override_pattern."""
+    data = {**json.loads((CONFIGS / "nemotron_h_56b.json").read_text()), "num_nextn_predict_layers": 2,
+            "mtp_layers_block_type": ["attention", "mlp"]}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    model = load(["model=nemotron_h_56b", "model.source=hf", f"model.hf_config={path}"]).config.model
+    assert (model.mtp_num_layers, model.mtp_hybrid_pattern, model.mtp_use_repeated_layer) == (2, "*-", False)
+    del data["mtp_layers_block_type"]
+    path.write_text(json.dumps({**data, "mtp_hybrid_override_pattern": "*-"}))
+    assert load(["model=nemotron_h_56b", "model.source=hf", f"model.hf_config={path}"]).config.model.mtp_hybrid_pattern == "*-"
 
 
 def test_trace_builds_a_config_json_as_megatron_core_s_local_spec(capsys):

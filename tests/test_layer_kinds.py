@@ -203,7 +203,7 @@ def test_hydra_list_pattern_and_its_errors():
 # ------------------------------------------------------------------------------------------------
 def test_mtp_depth_by_hand():
     m = mla_model(mtp_num_layers=2)
-    kind = m.mtp_kind
+    (kind,) = m.mtp_depth_kinds
     assert kind == LayerKind("mla", "dense", mtp=True)  # the decoder's last layer (two dense layers here)
     # enorm, hnorm and final_layernorm (RMSNorm: 64 each) and eh_proj 2h x h = 128 x 64
     assert m.layer_params(tp=1, kind=kind)[0] - m.layer_params(tp=1, kind=MLA_DENSE)[0] == 3 * 64 + 8192
@@ -229,13 +229,14 @@ def test_mtp_sits_on_the_last_stage():
     spec = load(["model=tiny_moe", *SMALL, "model.mtp_num_layers=2"]).problem.model
     before, after = plain.predicted["memory_breakdown_gib"], mtp.predicted["memory_breakdown_gib"]
     assert after[0] == before[0]  # the first stage is unchanged
-    dense, expert = spec.layer_params(tp=1, ep=2, kind=spec.mtp_kind)
+    (depth,) = spec.mtp_depth_kinds
+    dense, expert = spec.layer_params(tp=1, ep=2, kind=depth)
     embedding = spec.embedding_params(1)
     # ZeRO 0: 18 bytes a parameter (bf16 weight, fp32 gradient, Adam); expert parameters alike
     added = (2 * dense + embedding + 2 * expert) * 18
     added_states = sum(after[1][k] - before[1][k] for k in ("weights", "grads", "optimizer")) * 2**30
     assert added_states == pytest.approx(added)
-    act = layer_activation_bytes(spec, mbs=1, tp=1, sp=False, cp=1, kind=spec.mtp_kind)["none"]
+    act = layer_activation_bytes(spec, mbs=1, tp=1, sp=False, cp=1, kind=depth)["none"]
     assert (after[1]["activations"] - before[1]["activations"]) * 2**30 == pytest.approx(2 * act)
     assert after[1]["logits"] == pytest.approx(3 * before[1]["logits"])
     assert mtp.predicted["step_time_s"] > plain.predicted["step_time_s"]
@@ -412,7 +413,7 @@ def _total_params(spec: ModelSpec) -> tuple[int, int]:
     """(the model without MTP, the MTP depths) at TP 1, one copy of each weight."""
     decoder = sum(sum(spec.layer_params(tp=1, kind=k)) for k in spec.layer_kinds)
     main = decoder + spec.embedding_params(1) + spec.output_params(tp=1, pp=1)
-    mtp = spec.mtp_depths * sum(spec.layer_params(tp=1, kind=spec.mtp_kind)) if spec.mtp_kind else 0
+    mtp = spec.mtp_depths * sum(sum(spec.layer_params(tp=1, kind=kind)) for kind in spec.mtp_depth_kinds)
     return main, mtp
 
 

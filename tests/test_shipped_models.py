@@ -77,7 +77,8 @@ def test_deepseek_v3_counts():
     tests/test_layer_kinds.py (test_deepseek_v3_parameters_against_the_published_count)."""
     p = problem("deepseek_v3")
     spec = p.model
-    mtp = sum(spec.layer_params(tp=1, kind=spec.mtp_kind))
+    (depth,) = spec.mtp_depth_kinds  # one layer a depth, one depth
+    mtp = sum(spec.layer_params(tp=1, kind=depth))
     assert total_params(p) - mtp == pytest.approx(671e9, rel=0.01)
     assert total_params(p) == pytest.approx(685e9, rel=0.01)
     assert active_params(spec, embedding=False) == pytest.approx(37e9, rel=0.02)  # 36.6 B
@@ -87,7 +88,7 @@ def test_kimi_k2_counts():
     """Moonshot's model card (HF moonshotai/Kimi-K2-Base): 1 T total (1.04 T in its safetensors listing), 32 B
     activated, counted without the input embedding (with it 32.9 B). No MTP depth: num_nextn_predict_layers 0."""
     p = problem("kimi_k2")
-    assert p.model.mtp_kind is None
+    assert p.model.mtp_depth_kinds == ()
     assert total_params(p) == pytest.approx(1.04e12, rel=0.02)  # 1.026 T
     assert active_params(p.model, embedding=False) == pytest.approx(32e9, rel=0.02)  # 31.7 B
 
@@ -166,7 +167,7 @@ def test_shipped_model_layers_have_megatron_cores_parameters(model):
     graph = trace_megatron(representative_layers(cfg))
     spec = ModelSpec(local_spec_kernels(cfg))
     layers = graph.layers[1:-1]
-    assert {LayerKind.from_label(layer.kind) for layer in layers} == set(spec.kinds) | {spec.mtp_kind} - {None}
+    assert {LayerKind.from_label(layer.kind) for layer in layers} == set(spec.kinds) | set(spec.mtp_depth_kinds)
     for layer in layers:
         kind = LayerKind.from_label(layer.kind)
         assert (layer.dense_params, layer.expert_params) == spec.layer_params(tp=1, kind=kind), layer.kind

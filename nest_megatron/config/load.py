@@ -457,6 +457,11 @@ def _check_model(m: ModelConfig) -> None:
         raise NestError("model.squared_relu=true and model.swiglu=true: one MLP activation; choose one")
     if m.hybrid_layer_pattern is not None:
         _check_hybrid(m)
+    elif m.mtp_hybrid_pattern is not None:
+        raise NestError(f"model.mtp_hybrid_pattern={m.mtp_hybrid_pattern} without model.hybrid_layer_pattern: a GPT "
+                        "stack's depth is its last layer; drop mtp_hybrid_pattern")
+    if m.mtp_use_repeated_layer and not m.mtp_num_layers:
+        raise NestError("model.mtp_use_repeated_layer=true without model.mtp_num_layers: no depth to repeat")
     _integer("model.window_size", m.window_size, 1, m.seq_length - 1, "model.seq_length - 1: a window of the whole "
              "sequence is full attention; set null")
     _integer("model.window_attn_skip_freq", m.window_attn_skip_freq, 1, m.num_layers, "model.num_layers")
@@ -465,10 +470,30 @@ def _check_model(m: ModelConfig) -> None:
                         "has sliding-window attention; set model.window_size or drop it")
 
 
+def _check_hybrid_mtp(m: ModelConfig) -> None:
+    """A hybrid stack's MTP depths are given by their layers (Megatron-LM warns and builds no depth without them,
+    arguments.py:897-907 at d98e8a6): M, *, - or E, no pipeline cut (hybrid_layer_allocation.py _validate_pattern,
+    allow_pipe False)."""
+    depth = m.mtp_hybrid_pattern
+    if m.mtp_num_layers and depth is None:
+        raise NestError(f"model.mtp_num_layers={m.mtp_num_layers} with model.hybrid_layer_pattern: a hybrid stack's "
+                        "depth is its own layers; give model.mtp_hybrid_pattern (e.g. '*E': attention, then MoE)")
+    if depth is None:
+        return
+    if not m.mtp_num_layers:
+        raise NestError(f"model.mtp_hybrid_pattern={depth}: the layers of a multi-token-prediction depth; give "
+                        "model.mtp_num_layers, the depths")
+    wrong = [symbol for symbol in dict.fromkeys(depth) if symbol not in HYBRID_KINDS]
+    if wrong or not depth:
+        raise NestError(f"model.mtp_hybrid_pattern={depth}: one layer a symbol, M (Mamba), * (attention), - (MLP) or E "
+                        f"(MoE){f'; not {wrong[0]!r}' if wrong else ''}")
+
+
 def _check_hybrid(m: ModelConfig) -> None:
-    """A hybrid stack: one of megatron-core's symbols a layer (M, *, -, E; '|' segments are the plan's split, '/' MTP
-    depths are not planned), the MoE flags only with 'E' layers, the Mamba sizes megatron-core asserts (0.16.1 ssm/mamba_mixer.py:250-262);
-    what the planner prices of it: Transformer Engine's spec, the analytic source, no MLA, no MTP."""
+    """A hybrid stack: one of megatron-core's symbols a layer (M, *, -, E; '|' segments are the plan's split, a '/'
+    depth is model.mtp_hybrid_pattern), the MoE flags only with 'E' layers, the Mamba sizes megatron-core asserts
+    (0.16.1 ssm/mamba_mixer.py:250-262); what the planner prices of it: Transformer Engine's spec, the analytic
+    source, no MLA."""
     pattern = m.hybrid_layer_pattern
     if "|" in pattern:  # Megatron-LM's split of the pattern (parallel/layout.py PIPE): the plan's, not the model's
         raise NestError(f"model.hybrid_layer_pattern: '|' cuts the layers into pipeline stages, which is the plan's "
@@ -476,14 +501,15 @@ def _check_hybrid(m: ModelConfig) -> None:
     wrong = [symbol for symbol in dict.fromkeys(pattern) if symbol not in HYBRID_KINDS]
     if wrong:
         raise NestError(f"model.hybrid_layer_pattern: '{wrong[0]}' is no layer the planner prices; allowed are M "
-                        "(Mamba), * (attention), - (MLP), E (MoE), one a layer ('/' MTP depths are not planned)")
+                        "(Mamba), * (attention), - (MLP), E (MoE), one a layer (an MTP depth: model.mtp_hybrid_pattern)")
     if len(pattern) != m.num_layers:
         raise NestError(f"model.hybrid_layer_pattern has {len(pattern)} layers but model.num_layers={m.num_layers}: "
                         "one symbol a layer")
-    if ("E" in pattern) != bool(m.num_experts):
+    if ("E" in pattern + (m.mtp_hybrid_pattern or "")) != bool(m.num_experts):
         raise NestError("model.hybrid_layer_pattern: 'E' layers and model.num_experts go together; give both or "
                         "neither")
-    for key, value in (("multi_latent_attention", m.multi_latent_attention), ("mtp_num_layers", m.mtp_num_layers),
+    _check_hybrid_mtp(m)
+    for key, value in (("multi_latent_attention", m.multi_latent_attention),
                        ("transformer_impl", m.transformer_impl == "local"),
                        ("source", m.source in ("megatron", "module"))):
         if value:

@@ -83,6 +83,7 @@ MODEL_FLAGS: dict[str, tuple[str, str, object]] = {
     # 75), generated flags
     "--mtp-num-layers": ("mtp_num_layers", "int", None),
     "--mtp-loss-scaling-factor": ("mtp_loss_scaling_factor", "float", 0.1),
+    "--mtp-use-repeated-layer": ("mtp_use_repeated_layer", "true", False),  # transformer_config.py:82
     # arguments.py: local | transformer_engine (the default) | inference_optimized; local runs the unfused attention
     "--transformer-impl": ("transformer_impl", "str", "transformer_engine"),
     # Megatron-LM arguments.py:2448 (store_true; argument_utils.py:320-321 asserts it is not with --swiglu)
@@ -190,6 +191,9 @@ PLANNER_FLAGS: dict[str, str] = {
     # replaces the argv's, the same layers cut where the plan cuts them
     "--hybrid-layer-pattern": "str",
     "--hybrid-override-pattern": "str",
+    # Megatron-LM's older spelling of a hybrid stack's MTP depth (arguments.py:757-785 at d98e8a6 converts it to the
+    # unified pattern): read into model.mtp_hybrid_pattern, and the plan's unified pattern replaces it
+    "--mtp-hybrid-override-pattern": "str",
 }
 
 KNOWN_FLAGS: dict[str, str] = {
@@ -200,7 +204,6 @@ KNOWN_FLAGS: dict[str, str] = {
 
 # What the planner cannot price, each with why: these stop the launch instead of a silently wrong plan.
 UNPLANNABLE: dict[str, str] = {
-    "--mtp-hybrid-override-pattern": "multi-token prediction in a hybrid (Mamba) stack is not in the cost model",
     # transformer_config.py:2690-2696: deprecated, read as group-limited routing with one group per EP rank
     "--moe-router-topk-limited-devices": "deprecated in Megatron; give --moe-router-num-groups and --moe-router-group-topk",
     "--encoder-num-layers": "encoder-decoder models are not in the cost model; use --num-layers",
@@ -365,11 +368,28 @@ def argv_hybrid_pattern(s: Scanned) -> str | None:
         raise NestError("--hybrid-layer-pattern and --hybrid-override-pattern: one pattern; Megatron asserts it, give "
                         "--hybrid-layer-pattern")
     pattern = new if new is not None else old
-    if pattern is not None and "/" in pattern:  # Megatron-LM main's MTP depths after the layers (arguments.py:864-880)
-        flag = "--hybrid-layer-pattern" if new is not None else "--hybrid-override-pattern"
-        raise NestError(f"{flag} {pattern}: '/' multi-token prediction depths in a hybrid stack are not in the cost "
-                        "model; give the layers alone")
-    return pattern
+    return pattern.split(MTP_SEPARATOR)[0] if pattern is not None else None
+
+
+MTP_SEPARATOR = "/"  # Megatron-LM's unified hybrid pattern: 'MAIN/DEPTH/DEPTH' (hybrid_layer_allocation.py Symbols)
+
+
+def argv_mtp_depths(s: Scanned) -> tuple[str, int] | None:
+    """(one depth's layers, the depths) of a hybrid stack's multi-token prediction, as Megatron-LM reads them: the
+    unified pattern's parts after '/', all alike (hybrid_layer_allocation.py parse_hybrid_pattern :208-275 at d98e8a6,
+    a ValueError otherwise), their count the depths whatever --mtp-num-layers says (arguments.py:864-880); or the
+    older --mtp-hybrid-override-pattern, repeated --mtp-num-layers times (:774-785). None without either."""
+    pattern = s.get("--hybrid-layer-pattern", s.get("--hybrid-override-pattern"))
+    if pattern is not None and MTP_SEPARATOR in pattern:
+        depths = [part for part in pattern.split(MTP_SEPARATOR)[1:]]
+        if any(part != depths[0] for part in depths) or not depths[0]:
+            raise NestError(f"--hybrid-layer-pattern {pattern}: every multi-token-prediction depth after '/' has the "
+                            "same layers (Megatron-LM raises otherwise)")
+        return depths[0], len(depths)
+    legacy, count = s.get("--mtp-hybrid-override-pattern"), s.get("--mtp-num-layers")
+    if legacy is not None and count:
+        return legacy, count
+    return None
 
 
 def _moe_layer_freq(text: str) -> int | list[int]:
@@ -461,6 +481,10 @@ def model_values(argv: list[str] | Scanned, *, name: str = "megatron_argv", fami
     values["hybrid_layer_pattern"] = pattern.replace("|", "") if pattern is not None else None
     if pattern is not None:
         values["num_layers"] = len(values["hybrid_layer_pattern"])
+    values["mtp_hybrid_pattern"] = None
+    mtp = argv_mtp_depths(s) if pattern is not None else None
+    if mtp is not None:
+        values["mtp_hybrid_pattern"], values["mtp_num_layers"] = mtp
 
     gqa = s.has("--group-query-attention")
     if s.has("--num-query-groups") and not gqa:

@@ -88,6 +88,13 @@ class ModelConfig:
     # multi-token prediction depths after the decoder, each a layer of the decoder's last kind with its own norms
     # and 2h -> h projection, on the last pipeline stage (None: none)
     mtp_num_layers: Optional[int] = None
+    # A hybrid stack's depth: its layers, in hybrid_layer_pattern's symbols (Megatron-LM's unified
+    # --hybrid-layer-pattern 'MAIN/DEPTH/DEPTH', one DEPTH per depth: models/hybrid/hybrid_layer_allocation.py
+    # parse_hybrid_pattern at d98e8a6); None: the decoder's last layer, as a GPT stack's depth
+    mtp_hybrid_pattern: Optional[str] = None
+    # One depth's layers built once and run at every depth (TransformerConfig.mtp_use_repeated_layer,
+    # transformer_config.py:82 at d98e8a6; --mtp-use-repeated-layer): the parameters of one depth, the work of all
+    mtp_use_repeated_layer: bool = False
     mtp_loss_scaling_factor: float = 0.1  # the weight of the depths' loss (it changes no cost)
     # transformer_engine (its layer spec: MLA's down projections duplicated on every TP rank) | local (megatron-core's
     # own modules, as a traced model runs: MLA's down projections split over TP, unfused attention and SwiGLU, which

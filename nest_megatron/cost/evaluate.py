@@ -285,21 +285,24 @@ def stage_body(ctx: Context, sums: StageSums, *, first: bool, last: bool) -> dic
         head_bwd = heads * (bf16.gemm_time(logits.dgrad) + bf16.gemm_time(logits.wgrad))
         compute_s = compute_s + head_fwd + head_bwd
         gpu_fwd, gpu_bwd = gpu_fwd + head_fwd, gpu_bwd + head_bwd
-        mtp, depths = ctx.costs.mtp, ctx.costs.mtp_depths
-        if depths:  # each depth a layer (LayerCosts.mtp), recomputed as memory.mtp_memory says
-            compute_s = compute_s + depths * (mtp.fwd_compute + mtp.bwd_compute)
+        times, depths = ctx.costs.mtp, ctx.costs.mtp_depths
+        if depths:  # each depth its layers (LayerCosts.mtp), recomputed as memory.mtp_memory says
+            compute_s = compute_s + depths * sum(lt.fwd_compute + lt.bwd_compute for lt in times)
             mtp_recompute = 0.0
             if cfg.recompute == "selective":
-                mtp_recompute = depths * recompute_seconds(mtp, model, model.mtp_kind, cfg.recompute_modules)
+                mtp_recompute = depths * sum(recompute_seconds(lt, model, kind, cfg.recompute_modules)
+                                             for kind, lt in zip(model.mtp_depth_kinds, times))
             elif cfg.recompute == "full" and cfg.recompute_num_layers is None:
-                mtp_recompute = depths * mtp.fwd
+                mtp_recompute = depths * sum(lt.fwd for lt in times)
             recompute = recompute + mtp_recompute
-            tp_comm, cp_comm, ep_comm = (tp_comm + depths * mtp.tp_comm, cp_comm + depths * mtp.cp_comm,
-                                         ep_comm + depths * mtp.ep_comm)
-            gpu_fwd, gpu_bwd = gpu_fwd + depths * mtp.fwd, gpu_bwd + depths * mtp.bwd + mtp_recompute
+            tp_comm = tp_comm + depths * sum(lt.tp_comm for lt in times)
+            cp_comm = cp_comm + depths * sum(lt.cp_comm for lt in times)
+            ep_comm = ep_comm + depths * sum(lt.ep_comm for lt in times)
+            gpu_fwd = gpu_fwd + depths * sum(lt.fwd for lt in times)
+            gpu_bwd = gpu_bwd + depths * sum(lt.bwd for lt in times) + mtp_recompute
             graphed = ctx.problem.cuda_graphs
-            host_fwd = host_fwd + depths * (1 if graphed else ctx.costs.mtp_host[0])
-            host_bwd = host_bwd + depths * (1 if graphed else ctx.costs.mtp_host[1])
+            host_fwd = host_fwd + depths * (len(times) if graphed else ctx.costs.mtp_host[0])
+            host_bwd = host_bwd + depths * (len(times) if graphed else ctx.costs.mtp_host[1])
     head_tp = 0.0
     if cfg.tp > 1 and (first or last):
         # The vocab-parallel embedding all-reduces (reduce-scatters with SP) its output, the
@@ -413,9 +416,8 @@ def after_pipeline(ctx: Context, sums: StageSums, *, first: bool, last: bool) ->
     if cfg.sp and cfg.tp > 1 and (model.cfg.multi_latent_attention or model.cfg.moe_latent_size):
         # Weights duplicated over TP (MLA's down projections, a latent MoE's projections) see each rank's own tokens
         # under sequence parallel: Megatron all-reduces their gradients over TP after the backward (exposed).
-        mtp_kind = model.mtp_kind
-        params = sums.tp_replicated_params + (model.mtp_depths * model.tp_replicated_params(mtp_kind, cfg.tp)
-                                              if last and mtp_kind else 0)
+        mtp = model.mtp_physical_depths * sum(model.tp_replicated_params(kind, cfg.tp) for kind in model.mtp_depth_kinds)
+        params = sums.tp_replicated_params + (mtp if last else 0)
         replicated = worst(all_reduce_time, spans.tp, grad_bytes * params, net)
     shards = cfg.dp * cfg.cp if cfg.zero >= 1 else 1
     expert_shards = cfg.expert_dp if cfg.zero >= 1 else 1

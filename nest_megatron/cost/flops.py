@@ -24,7 +24,9 @@ def megatron_model_flops(model: ModelSpec, *, batch_size: int, tp: int) -> float
     h, s = m.hidden_size, m.seq_length
     causal = 0.5 if m.family == "gpt" else 1.0
     depths = model.mtp_depths
-    layers = {**model.kind_counts, **({model.mtp_kind: depths} if depths else {})}  # kind -> layers of it
+    layers = dict(model.kind_counts)  # kind -> layers of it run, with every depth's
+    for kind in model.mtp_depth_kinds:
+        layers[kind] = layers.get(kind, 0) + depths
     per_token = sum(n * (_mixer_linear(model, kind) + _mlp(model, kind)) for kind, n in layers.items())
     per_sequence_square = sum(n * GEMM_PASSES * causal * sum(model.attention_widths(kind)) for kind, n in layers.items())
     per_token += GEMM_PASSES * depths * (3 * h + 2 * h * h)  # the depths' enorm, hnorm, final norm; eh_proj

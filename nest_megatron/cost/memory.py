@@ -97,16 +97,17 @@ def activation_bytes(sums: StageSums, *, in_flight: int, act_rebuilt: float):
 def largest_layer_params(model: ModelSpec, cfg: ParallelConfig) -> int:
     """Parameters of the largest layer on one device (layers of several kinds: dense and MoE MLPs, a
     multi-token-prediction depth)."""
-    kinds = model.kinds + ((model.mtp_kind,) if model.mtp_kind else ())
+    kinds = model.kinds + model.mtp_depth_kinds
     return max(sum(model.layer_params(tp=cfg.tp, ep=cfg.ep, etp=cfg.etp, kind=kind)) for kind in kinds)
 
 
 def mtp_memory(model: ModelSpec, cfg: ParallelConfig) -> tuple[float, float, float]:
     """(dense parameters, expert parameters, activation bytes of one micro-batch) the multi-token-prediction
-    depths add to the last pipeline stage: each depth's layer (model.mtp_kind) and the embedding they need there
-    (ModelSpec.mtp_embedding_params). A depth keeps its activations as a layer does under the recompute
-    setting, except that Megatron checkpoints it only with the uniform method and skips the block method
-    (multi_token_prediction.py MultiTokenPredictionLayer._checkpointed_forward)."""
+    depths add to the last pipeline stage: each depth's layers (model.mtp_depth_kinds; their parameters once with
+    a repeated layer, model.mtp_physical_depths) and the embedding they need there (ModelSpec.mtp_embedding_params).
+    A depth keeps its activations as a layer does under the recompute setting, except that Megatron checkpoints it
+    only with the uniform method and skips the block method (multi_token_prediction.py
+    MultiTokenPredictionLayer._checkpointed_forward)."""
     return _mtp_memory(model, cfg.tp, cfg.pp, cfg.ep, cfg.etp, cfg.sp, cfg.cp, cfg.mbs, cfg.recompute,
                        cfg.recompute_num_layers, cfg.recompute_modules)
 
@@ -114,14 +115,16 @@ def mtp_memory(model: ModelSpec, cfg: ParallelConfig) -> tuple[float, float, flo
 @lru_cache(maxsize=4096)
 def _mtp_memory(model, tp, pp, ep, etp, sp, cp, mbs, recompute, recompute_num_layers,
                 recompute_modules) -> tuple[float, float, float]:
-    kind, depths = model.mtp_kind, model.mtp_depths
-    if kind is None:
+    kinds = model.mtp_depth_kinds
+    if not kinds:
         return 0.0, 0.0, 0.0
-    dense, expert = model.layer_params(tp=tp, ep=ep, etp=etp, kind=kind)
-    act = layer_activation_bytes(model, mbs=mbs, tp=tp, sp=sp, cp=cp, kind=kind, etp=etp, modules=recompute_modules)
-    kept = {"none": "none", "selective": "selective", "full": "full" if recompute_num_layers is None else "none"}
-    return (depths * dense + model.mtp_embedding_params(tp=tp, pp=pp), depths * expert,
-            depths * act[kept[recompute]])
+    params = [model.layer_params(tp=tp, ep=ep, etp=etp, kind=kind) for kind in kinds]
+    kept = {"none": "none", "selective": "selective", "full": "full" if recompute_num_layers is None else "none"}[recompute]
+    act = sum(layer_activation_bytes(model, mbs=mbs, tp=tp, sp=sp, cp=cp, kind=kind, etp=etp,
+                                     modules=recompute_modules)[kept] for kind in kinds)
+    built = model.mtp_physical_depths
+    return (built * sum(p[0] for p in params) + model.mtp_embedding_params(tp=tp, pp=pp),
+            built * sum(p[1] for p in params), model.mtp_depths * act)
 
 
 def stage_memory(

@@ -61,9 +61,10 @@ class LayerCosts:
     # --overlap-moe-expert-parallel-comm (a2a_overlap.pair_saving; zeros without the flag)
     a2a_saving: np.ndarray
     act_rebuilt: float  # the most bytes one fully recomputed layer rebuilds during its backward
-    # The multi-token-prediction depths, all on the last pipeline stage (model.mtp_kind): one depth's times
-    # (NO_TIME without them, or for a memory-only table); `mtp_memory` has their parameters and activations.
-    mtp: LayerTime = NO_TIME
+    # The multi-token-prediction depths, all on the last pipeline stage: the times of one depth's layers
+    # (model.mtp_depth_kinds; none without them, or for a memory-only table); `mtp_memory` has their parameters
+    # and activations.
+    mtp: tuple[LayerTime, ...] = ()
     mtp_depths: int = 0
     mtp_host: tuple[float, float] = (0.0, 0.0)  # one depth's host operators, forward and backward
 
@@ -95,9 +96,10 @@ def layer_costs(
                        for kind, costs in zip(model.kinds, per_kind)], dtype=float)
 
     kept = "selective" if cfg.recompute == "selective" else "none"
-    mtp_kind = model.mtp_kind
     operators = np.array([layer_operators(model, cfg, kind, dispatcher=dispatcher, permute_fusion=permute_fusion)
                           for kind in model.kinds], dtype=float)
+    mtp_operators = [layer_operators(model, cfg, kind, dispatcher=dispatcher, permute_fusion=permute_fusion)
+                     for kind in model.mtp_depth_kinds]
     return LayerCosts(
         compute=column(lambda lt, act, p, r: lt.fwd_compute + lt.bwd_compute),
         fwd=column(lambda lt, act, p, r: lt.fwd),
@@ -116,10 +118,9 @@ def layer_costs(
         host_bwd=_prefix(operators[kind_of_layer, 1]),
         a2a_saving=column(lambda lt, act, p, r: pair_saving(lt, delay_wgrad=delay_wgrad, sm_share=dispatch_sm_share)
                           if a2a_overlap else 0.0),
-        mtp=_kind_costs(model, cfg, mtp_kind, **options)[0] if mtp_kind else NO_TIME,
+        mtp=tuple(_kind_costs(model, cfg, kind, **options)[0] for kind in model.mtp_depth_kinds),
         mtp_depths=model.mtp_depths,
-        mtp_host=(layer_operators(model, cfg, mtp_kind, dispatcher=dispatcher, permute_fusion=permute_fusion)
-                  if mtp_kind else (0.0, 0.0)),
+        mtp_host=(sum(f for f, _ in mtp_operators), sum(b for _, b in mtp_operators)),
     )
 
 

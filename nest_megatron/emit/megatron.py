@@ -131,6 +131,8 @@ def model_args(model: ModelSpec, *, tp: int) -> list[str]:
                      "--moe-router-group-topk", str(m.moe_router_group_topk)]
     if m.mtp_num_layers:
         args += ["--mtp-num-layers", str(m.mtp_num_layers), "--mtp-loss-scaling-factor", str(m.mtp_loss_scaling_factor)]
+        if m.mtp_use_repeated_layer:
+            args.append("--mtp-use-repeated-layer")
     # The kernels the memory model assumed: an unfused attention keeps its softmax, an unfused
     # SwiGLU its activation; a traced model is megatron-core's local layer spec.
     if m.attention_backend != "auto":  # Megatron's default
@@ -166,20 +168,23 @@ def moe_layer_freq_arg(freq) -> str:
 
 
 def split_args(cfg: ParallelConfig, *, num_layers: int, layers_per_stage: tuple[int, ...] | None,
-               mtp_num_layers: int = 0, hybrid_pattern: str | None = None) -> list[str]:
+               mtp_num_layers: int = 0, hybrid_pattern: str | None = None,
+               mtp_hybrid_pattern: str | None = None) -> list[str]:
     """The simplest Megatron flags for the layer split (parallel.layout.simplest_form): none for the even split,
     --account-for-embedding/loss-in-pipeline-split, --decoder-first/last-pipeline-num-layers, else
     --pipeline-model-parallel-layout; --num-virtual-stages-per-pipeline-rank beside any but a layout, which sets
     the virtual stages itself (Megatron takes no other virtual-stage flag with it: arguments.py:928-939).
     A hybrid stack says its split, even or not, as '|' segments of its --hybrid-layer-pattern, the only way
     Megatron-LM takes one with virtual stages and the one it asks for with pp > 1 (a pattern without them is
-    deprecated there: hybrid_layer_allocation.py:393-399)."""
+    deprecated there: hybrid_layer_allocation.py:393-399); its multi-token-prediction depths follow, one '/' each
+    (`mtp_hybrid_pattern` their layers: Megatron-LM's unified pattern)."""
     chunks = chunk_split(cfg, layers_per_stage) if layers_per_stage else None
     if hybrid_pattern is not None:
+        depths = f"/{mtp_hybrid_pattern}" * mtp_num_layers if mtp_hybrid_pattern else ""
         if cfg.pp == 1:
-            return ["--hybrid-layer-pattern", hybrid_pattern]
+            return ["--hybrid-layer-pattern", hybrid_pattern + depths]
         even = (num_layers // (cfg.pp * cfg.vpp),) * (cfg.pp * cfg.vpp)  # Megatron's split where none is given
-        return ["--hybrid-layer-pattern", piped_pattern(hybrid_pattern, chunks or even)]
+        return ["--hybrid-layer-pattern", piped_pattern(hybrid_pattern, chunks or even) + depths]
     form = (simplest_form(chunks, num_layers=num_layers, pp=cfg.pp, mtp_num_layers=mtp_num_layers)
             if chunks and cfg.pp > 1 else EVEN)
     if form.pipeline_model_parallel_layout is not None:
@@ -235,7 +240,8 @@ def parallel_args(
         if tp_comm_overlap and cfg.tp > 1:  # only with sequence parallel (Megatron-LM arguments.py:1441-1442)
             args.append("--tp-comm-overlap")
     args += split_args(cfg, num_layers=model.cfg.num_layers, layers_per_stage=layers_per_stage,
-                       mtp_num_layers=model.cfg.mtp_num_layers or 0, hybrid_pattern=model.cfg.hybrid_layer_pattern)
+                       mtp_num_layers=model.cfg.mtp_num_layers or 0, hybrid_pattern=model.cfg.hybrid_layer_pattern,
+                       mtp_hybrid_pattern=model.cfg.mtp_hybrid_pattern)
     if cfg.cp > 1 or cfg.cp_comm_type != "p2p":  # the exchange the cost model priced (Megatron's default: p2p)
         args += ["--cp-comm-type", cfg.cp_comm_type]
     if cfg.order == "tp-cp-ep-pp-dp":

@@ -87,6 +87,13 @@ ROW_SETTINGS = {
     # DeepEP kind, sending a token once to each rank holding its experts: priced as the other AutoModel rows' DeepEP).
     "automodel-Nemotron_V3_Super_120B-64gpu-bf16": {"ep": 64, "recompute": "full", "cross_entropy_fusion": True,
                                                     "assumed": ["HybridEP dispatch priced as DeepEP's"]},
+    # Nemotron-3 Ultra 550B-A55B: its shape is the shipped model (SHIPPED_MODELS, with its two repeated MTP depths, which
+    # the row's 293 TFLOP/s count); examples/llm_benchmark/nemotron/nemotron_ultra_v3_te_deepep.yaml at 36044ad3 sets
+    # ep_size 64 (:55) under FSDP2 (:51, priced as ZeRO 3), activation_checkpointing: true (:56, full recompute as for
+    # Super), FusedLinearCrossEntropy (:93, the fused loss) and the hybridep dispatcher with fake_balanced_gate (:85-86).
+    # The config at that commit runs local batch 1 at global batch 128; the table's row (GBS 256, MBS 2) is kept.
+    "automodel-Nemotron_V3_Ultra_550B-128gpu-bf16": {"ep": 64, "recompute": "full", "cross_entropy_fusion": True,
+                                                     "assumed": ["HybridEP dispatch priced as DeepEP's"]},
     # The BF16 table of commit cb3482d0 gives only 16 GPUs and GBS 32; the row's TP1 PP4 MBS2 is the
     # FP8 row's of the later table (0d09460d). The run's recipe, examples/training/nemotron/h100/
     # nemotron_22b_bf16.sh at cb3482d0, sets num_nodes=2, micro_batch_size=1 and keeps the conf's
@@ -209,7 +216,8 @@ AUTOMODEL_MOE_DISPATCH = ("deepep", "fake_balanced")
 # there: row id -> the config's name. Nemotron-3 Super's shape is NeMo AutoModel's FLOP-test config
 # (tests/unit_tests/utils/test_flops_utils.py _nemotronh_super_v3_cfg at 36044ad3), whose expected FLOPs give the
 # row's implied 74.27 GFLOP a token (74.7 at 2,048 tokens); the row's seq_length is set on it.
-SHIPPED_MODELS = {"automodel-Nemotron_V3_Super_120B-64gpu-bf16": "nemotron3_super"}
+SHIPPED_MODELS = {"automodel-Nemotron_V3_Super_120B-64gpu-bf16": "nemotron3_super",
+                  "automodel-Nemotron_V3_Ultra_550B-128gpu-bf16": "nemotron3_ultra"}
 MODEL_CONFIG_DIR = Path(__file__).resolve().parents[1] / "hydra_configs" / "model"
 GPT_OSS_WINDOW = 128  # GPT-OSS: every other layer attends to the last 128 tokens (row arch note)
 

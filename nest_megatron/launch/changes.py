@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from nest_megatron.config.load import Loaded
-from nest_megatron.config.megatron_argv import PLANNER_FLAGS, Scanned, scan
+from nest_megatron.config.megatron_argv import PLANNER_FLAGS, Scanned, argv_hybrid_pattern, scan
 from nest_megatron.config.schema import PlanChoice
 from nest_megatron.cost.evaluate import estimate
 from nest_megatron.errors import NestError
@@ -54,7 +54,7 @@ def _shown(value) -> str:
 def _same_hybrid_split(planned: Scanned, given: Scanned) -> bool:
     """Whether the plan's hybrid pattern is the user's, without '|', cut where the user's flags split it (at the
     same pp: evenly, or by first / last stage counts)."""
-    pattern, theirs = planned.get("--hybrid-layer-pattern"), given.get("--hybrid-layer-pattern", given.get(OLD_PATTERN))
+    pattern, theirs = planned.get("--hybrid-layer-pattern"), argv_hybrid_pattern(given)
     pp = planned.get("--pipeline-model-parallel-size", 1)
     if pattern is None or theirs is None or PIPE in theirs or given.get("--pipeline-model-parallel-size", 1) != pp:
         return False

@@ -10,7 +10,7 @@ alone, 'E' experts alone) is a kind whose other block is "none".
 
 `ModelSpec.layer_kinds` lists the kind of every decoder layer (Megatron's --moe-layer-freq, int or
 list); the multi-token-prediction depths, which sit after the decoder on the last pipeline stage, are
-`ModelSpec.mtp_kind` (the decoder's last layer, `mtp` set: with the depth's own norms and projection).
+`ModelSpec.mtp_depth_kinds` (a depth's layers, the first with `mtp` set: the depth's own norms and projection).
 """
 
 from __future__ import annotations

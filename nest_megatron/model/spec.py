@@ -222,17 +222,26 @@ class ModelSpec:
 
     @property
     def mtp_depths(self) -> int:
+        """Multi-token-prediction depths run: each runs its layers, and the output layer once more."""
         return self.cfg.mtp_num_layers or 0
 
     @property
-    def mtp_kind(self) -> LayerKind | None:
-        """A multi-token-prediction depth: the decoder's last layer (megatron-core's MTP block spec takes the
-        decoder block spec's last layer, gpt_layer_specs.py get_gpt_mtp_block_spec_for_backend) with its own
-        norms and projection; None without --mtp-num-layers."""
+    def mtp_physical_depths(self) -> int:
+        """Depths whose layers hold parameters: one when a repeated layer serves every depth."""
+        return min(1, self.mtp_depths) if self.cfg.mtp_use_repeated_layer else self.mtp_depths
+
+    @cached_property
+    def mtp_depth_kinds(self) -> tuple[LayerKind, ...]:
+        """The layers of one multi-token-prediction depth, the first with the depth's own norms and projection
+        (`mtp` set): a GPT stack's is the decoder's last layer (megatron-core's MTP block spec takes the decoder
+        block spec's last layer, gpt_layer_specs.py get_gpt_mtp_block_spec_for_backend), a hybrid stack's its
+        model.mtp_hybrid_pattern; none without --mtp-num-layers."""
         if not self.mtp_depths:
-            return None
-        last = self.layer_kinds[-1]
-        return LayerKind(last.mixer, last.mlp, mtp=True)
+            return ()
+        kinds = ([HYBRID_KINDS[symbol] for symbol in self.cfg.mtp_hybrid_pattern] if self.cfg.mtp_hybrid_pattern
+                 else [self.layer_kinds[-1]])
+        first = kinds[0]
+        return (LayerKind(first.mixer, first.mlp, mtp=True), *kinds[1:])
 
     @property
     def moe_ffn(self) -> int:

@@ -288,8 +288,9 @@ def piped_pattern(pattern: str, chunks: tuple[int, ...]) -> str:
 
 
 def pattern_chunks(text: str) -> tuple[int, ...]:
-    """The layers of each '|' segment of a hybrid pattern (one entry for a pattern without pipes)."""
-    return tuple(len(segment) for segment in text.split(PIPE))
+    """The layers of each '|' segment of a hybrid pattern (one entry for a pattern without pipes), before any '/'
+    multi-token-prediction depth (which sits on the last stage: arguments.py:802 at d98e8a6 looks for pipes there)."""
+    return tuple(len(segment) for segment in text.split("/")[0].split(PIPE))
 
 
 def rank_layers(chunks: tuple[int, ...], *, pp: int) -> list[int]:

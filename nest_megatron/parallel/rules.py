@@ -544,7 +544,7 @@ def _fp8_gemm_dims(c: Case):
     if cfg.sp and shard % shard_multiple:
         return (f"plan.sp=true with plan.tp={cfg.tp}: each TP rank's sequence shard of {shard} tokens {label} a "
                 f"multiple of {shard_multiple}")
-    kinds = c.model.kinds + ((c.model.mtp_kind,) if c.model.mtp_kind else ())
+    kinds = c.model.kinds + c.model.mtp_depth_kinds
     for kind in kinds:
         for g in c.model.layer_gemms(tokens=tokens, tp=cfg.tp, sp=cfg.sp, ep=cfg.ep, etp=cfg.etp, kind=kind):
             if g.name == "router":  # megatron-core's router GEMM is no TE module, and stays in high precision

@@ -54,7 +54,7 @@ def total_params(problem: Problem) -> int:
     """Parameters of the whole model (one copy, no parallelism)."""
     model = problem.model
     layers = sum(sum(model.layer_params(tp=1, ep=1, etp=1, kind=kind)) for kind in model.layer_kinds)
-    mtp = model.mtp_depths * sum(model.layer_params(tp=1, kind=model.mtp_kind)) if model.mtp_kind else 0
+    mtp = model.mtp_physical_depths * sum(sum(model.layer_params(tp=1, kind=kind)) for kind in model.mtp_depth_kinds)
     return layers + mtp + model.embedding_params(1) + model.output_params(tp=1, pp=1)
 
 

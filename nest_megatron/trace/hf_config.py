@@ -200,9 +200,7 @@ def _nemotron_h(c: Keys) -> dict:
         if not pattern or set(pattern) - set(HYBRID_SYMBOL.values()):
             raise ValueError(f"hybrid_override_pattern {pattern!r}: one of {''.join(sorted(set(HYBRID_SYMBOL.values())))} "
                              "a layer")
-    if c.get("num_nextn_predict_layers"):
-        raise ValueError(f"num_nextn_predict_layers {c['num_nextn_predict_layers']}: multi-token prediction in a "
-                         "hybrid stack is not in the cost model")
+    depth = _nemotron_h_mtp_depth(c)
     if c.get("mlp_hidden_act", "relu2") != "relu2":
         raise ValueError(f"mlp_hidden_act {c['mlp_hidden_act']!r}: the planner prices Nemotron-H's relu2 (squared ReLU) "
                          "MLPs")
@@ -218,12 +216,29 @@ def _nemotron_h(c: Keys) -> dict:
         normalization="RMSNorm", add_bias_linear=bool(c.get("use_bias") or c.get("mlp_bias")), hidden_dropout=0.0,
         attention_dropout=float(c.get("attention_dropout", 0.0)),
     )
-    if "E" in pattern:
+    if depth:
+        fields |= dict(mtp_num_layers=c.count("num_nextn_predict_layers", 0), mtp_hybrid_pattern=depth)
+    if "E" in pattern + depth:
         fields |= dict(num_experts=c.need("n_routed_experts"), moe_router_topk=c.need("num_experts_per_tok"),
                        moe_ffn_hidden_size=c.need("moe_intermediate_size"),
                        moe_shared_expert_intermediate_size=c.count("moe_shared_expert_intermediate_size", 7688) or None,
                        **_group_routing(c, groups=1, group_topk=1))
     return fields
+
+
+def _nemotron_h_mtp_depth(c: Keys) -> str:
+    """A Nemotron-H model's multi-token-prediction depth (num_nextn_predict_layers of them) as hybrid symbols: its
+    mtp_layers_block_type, else mtp_hybrid_override_pattern (the key Megatron-Bridge's NemotronHBridge maps); '' with
+    no depth. Whether one depth's layers serve every depth (Megatron's --mtp-use-repeated-layer) is the training
+    recipe's, not the config's: model.mtp_use_repeated_layer."""
+    if not c.get("num_nextn_predict_layers"):
+        return ""
+    blocks = c.get("mtp_layers_block_type")
+    depth = "".join(HYBRID_SYMBOL.get(b, "?") for b in blocks) if blocks else c.get("mtp_hybrid_override_pattern") or ""
+    if not depth or set(depth) - set(HYBRID_SYMBOL.values()):
+        raise ValueError(f"num_nextn_predict_layers {c['num_nextn_predict_layers']} with MTP layers "
+                         f"{blocks or depth!r}: give mtp_layers_block_type (e.g. ['attention', 'moe'])")
+    return depth
 
 
 FAMILIES = {"llama": _llama, "mistral": _llama, "mixtral": _mixtral, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe,
