@@ -113,7 +113,7 @@ def test_what_our_rules_accept_megatron_lm_accepts(tmp_path):
 
 # The models of the reach issue, on the machines it names: 256 and 2,048 H100s, 72 and 1,152 GB200s (NVL72).
 NEW_MODELS = ("llama31_405b", "deepseek_v3", "qwen3_30b_a3b", "qwen3_235b_a22b", "gpt_oss_120b", "kimi_k2",
-              "nemotron_h_56b", "nemotron3_super")
+              "nemotron_h_56b", "nemotron3_super", "nemotron3_ultra")
 MACHINES = (("dgx_h100_superpod", 256, 8), ("dgx_h100_superpod", 2048, 8), ("gb200_nvl72", 72, 4),
             ("gb200_nvl72", 1152, 4))
 DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--lr", "1e-4", "--train-iters", "10"]
@@ -124,20 +124,23 @@ def test_megatron_lm_accepts_each_new_shipped_model_s_launch(tmp_path):
     entries, the plan's model and layout flags), through our rule table and Megatron-LM's validate_args and
     initialize_model_parallel. A cell the model does not fit in is left out (said in the output)."""
     cases, left_out = [], []
-    for model in NEW_MODELS:
-        for cluster, devices, per_node in MACHINES:
-            name = f"{model}/{cluster}/{devices}"
-            try:
-                prepared = prepare(overrides=[f"model={model}", f"cluster={cluster}"], script="pretrain_gpt.py",
-                                   script_args=list(DATA),
-                                   devices=Devices(num_nodes=devices // per_node, per_node=per_node, node_rank=0,
-                                                   master_addr="n1"))
-            except InfeasibleError as err:
-                left_out.append(f"{name}: {err}")
-                continue
-            assert violations(prepared.script_args, world_size=prepared.plan.world_size) == [], name
-            cases.append({"name": name, "argv": prepared.script_args, "world_size": prepared.plan.world_size,
-                          "env": megatron_env(prepared.plan)})
+    # and a MoE model with the EP all-to-all overlap (its rules: parallel/rules.py a2a-overlap-*)
+    overlap = ["train.moe_a2a_overlap=true", "train.delay_wgrad_compute=true"]
+    runs = [(model, [], machine) for model in NEW_MODELS for machine in MACHINES]
+    runs += [("deepseek_v3", overlap, MACHINES[0]), ("qwen3_235b_a22b", overlap, MACHINES[0])]
+    for model, extra, (cluster, devices, per_node) in runs:
+        name = f"{model}/{cluster}/{devices}" + (" with the a2a overlap" if extra else "")
+        try:
+            prepared = prepare(overrides=[f"model={model}", f"cluster={cluster}", *extra], script="pretrain_gpt.py",
+                               script_args=list(DATA),
+                               devices=Devices(num_nodes=devices // per_node, per_node=per_node, node_rank=0,
+                                               master_addr="n1"))
+        except InfeasibleError as err:
+            left_out.append(f"{name}: {err}")
+            continue
+        assert violations(prepared.script_args, world_size=prepared.plan.world_size) == [], name
+        cases.append({"name": name, "argv": prepared.script_args, "world_size": prepared.plan.world_size,
+                      "env": megatron_env(prepared.plan)})
     out = run_megatron(cases, tmp_path)
     failed = {name: error for name, error in out["results"].items() if error}
     print(f"Megatron-LM {out['commit']}: {len(cases) - len(failed)} of {len(cases)} new-model launches accepted; "
