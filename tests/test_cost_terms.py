@@ -163,6 +163,23 @@ def test_all_to_all_two_levels():
     assert all_to_all_time(GroupShape((8.0, 2.0)), 1.6e9, NET2) == close(expected)
 
 
+NET3 = Network(bandwidth=(450e9, 50e9, 50e9), latency=(3e-6, 6e-6, 1e-5))  # node, scalable unit, spine
+
+
+def test_all_to_all_across_units_pays_the_nic_for_every_byte_that_leaves_the_node():
+    # EP 64 = 8 GPUs a node x 8 nodes, each GPU holds 1.6 GB, 1/64 of it (25 MB) a member.
+    # In one scalable unit (8, 8, 1): 7 x 25 MB stay in the node (0.175 GB / 450 GB/s = 0.389 ms); 56 x 25 MB =
+    # 1.4 GB leave it through the NIC at 50 GB/s: 28 ms, the slowest level; 3 + 6 us of latency: 28.009 ms.
+    packed = GroupShape((8.0, 8.0, 1.0))
+    assert all_to_all_time(packed, 1.6e9, NET3) == close(1.4e9 / 50e9 + 3e-6 + 6e-6)
+    # Over two units (8, 4, 2): 24 x 25 MB go to nodes of the unit and 32 x 25 MB = 0.8 GB to the other unit, but
+    # those too leave through the NIC and the leaf: level 1's links carry 1.4 GB (28 ms), the spine's 0.8 GB (16 ms).
+    # 28 ms + 3 + 6 + 10 us = 28.019 ms: slower than in one unit, not the 16 ms of the levels' own shares.
+    spread = GroupShape((8.0, 4.0, 2.0))
+    assert all_to_all_time(spread, 1.6e9, NET3) == close(1.4e9 / 50e9 + 3e-6 + 6e-6 + 1e-5)
+    assert all_to_all_time(spread, 1.6e9, NET3) > all_to_all_time(packed, 1.6e9, NET3)
+
+
 def test_p2p_time():
     # Across nodes: one latency plus bytes / bandwidth: 6e-6 + 1e8 / 50e9 = 2.006e-3
     assert p2p_time(1, 1e8, NET2) == close(6e-6 + 1e8 / 50e9)

@@ -32,6 +32,9 @@ class Network:
 
     bandwidth: tuple[float, ...]  # B/s per device per direction, after sharing
     latency: tuple[float, ...]  # s
+    # The first level above the NVLink domain: from it up, every level is reached through the device's NIC, so a byte
+    # to a peer first met at a higher level also crosses this level's links and each one between
+    nic_level: int = 1
 
     @classmethod
     def for_topology(cls, topology: Topology, *, busy_fraction: float = 1.0) -> Network:
@@ -39,7 +42,7 @@ class Network:
         for level in topology.levels:
             share = min(1.0, 1.0 / (level.oversubscription * busy_fraction)) if level.oversubscription > 1 else 1.0
             bandwidth.append(level.bandwidth * level.efficiency * share)
-        return cls(tuple(bandwidth), tuple(lv.latency for lv in topology.levels))
+        return cls(tuple(bandwidth), tuple(lv.latency for lv in topology.levels), topology.domain_level + 1)
 
 
 def when_sent(nbytes, seconds):
@@ -87,11 +90,15 @@ def all_to_all_time(shape: GroupShape, nbytes, net: Network):
 def routed_all_to_all_time(shape: GroupShape, level_bytes: tuple, net: Network):
     """An all-to-all in which each device sends `level_bytes[l]` to peers first met at level l (a MoE dispatch
     whose routing decides the shares: cost/routing.py). The levels' links work in parallel, so the slowest
-    level sets the time, plus one latency per level the group crosses."""
+    level sets the time, plus one latency per level the group crosses. Inside the NVLink domain a level's links
+    carry its own peers' bytes; from `net.nic_level` up they carry every byte bound for that level or a higher one
+    (a byte to another scalable unit leaves through the NIC and the leaf switch too): spreading a group over more
+    units never makes it faster."""
     slowest, latency = 0.0, 0.0
     for level, fan in enumerate(shape.fan_in):
+        through = level_bytes[level] if level < net.nic_level else sum(level_bytes[level:])
+        slowest = np.maximum(slowest, through / net.bandwidth[level])
         if fan > 1.0 + 1e-9:
-            slowest = np.maximum(slowest, level_bytes[level] / net.bandwidth[level])
             latency += net.latency[level]
     return when_sent(sum(level_bytes), slowest + latency)
 
