@@ -1,0 +1,77 @@
+"""The held-out rows (benchmarks/bridge_h100_held_out.yaml): read, matched to their 25.11 recipe, priced with the
+shipped constants. Their accuracy is reported by scripts/bench_held_out.py, not asserted here."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from nest_megatron.fidelity.bench import evaluate_row
+from nest_megatron.fidelity.held_out import held_out, layout_difference, load_rows, price
+from nest_megatron.fidelity.published import load_entries, measured_step_time, row_of
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRIES = {entry["id"]: entry for entry in load_entries()}
+
+
+def row(line: int) -> dict:
+    return next(r for r in load_rows() if r["line"] == line)
+
+
+def test_every_base_is_a_calibration_row_of_the_same_model():
+    rows = load_rows()
+    assert len(rows) == 24  # the archive's DGX-H100 pre-training rows of 26.02 to 26.06 (SFT and LoRA left out)
+    for r in rows:
+        if r["base"] is not None:
+            assert _name(ENTRIES[r["base"]]["model"]) == _name(r["model"]), r
+
+
+def _name(model: str) -> str:
+    return "".join(ch for ch in model.lower() if ch.isalnum())
+
+
+def test_measured_step_time_from_the_table():
+    # 26.04 Qwen3-235B-A22B (archive line 357): GBS 8192 x 4096 tokens at 1,686 tokens/s on each of 256 GPUs:
+    # 33,554,432 / 431,616 = 77.741 s a step
+    h = price(row(357), ENTRIES)
+    assert h.result.row.measured_step_s == pytest.approx(77.741, abs=1e-3)
+
+
+def test_layout_difference_reads_na_as_one_and_names_each_difference():
+    assert layout_difference(row(308), ENTRIES["mb-25.11-LLAMA3_70B-fp8cs"]) is None  # EP 'n/a' = the base's 1
+    # 26.06 Qwen3-30B-A3B runs EP 16 without a pipeline; the 25.11 recipe (its VP corrected to 12) PP 2, VP 12, EP 8
+    assert layout_difference(row(132), ENTRIES["mb-25.11-Qwen3_30B_a3B-fp8cs"]) == \
+        "pp 1 against 2, vp 1 against 12, ep 16 against 8"
+
+
+def test_rows_not_priced_say_why():
+    nano = price(row(156), ENTRIES)
+    assert nano.result is None and "no 25.11 Megatron-Bridge recipe" in nano.why_not
+    ep16 = price(row(132), ENTRIES)
+    assert ep16.result is None and ep16.why_not.startswith("layout not the mb-25.11-Qwen3_30B_a3B-fp8cs recipe's")
+    priced = [h for h in held_out() if h.result is not None]
+    assert len(priced) == 17 and all(h.result.refused is None for h in priced)
+
+
+def test_a_row_at_its_base_batch_is_priced_as_the_base():
+    # the 25.11 Llama 3.1 405B row as if re-measured: the same layout, batch and throughput -> the same prediction
+    # and measured step as the calibration bench gives that row itself
+    base = ENTRIES["mb-25.11-LLAMA3.1_405B-fp8cs"]
+    same = {**row(106), "gbs": base["gbs"], "mbs": base["mbs"], "tokens_per_sec_per_gpu": base["tokens_per_sec_per_gpu"]}
+    h, own = price(same, ENTRIES), evaluate_row(row_of(base))
+    assert h.result.estimate.step_time == pytest.approx(own.estimate.step_time, rel=1e-12)
+    assert h.result.row.measured_step_s == pytest.approx(measured_step_time(base), rel=1e-12)
+    assert h.result.row.id == "mb-26.06-LLAMA3.1_405B-fp8"
+
+
+def test_script_writes_the_report(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_held_out", ROOT / "scripts" / "bench_held_out.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--out", str(tmp_path)]) == 0
+    (report,) = tmp_path.glob("held_out_bridge_*.md")
+    text = report.read_text()
+    assert text.count("| mb-26.") == 17 and text.count("\n- mb-26.") == 7
+    assert "summary: 17 rows" in capsys.readouterr().out
