@@ -5,12 +5,11 @@ planner over the same space."""
 from __future__ import annotations
 
 import functools
-import importlib.util
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from script_module import load_module
 
 from nest_megatron.config.load import load
 from nest_megatron.config.schema import PlanChoice
@@ -249,11 +248,7 @@ def test_paper_mixtral_entries_run_with_the_papers_expert_parallel_on_every_devi
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_paper_grid", ROOT / "scripts" / "bench_paper_grid.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_module(ROOT / "scripts" / "bench_paper_grid.py")
 
 
 def test_bench_cell_runner_on_a_tiny_cell(bench, tmp_path):

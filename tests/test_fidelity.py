@@ -5,10 +5,10 @@ layout that ran. The accuracy itself is measured by scripts/bench_published.py, 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from script_module import load_module
 
 from nest_megatron.cli import main
 from nest_megatron.config.load import load
@@ -118,9 +118,7 @@ def test_no_published_layout_is_refused_as_out_of_memory(tmp_path):
     """Every one of these runs ran on 80 GB H100s: the memory model must let each layout fit, at
     its stated recomputation or, where the row only has its recipe's default, the least that fits.
     The bench script reports the same and writes its table and figure."""
-    spec = importlib.util.spec_from_file_location("bench_published", ROOT / "scripts" / "bench_published.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_module(ROOT / "scripts" / "bench_published.py")
     assert bench.main(["--out", str(tmp_path)]) == 0
     (table,) = tmp_path.glob("published_*.md")
     text = table.read_text()

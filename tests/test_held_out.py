@@ -3,10 +3,10 @@ shipped constants. Their accuracy is reported by scripts/bench_held_out.py, not 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from script_module import load_module
 
 from nest_megatron.fidelity.bench import evaluate_row
 from nest_megatron.fidelity.held_out import held_out, layout_difference, load_rows, price
@@ -67,9 +67,7 @@ def test_a_row_at_its_base_batch_is_priced_as_the_base():
 
 
 def test_script_writes_the_report(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_held_out", ROOT / "scripts" / "bench_held_out.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_module(ROOT / "scripts" / "bench_held_out.py")
     assert script.main(["--out", str(tmp_path)]) == 0
     (report,) = tmp_path.glob("held_out_bridge_*.md")
     text = report.read_text()

@@ -4,12 +4,12 @@ written, and the shipped Nemotron-H 56B planned."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import pytest
 import torch
+from script_module import load_module
 
 from nest_megatron import api
 from nest_megatron.config.load import load
@@ -268,10 +268,8 @@ MEGATRON_LM = os.environ.get("MEGATRON_LM_ROOT")
 def test_megatron_lm_builds_each_rank_s_segment_as_planned(keys, monkeypatch):
     """Megatron-LM's own select_pipeline_segment (its file loaded alone; the installed megatron-core gives it the
     logging helpers, silenced) hands each rank and virtual stage the layers the plan put in that chunk."""
-    spec = importlib.util.spec_from_file_location(
-        "megatron_lm_hybrid", Path(MEGATRON_LM) / "megatron/core/models/hybrid/hybrid_layer_allocation.py")
-    allocation = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(allocation)
+    allocation = load_module(Path(MEGATRON_LM) / "megatron/core/models/hybrid/hybrid_layer_allocation.py",
+                             "megatron_lm_hybrid")
     monkeypatch.setattr(allocation, "log_on_each_pipeline_stage", lambda *a, **k: None)
     monkeypatch.setattr(allocation, "log_single_rank", lambda *a, **k: None)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: group[0])  # group: (rank, size)

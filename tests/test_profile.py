@@ -4,7 +4,6 @@ on this CPU with real megatron-core layers (two gloo processes under torchrun fo
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from nest_megatron.profile.fit import FittedCompute, fit
 
 pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
+from script_module import load_module  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from nest_megatron.profile.runner import Strategy, layer_work  # noqa: E402
@@ -351,9 +351,7 @@ class AskedDevices(TorchFunctionMode):
 def test_pretrain_gpt_gathers_the_layer_split_on_the_training_device():
     # NCCL, the backend of a GPU run, serves CUDA tensors only: an all_gather of a CPU tensor fails
     # there ("No backend type associated with device type cpu"), which the gloo runs never show.
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "scripts" / "pretrain_gpt.py")
-    pretrain = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pretrain)
+    pretrain = load_module(ROOT / "scripts" / "pretrain_gpt.py")
     # One pipeline rank holding two virtual stages of 3 and 2 layers, each wrapped (DDP(Float16Module(GPTModel))).
     chunks = [SimpleNamespace(module=SimpleNamespace(module=SimpleNamespace(decoder=SimpleNamespace(layers=[0] * n))))
               for n in (3, 2)]

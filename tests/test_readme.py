@@ -3,25 +3,18 @@ and its install and test lines are the ones CI runs."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shlex
 from pathlib import Path
 
 import pytest
+from script_module import load_module
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
-def load(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-readme_outputs = load(ROOT / "scripts" / "readme_outputs.py")
+readme_outputs = load_module(ROOT / "scripts" / "readme_outputs.py")
 
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:
@@ -86,7 +79,7 @@ def test_the_fidelity_table_is_the_newest_report():
 
 
 def test_the_calibrate_loop_is_the_one_the_loop_test_runs():
-    loop = load(ROOT / "tests" / "test_calibrate_loop.py")
+    loop = load_module(ROOT / "tests" / "test_calibrate_loop.py")
     assert f'ARGS="{" ".join(loop.MODEL_ARGS)}"' in README
     for name, pins in loop.RUNS.items():
         launch = [line for line in README.splitlines() if line.startswith("nest-megatron launch")
