@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         table.append(f"| {h.label} ({h.line}) | {h.base} | {r.row.measured_step_s:.3f} | "
                      f"{r.estimate.step_time:.3f} | {error} |")
     summary = summarise([h.result for h in priced])
+    summary_line = summary.line() if summary else "no row priced"
     skipped = [f"- {h.label} ({h.line}): {h.why_not}" for h in rows if h.result is None]
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     stamp = dt.date.today().isoformat()
@@ -41,13 +42,13 @@ def main(argv: list[str] | None = None) -> int:
            f"`python scripts/bench_held_out.py` at commit {commit}: the rows of `{HELD_OUT_PATH.relative_to(ROOT)}` "
            "(NeMo containers 26.02 to 26.06), which no fit sees, priced with the shipped constants and the settings "
            "of the 25.11 recipe whose layout they run. Error = predicted / measured - 1.", "",
-           f"Summary: {summary.line() if summary else 'no row priced'}", "", *table, "", "## Not priced", "", *skipped]
+           f"Summary: {summary_line}", "", *table, "", "## Not priced", "", *skipped]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"held_out_bridge_{stamp}.md"
     path.write_text("\n".join(doc) + "\n")
     print("\n".join(table))
-    print(f"summary: {summary.line() if summary else 'no row priced'}")
+    print(f"summary: {summary_line}")
     print(f"not priced: {len(skipped)}; wrote {path}")
     return 0
 
