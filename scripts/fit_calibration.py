@@ -5,7 +5,7 @@
 The candidates are the cost model's physics, not per-row knobs (calibration/constants.py): by default the six
 constants of the shipped fit, gemm_efficiency, gemm_fp8_efficiency, attention_efficiency, memory_bound_efficiency,
 kernel_overhead_us and host_overhead_us (cost/host.py; it keeps its prior while no row is host-bound); `--constants`
-adds others (network_efficiency.1, ...).
+adds others (network_efficiency.1, all_to_all_efficiency.1, ...).
 Everything else (peaks, bandwidths, tile shape) is a datasheet or a derivation. The fit is calibration/fit.py's,
 the one `nest-megatron calibrate` runs on a user's logs: a regularised, bounded fit of the log step-time errors of
 every calibration row priced at its published layout (scripts/bench_published.py), the shipped values as priors,

@@ -279,9 +279,12 @@ def test_each_bad_log_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
 # --- recovery: logs of a cost model with perturbed constants ---------------------------------------------------
 
 # Configurations that determine the perturbed constants between them (dgx_h100_superpod, 8 GPUs a node): compute-bound
-# steps (GEMM efficiency), a tiny model whose step is its kernels' fixed time (kernel overhead), and steps whose
-# data-parallel all-reduce crosses the nodes unhidden (the scalable unit's network efficiency, level 1).
+# steps (GEMM efficiency), a tiny model whose step is its kernels' fixed time (kernel overhead), steps whose
+# data-parallel all-reduce crosses the nodes unhidden (the scalable unit's network efficiency, level 1), and a MoE
+# model whose expert-parallel all-to-all spans two nodes (the scalable unit's all-to-all efficiency).
 RECOVERY = [
+    "model=qwen3_30b_a3b cluster.num_devices=16 train.global_batch_size=64 plan.tp=1 plan.ep=16 plan.mbs=1 "
+    "plan.recompute=full",
     "model=llama3_8b cluster.num_devices=16 train.global_batch_size=128 plan.tp=1 plan.mbs=1 plan.recompute=full",
     "model=tiny_gpt cluster.num_devices=16 train.global_batch_size=64 plan.tp=1 plan.mbs=1",
     "model=llama3_8b cluster.num_devices=64 train.global_batch_size=64 plan.tp=1 plan.mbs=1 plan.recompute=full "
@@ -312,7 +315,8 @@ def namespace_of(argv: list[str], world: int, vpp: int) -> dict:
 def perturbed_truth() -> dict[str, float]:
     shipped = load(CLUSTER).problem.accelerator
     return {"gemm_efficiency": 0.9 * shipped.gemm_efficiency,
-            "kernel_overhead_us": 1.3 * shipped.kernel_overhead_s * 1e6, "network_efficiency.1": 0.8}
+            "kernel_overhead_us": 1.3 * shipped.kernel_overhead_s * 1e6, "network_efficiency.1": 0.8,
+            "all_to_all_efficiency.1": 0.7}
 
 
 def perturbed_log(case: str, truth: dict[str, float]) -> tuple[str, api.Plan]:
@@ -387,7 +391,7 @@ def test_calibrate_holds_out_each_source(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0
     profile = yaml.safe_load(out.read_text())
-    assert [r["source"] for r in profile["runs"]] == ["Megatron-LM log"] * 4 + ["launch run directory"] * 2
+    assert [r["source"] for r in profile["runs"]] == ["Megatron-LM log"] * 4 + ["launch run directory"] * 3
 
     runs = [read_run(str(p), user=CLUSTER, label=str(p)).run() for p in paths]
     full = fit(runs)
@@ -398,7 +402,7 @@ def test_calibrate_holds_out_each_source(tmp_path, capsys):
     held = profile["cross_validation"]["leave-one-source-out"]
     assert held["errors"] == pytest.approx(expected, abs=1e-4)
     assert held["median_abs_error"] == pytest.approx(statistics.median(map(abs, expected)), abs=1e-4)
-    assert f"leave-one-source-out: 6 runs: median |error| {held['median_abs_error']:.1%}, bias {held['bias']:+.1%}, " \
+    assert f"leave-one-source-out: 7 runs: median |error| {held['median_abs_error']:.1%}, bias {held['bias']:+.1%}, " \
            f"worst {held['worst_abs_error']:.1%}" in printed
     why = "the logs state no release (none of the formats calibrate reads prints one)"
     assert profile["cross_validation"]["leave-one-release-out"] == {"not_computed": why}

@@ -19,6 +19,7 @@ from nest_megatron.config.schema import (
     TorusConfig,
     TrainConfig,
 )
+from nest_megatron.cost.collectives import Network
 from nest_megatron.errors import NestError
 
 GIB = 2**30
@@ -123,7 +124,8 @@ CLUSTER_KEYS = {
 }
 LEVEL_KEYS = {
     "name": ("board", "board"), "fan_out": ("4", 4), "bandwidth_gb_per_s": ("100", 100.0), "latency_s": ("1e-6", 1e-6),
-    "oversubscription": ("1.5", 1.5),
+    "oversubscription": ("1.5", 1.5), "efficiency": ("0.7", 0.7),
+    "all_to_all_efficiency": ("0.6", 0.6),
 }
 TORUS_KEYS = {
     "dims": ("[2,2,2]", [2, 2, 2]), "link_bandwidth_gb_per_s": ("25", 25.0), "hop_latency_s": ("2e-6", 2e-6),
@@ -206,13 +208,17 @@ def test_overridden_values_reach_the_problem_in_si_units():
     p = load([TINY, "accelerator.peak_bf16_tflops=500", "accelerator.hbm_bandwidth_gb_per_s=1000",
               "accelerator.reserved_memory_gib=2", "cluster.device_memory_gib=70",
               "cluster.levels.0.bandwidth_gb_per_s=100", "cluster.levels.0.latency_s=1e-6",
-              "cluster.levels.1.oversubscription=1.5", "train.global_batch_size=512",
+              "cluster.levels.1.oversubscription=1.5", "cluster.levels.1.efficiency=0.5", "train.global_batch_size=512",
               "train.overlap_grad_reduce=false", "out=/tmp/x.json"])
     a = p.problem.accelerator
     assert (a.peak_flops, a.hbm_bandwidth) == pytest.approx((5e14, 1e12))
     assert (a.memory_bytes, a.reserved_memory_bytes) == pytest.approx((70 * GIB, 2 * GIB))
     lv = p.problem.topology.levels
     assert (lv[0].bandwidth, lv[0].latency, lv[1].oversubscription) == pytest.approx((1e11, 1e-6, 1.5))
+    # h100_spine_leaf's rack level: 12.5 GB/s at half its bandwidth (its oversubscription 1.5 with every device busy
+    # takes 1 / 1.5 of that), the node level untouched
+    net = Network.for_topology(p.problem.topology)
+    assert (lv[1].efficiency, net.bandwidth[0], net.bandwidth[1]) == pytest.approx((0.5, 1e11, 12.5e9 * 0.5 / 1.5))
     assert p.problem.global_batch_size == 512 and p.problem.overlap_grad_reduce is False
     assert p.config.out == "/tmp/x.json"
 
@@ -248,6 +254,12 @@ BAD = {
     "oversubscription below 1": (["cluster.levels.1.oversubscription=0.5"],
                                  r"cluster\.levels\[1\]\.oversubscription=0\.5: must be a finite number >= 1",
                                  ["cluster.levels.1.oversubscription=1"]),
+    "level efficiency above 1": (["cluster.levels.1.efficiency=1.2"],
+                                 r"cluster\.levels\[1\]\.efficiency=1\.2: must be in \(0, 1\], a fraction of the "
+                                 r"level's bandwidth", ["cluster.levels.1.efficiency=0.7"]),
+    "all-to-all efficiency 0": (["cluster.levels.1.all_to_all_efficiency=0"],
+                                r"cluster\.levels\[1\]\.all_to_all_efficiency=0\.0: must be in \(0, 1\]",
+                                ["cluster.levels.1.all_to_all_efficiency=0.5"]),
     "efficiency above 1": (["accelerator.gemm_efficiency=1.5"], r"accelerator\.gemm_efficiency=1\.5: must be in \(0, 1\]",
                            ["accelerator.gemm_efficiency=1.0"]),
     "unknown topology": (["cluster.topology=mesh"], r"cluster\.topology=mesh: allowed are hierarchical, torus",
@@ -271,7 +283,8 @@ BAD = {
                                   ["cluster.levels.2.fan_out=2"]),
     "misspelt level key": (["cluster.levels.0.fanout=2"],
                            r"^cluster\.levels\.0\.fanout: no such key; did you mean cluster\.levels\.0\.fan_out\? "
-                           r"keys of a cluster level: name, fan_out, bandwidth_gb_per_s, latency_s, oversubscription$",
+                           r"keys of a cluster level: name, fan_out, bandwidth_gb_per_s, latency_s, oversubscription, "
+                           r"efficiency, all_to_all_efficiency$",
                            ["cluster.levels.0.fan_out=2"]),
 }
 

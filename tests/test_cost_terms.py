@@ -163,6 +163,22 @@ def test_all_to_all_two_levels():
     assert all_to_all_time(GroupShape((8.0, 2.0)), 1.6e9, NET2) == close(expected)
 
 
+def test_all_to_all_efficiency_slows_the_all_to_all_only():
+    # The two nodes of test_all_to_all_two_levels, the NIC level at all_to_all_efficiency 0.74 (the shipped
+    # dgx_h100_superpod's): the remote 0.8 GB at 0.74 x 50 GB/s = 37 GB/s take 0.8e9 / 37e9 = 21.622 ms (16 ms at
+    # line rate), still the slowest level; the node level keeps its 450 GB/s.
+    two_nodes = Topology("two", (Level("node", 8, 450e9, 3e-6), Level("su", 2, 50e9, 6e-6, all_to_all_efficiency=0.74)))
+    net = Network.for_topology(two_nodes)
+    assert net.all_to_all_bandwidth == close((450e9, 37e9))
+    assert all_to_all_time(GroupShape((8.0, 2.0)), 1.6e9, net) == close(0.8e9 / 37e9 + 3e-6 + 6e-6)
+    # A ring collective over the same nodes reaches the line rate: reduce-scatter of 1.6 GB, 7/8 of it at 450 GB/s
+    # in the node, then 1/2 of the 0.2 GB shard at 50 GB/s: 3.1111 ms + 2 ms, plus 7 x 3 us + 1 x 6 us.
+    assert reduce_scatter_time(GroupShape((8.0, 2.0)), 1.6e9, net) == close(
+        7 / 8 * 1.6e9 / 450e9 + 0.5 * 0.2e9 / 50e9 + 7 * 3e-6 + 6e-6)
+    # Network built by hand (no efficiency given): the all-to-all runs at the bandwidth
+    assert NET2.all_to_all_bandwidth == NET2.bandwidth
+
+
 NET3 = Network(bandwidth=(450e9, 50e9, 50e9), latency=(3e-6, 6e-6, 1e-5))  # node, scalable unit, spine
 
 

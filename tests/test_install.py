@@ -107,7 +107,7 @@ BROKEN_FILES = {
                               "(while parsing a flow mapping from line 9); fix the YAML"),
     "misspelt level key": (("bandwidth_gb_per_s: 450", "bandwith_gb_per_s: 450"),
                            "bandwith_gb_per_s: no such key; did you mean bandwidth_gb_per_s? keys of a cluster level: "
-                           "name, fan_out, bandwidth_gb_per_s, latency_s, oversubscription"),
+                           "name, fan_out, bandwidth_gb_per_s, latency_s, oversubscription, efficiency, all_to_all_efficiency"),
     "wrong type": (("fan_out: 32", "fan_out: many"), "fan_out: expected Integer, not many"),
 }
 

@@ -43,7 +43,7 @@ class Calibration:
     errors: tuple[float, ...] = ()  # predicted / measured - 1 of each held-out run
     path: str | None = None  # the profile file; None for the shipped calibration
     note: str = ""  # what else a reader should know (the runs were of another accelerator, ...)
-    levels: dict[int, str] = field(default_factory=dict)  # network level -> its name, of each fitted network_efficiency
+    levels: dict[int, str] = field(default_factory=dict)  # network level -> its name, of each fitted per-level efficiency
 
     @property
     def runs(self) -> int:
@@ -133,7 +133,7 @@ def check_levels(calibration: Calibration, level_names: list[str], where: str) -
     for index, name in calibration.levels.items():
         mine = level_names[index] if index < len(level_names) else None
         if mine != name:
-            raise NestError(f"{where}: network_efficiency.{index} was fitted on level {index} '{name}', but this "
+            raise NestError(f"{where}: a network efficiency was fitted on level {index} '{name}', but this "
                             f"cluster's level {index} is {repr(mine) if mine else 'missing'}; plan on the cluster it "
                             "was calibrated on")
 

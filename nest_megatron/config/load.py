@@ -562,6 +562,10 @@ def _check_cluster(c: ClusterConfig) -> int:
             _real(f"cluster.levels[{i}].bandwidth_gb_per_s", lv.bandwidth_gb_per_s, 0, above=True)
             _real(f"cluster.levels[{i}].latency_s", lv.latency_s, 0)
             _real(f"cluster.levels[{i}].oversubscription", lv.oversubscription, 1)
+            for key in ("efficiency", "all_to_all_efficiency"):
+                if not 0 < getattr(lv, key) <= 1:
+                    raise NestError(f"cluster.levels[{i}].{key}={getattr(lv, key)}: must be in (0, 1], a fraction of "
+                                    "the level's bandwidth")
         described, where = [lv.fan_out for lv in c.levels], "cluster.levels: fan_outs"
     nodes = _allocated_nodes(c)
     if nodes is not None:

@@ -154,6 +154,8 @@ class LevelConfig:
     bandwidth_gb_per_s: float = MISSING  # per device, per direction, 1e9 B/s
     latency_s: float = MISSING  # per message, s
     oversubscription: float = 1.0  # downlink : uplink capacity of this level's switches
+    efficiency: float = 1.0  # fraction of the bandwidth collectives reach here (NCCL, the fabric); calibrate fits it
+    all_to_all_efficiency: float = 1.0  # fraction of that an all-to-all (MoE dispatch, a2a CP) reaches; calibrate fits it
 
 
 @dataclass

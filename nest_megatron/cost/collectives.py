@@ -7,8 +7,10 @@ two. Phase l among n_l peers on S_l bytes costs (n_l - 1) alpha_l + (n_l - 1)/n_
 B_l is the device's bandwidth at that level (its own NIC share: every device of a unit sends its
 shard at once, as in a rail-optimised or fat-tree fabric).
 
-A level's bandwidth efficiency (hardware/topology.py Level.efficiency, 1 unless a calibration fitted it) scales
-its bandwidth; it is applied here, once, for every collective and transfer.
+A level's bandwidth efficiency (hardware/topology.py Level.efficiency, 1 unless set) scales its bandwidth; it is
+applied here, once, for every collective and transfer. An all-to-all is further scaled by the level's
+`all_to_all_efficiency`: a ring step sends one large message to one peer, an all-to-all many smaller ones to every
+peer at once (NCCL's send/recv pairs or DeepEP's RDMA writes), which reaches less of a NIC's line rate.
 
 Oversubscription and sharing: a level-l switch with oversubscription o carries 1/o of what its
 devices can inject. When a fraction u of the devices under it send across level l at the same
@@ -35,6 +37,11 @@ class Network:
     # The first level above the NVLink domain: from it up, every level is reached through the device's NIC, so a byte
     # to a peer first met at a higher level also crosses this level's links and each one between
     nic_level: int = 1
+    all_to_all_bandwidth: tuple[float, ...] = ()  # B/s per device per direction an all-to-all reaches; () = bandwidth
+
+    def __post_init__(self):
+        if not self.all_to_all_bandwidth:
+            object.__setattr__(self, "all_to_all_bandwidth", self.bandwidth)
 
     @classmethod
     def for_topology(cls, topology: Topology, *, busy_fraction: float = 1.0) -> Network:
@@ -42,7 +49,8 @@ class Network:
         for level in topology.levels:
             share = min(1.0, 1.0 / (level.oversubscription * busy_fraction)) if level.oversubscription > 1 else 1.0
             bandwidth.append(level.bandwidth * level.efficiency * share)
-        return cls(tuple(bandwidth), tuple(lv.latency for lv in topology.levels), topology.domain_level + 1)
+        all_to_all = tuple(b * lv.all_to_all_efficiency for b, lv in zip(bandwidth, topology.levels))
+        return cls(tuple(bandwidth), tuple(lv.latency for lv in topology.levels), topology.domain_level + 1, all_to_all)
 
 
 def when_sent(nbytes, seconds):
@@ -97,7 +105,7 @@ def routed_all_to_all_time(shape: GroupShape, level_bytes: tuple, net: Network):
     slowest, latency = 0.0, 0.0
     for level, fan in enumerate(shape.fan_in):
         through = level_bytes[level] if level < net.nic_level else sum(level_bytes[level:])
-        slowest = np.maximum(slowest, through / net.bandwidth[level])
+        slowest = np.maximum(slowest, through / net.all_to_all_bandwidth[level])
         if fan > 1.0 + 1e-9:
             latency += net.latency[level]
     return when_sent(sum(level_bytes), slowest + latency)

@@ -31,8 +31,10 @@ class Level:
     latency: float  # s
     oversubscription: float = 1.0
     # The fraction of `bandwidth` collectives reach at this level (NCCL's protocol and the fabric's congestion):
-    # 1 as described; a calibration (nest-megatron calibrate) fits it from a cluster's own runs.
+    # the cluster config's (cluster.levels[i].efficiency, 1 unless set); a calibration fits it from a cluster's runs.
     efficiency: float = 1.0
+    # The fraction of that an all-to-all (the MoE dispatch, a2a context parallelism) reaches (cost/collectives.py)
+    all_to_all_efficiency: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,8 @@ def hierarchical(cfg: ClusterConfig) -> Topology:
             bandwidth=lv.bandwidth_gb_per_s * 1e9,
             latency=lv.latency_s,
             oversubscription=lv.oversubscription,
+            efficiency=lv.efficiency,
+            all_to_all_efficiency=lv.all_to_all_efficiency,
         )
         for lv in cfg.levels
     )
