@@ -2,9 +2,9 @@
 
     python scripts/bench_held_out.py [--out docs/fidelity]
 
-Each row of NeMo containers 26.02 to 26.06 that runs the layout of a 25.11 recipe of the calibration set is priced
-with the shipped constants and that recipe's settings (nest_megatron/fidelity/held_out.py); the rest are listed with
-the reason they are not priced. Prints the rows and the summary (median |error|, bias, worst), and writes them to
+Each row of NeMo containers 26.02 to 26.06 that runs the layout of a 25.11 recipe of the calibration set, or of a
+later recipe read at its tag (held_out.LATER_RECIPES), is priced with the shipped constants and that recipe's settings
+(nest_megatron/fidelity/held_out.py); the rest are listed with the reason they are not priced. Prints the rows and the summary (median |error|, bias, worst), and writes them to
 <out>/held_out_bridge_<date>.md. No GPU: the measurements are the source's.
 """
 
@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     for h in priced:
         r = h.result
         error = f"{r.error:+.1%}" if r.refused is None else f"refused: {r.refused}"
-        table.append(f"| {h.label} ({h.line}) | {h.base} | {r.row.measured_step_s:.3f} | "
+        recipe = f"{h.base} at {h.recipe}" if h.recipe else h.base
+        table.append(f"| {h.label} ({h.line}) | {recipe} | {r.row.measured_step_s:.3f} | "
                      f"{r.estimate.step_time:.3f} | {error} |")
     summary = summarise([h.result for h in priced])
     summary_line = summary.line() if summary else "no row priced"
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = [f"# Held out: Megatron-Bridge's later H100 runs ({stamp})", "",
            f"`python scripts/bench_held_out.py` at commit {commit}: the rows of `{HELD_OUT_PATH.relative_to(ROOT)}` "
            "(NeMo containers 26.02 to 26.06), which no fit sees, priced with the shipped constants and the settings "
-           "of the 25.11 recipe whose layout they run. Error = predicted / measured - 1.", "",
+           "of the 25.11 recipe whose layout they run, or of the later recipe named, read at its tag "
+           "(nest_megatron/fidelity/held_out.py LATER_RECIPES). Error = predicted / measured - 1.", "",
            f"Summary: {summary_line}", "", *table, "", "## Not priced", "", *skipped]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
-"""The held-out rows (benchmarks/bridge_h100_held_out.yaml): read, matched to their 25.11 recipe, priced with the
-shipped constants. Their accuracy is reported by scripts/bench_held_out.py, not asserted here."""
+"""The held-out rows (benchmarks/bridge_h100_held_out.yaml): read, matched to their 25.11 recipe or a later one, priced
+with the shipped constants. Their accuracy is reported by scripts/bench_held_out.py, not asserted here."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from script_module import load_module
 
 from nest_megatron.fidelity.bench import evaluate_row
-from nest_megatron.fidelity.held_out import held_out, layout_difference, load_rows, price
+from nest_megatron.fidelity.held_out import held_out, later_recipe, layout_difference, load_rows, price
 from nest_megatron.fidelity.published import load_entries, measured_step_time, row_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,15 +44,41 @@ def test_layout_difference_reads_na_as_one_and_names_each_difference():
     # 26.06 Qwen3-30B-A3B runs EP 16 without a pipeline; the 25.11 recipe (its VP corrected to 12) PP 2, VP 12, EP 8
     assert layout_difference(row(132), ENTRIES["mb-25.11-Qwen3_30B_a3B-fp8cs"]) == \
         "pp 1 against 2, vp 1 against 12, ep 16 against 8"
+    # ... which is the layout of the 26.04 recipe
+    assert layout_difference(row(132), ENTRIES["mb-25.11-Qwen3_30B_a3B-fp8cs"], later_recipe(row(132))) is None
 
 
 def test_rows_not_priced_say_why():
     nano = price(row(156), ENTRIES)
     assert nano.result is None and "no 25.11 Megatron-Bridge recipe" in nano.why_not
-    ep16 = price(row(132), ENTRIES)
-    assert ep16.result is None and ep16.why_not.startswith("layout not the mb-25.11-Qwen3_30B_a3B-fp8cs recipe's")
-    priced = [h for h in held_out() if h.result is not None]
-    assert len(priced) == 17 and all(h.result.refused is None for h in priced)
+    # a later release at a layout neither the 25.11 recipe nor a later one read gives: listed, not guessed
+    pp4 = {**row(132), "release": "26.02", "pp": 4}
+    assert price(pp4, ENTRIES).why_not == ("layout not the mb-25.11-Qwen3_30B_a3B-fp8cs recipe's "
+                                           "(pp 4 against 2, vp 1 against 12, ep 16 against 8)")
+    rows = held_out()
+    priced = [h for h in rows if h.result is not None]
+    assert len(priced) == 20 and all(h.result.refused is None for h in priced)
+    assert {h.label.split("-", 2)[2] for h in rows if h.result is None} == {"Nemotron_3_Nano-fp8"}
+
+
+def test_a_later_recipe_prices_its_own_layout_and_settings():
+    # 26.06 Qwen3-30B-A3B (line 132) at Bridge v0.4.0's H100 FP8 recipe: 16 GPUs as EP 16 = DP 16, no pipeline,
+    # HybridEP (priced as DeepEP), no EP all-to-all overlap; GBS 1024 x 4096 tokens at 8,826 tokens/s on each of 16
+    # GPUs: 4,194,304 / 141,216 = 29.701 s a step
+    h = price(row(132), ENTRIES)
+    assert h.recipe == "Bridge v0.4.0 QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1"
+    r = h.result.row
+    assert r.measured_step_s == pytest.approx(29.701, abs=1e-3)
+    assert {"plan.pp=1", "plan.vpp=1", "plan.ep=16", "plan.dp=16", "plan.mbs=1", "train.global_batch_size=1024"} \
+        <= set(r.overrides)
+    assert r.moe_dispatcher == "deepep" and not any("moe_a2a_overlap" in o for o in r.overrides)
+    # the 26.02 run keeps the 25.11 layout (PP 2, VP 12, EP 8) and overlap, but dispatches with DeepEP (v0.3.0)
+    v030 = price(row(530), ENTRIES)
+    assert v030.recipe == "Bridge v0.3.0 QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1"
+    assert v030.result.row.moe_dispatcher == "deepep"
+    assert {"plan.pp=2", "plan.vpp=12", "plan.ep=8", "train.moe_a2a_overlap=true"} <= set(v030.result.row.overrides)
+    # a model whose recipe kept its settings is priced at the 25.11 one
+    assert price(row(357), ENTRIES).recipe is None
 
 
 def test_a_row_at_its_base_batch_is_priced_as_the_base():
@@ -71,5 +97,7 @@ def test_script_writes_the_report(tmp_path, capsys):
     assert script.main(["--out", str(tmp_path)]) == 0
     (report,) = tmp_path.glob("held_out_bridge_*.md")
     text = report.read_text()
-    assert text.count("| mb-26.") == 17 and text.count("\n- mb-26.") == 7
-    assert "summary: 17 rows" in capsys.readouterr().out
+    assert text.count("| mb-26.") == 20 and text.count("\n- mb-26.") == 4
+    assert text.count(" at Bridge v0.4.0 QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 |") == 3
+    assert text.count(" at Bridge v0.3.0 QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 |") == 2
+    assert "summary: 20 rows" in capsys.readouterr().out

@@ -3,9 +3,10 @@
 No fit sees these rows: they measure how the shipped cost model does on software releases after the ones it was
 fitted to (NeMo containers 26.02 to 26.06 against the calibration set's 25.09 and 25.11). A table row gives the
 layout and throughput only; the recipe's other settings (recomputation, overlaps, FP8 recipe, dispatcher) are
-those of the 25.11 row it names as `base`, so a row is priced only where its layout is that recipe's (the
-base row's layout as the fidelity bench prices it, published.ROW_SETTINGS applied). The others are listed with
-the reason, not guessed.
+those of the 25.11 row it names as `base`, so a row is priced where its layout is that recipe's (the base row's
+layout as the fidelity bench prices it, published.ROW_SETTINGS applied), or where a later recipe read at its tag
+(LATER_RECIPES) gives the row's layout and the settings it changes. The others are listed with the reason, not
+guessed.
 """
 
 from __future__ import annotations
@@ -26,12 +27,46 @@ LAYOUT_KEYS = ("num_gpus", "seq_length", "tp", "pp", "cp", "vp", "ep")
 
 
 @dataclass(frozen=True)
+class LaterRecipe:
+    """A later release's recipe of a base row's model at another layout: the base's settings but `settings`."""
+
+    name: str  # where it is read, for the report
+    base: str  # the calibration row whose recipe it changes
+    releases: tuple[str, ...]  # the NeMo containers that run it
+    layout: dict  # LAYOUT_KEYS it sets (the rest are the base's)
+    settings: dict  # published.ROW_SETTINGS-style, in place of the base's
+
+
+# Megatron-Bridge v0.3.0 is NeMo 26.02's, v0.4.0 26.04's and v0.5.0 26.06's (docs/releases/software-versions.md at
+# 067f987). Read at those tags, the H100 recipes of Llama 3 70B, Llama 3.1 405B, GPT-OSS 120B and Qwen3-235B-A22B
+# keep v0.2.0's layout and settings but their batch (which the table gives); Qwen3-30B-A3B's H100 FP8 recipe,
+# QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1, changes:
+# - at v0.3.0 (scripts/performance/configs/qwen/qwen3_workload_base_configs.py:421-429): the same layout and overlap,
+#   the flex dispatcher with DeepEP; 26.02.01, 26.02's patch, runs that layout too (v0.3.1 moved to EP 16);
+# - at v0.4.0 (:422-429, the same at v0.4.1, 26.04.01's, and at v0.5.0 :470-477): 16 GPUs as EP 16 without a
+#   pipeline, moe_a2a_overlap False, the flex dispatcher with HybridEP (qwen3_llm_pretrain.py:298-299), priced as
+#   DeepEP's as the AutoModel rows.
+# The rest as at v0.2.0 (set_qwen3_common_configs: no recompute, forced balancing, bf16 gradient reduction).
+LATER_RECIPES = (
+    LaterRecipe("Bridge v0.3.0 QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1", "mb-25.11-Qwen3_30B_a3B-fp8cs",
+                ("26.02", "26.02.01"), {"vp": 12},
+                {"layout": {"vp": 12}, "moe_dispatcher": "deepep", "assumed": ["DeepEP dispatch (the 26.02 recipe's)"]}),
+    LaterRecipe("Bridge v0.4.0 QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1", "mb-25.11-Qwen3_30B_a3B-fp8cs",
+                ("26.04", "26.04.01", "26.06"), {"pp": 1, "vp": None, "ep": 16},
+                {"moe_dispatcher": "deepep", "optimizations": {"ep_a2a_overlap_1f1b": False},
+                 "assumed": ["layout pp=1 ep=16, no EP all-to-all overlap (the 26.04 recipe's)",
+                             "HybridEP dispatch priced as DeepEP's"]}),
+)
+
+
+@dataclass(frozen=True)
 class HeldOut:
     label: str  # e.g. 'mb-26.04-Qwen3_235B_a22B-fp8'
     line: int  # the row's line in the source table
     base: str | None  # the calibration row whose recipe it runs
     result: RowResult | None  # None: not priced
     why_not: str | None = None
+    recipe: str | None = None  # the later recipe (LaterRecipe.name) that changes the base's, if one does
 
 
 def load_rows(path: Path = HELD_OUT_PATH) -> list[dict]:
@@ -47,9 +82,10 @@ def base_layout(base: dict) -> dict:
     return {**base, **ROW_SETTINGS.get(base["id"], {}).get("layout", {})}
 
 
-def layout_difference(row: dict, base: dict) -> str | None:
-    """'pp 1 against 2, ...' where the held-out row's layout is not its base recipe's; None when it is."""
-    layout = base_layout(base)
+def layout_difference(row: dict, base: dict, recipe: LaterRecipe | None = None) -> str | None:
+    """'pp 1 against 2, ...' where the held-out row's layout is not its base recipe's (or `recipe`'s); None when it
+    is."""
+    layout = {**base, **recipe.layout} if recipe else base_layout(base)
     diffs = [f"{key} {_size(row[key])} against {_size(layout[key])}" for key in LAYOUT_KEYS
              if _size(row[key]) != _size(layout[key])]
     if row["precision"].upper() != base["precision_class"].upper():
@@ -62,10 +98,18 @@ def _size(value) -> int:
     return 1 if value is None else value
 
 
-def held_out_entry(row: dict, base: dict) -> dict:
+def held_out_entry(row: dict, base: dict, recipe: LaterRecipe | None = None) -> dict:
     """The base row with the later release's batch and measured throughput (its id kept: its recipe settings are
-    looked up by it)."""
-    return {**base, "gbs": row["gbs"], "mbs": row["mbs"], "tokens_per_sec_per_gpu": row["tokens_per_sec_per_gpu"]}
+    looked up by it), and `recipe`'s layout."""
+    entry = {**base, "gbs": row["gbs"], "mbs": row["mbs"], "tokens_per_sec_per_gpu": row["tokens_per_sec_per_gpu"]}
+    if recipe:
+        entry.update(recipe.layout)
+        entry["dp"] = entry["num_gpus"] // (entry["tp"] * entry["pp"] * _size(entry["cp"]))
+    return entry
+
+
+def later_recipe(row: dict) -> LaterRecipe | None:
+    return next((r for r in LATER_RECIPES if r.base == row["base"] and row["release"] in r.releases), None)
 
 
 def price(row: dict, entries: dict[str, dict]) -> HeldOut:
@@ -73,11 +117,13 @@ def price(row: dict, entries: dict[str, dict]) -> HeldOut:
     if row["base"] is None:
         return HeldOut(label, row["line"], None, None, "no 25.11 Megatron-Bridge recipe of this model in the calibration set")
     base = entries[row["base"]]
-    differs = layout_difference(row, base)
+    recipe = later_recipe(row)
+    differs = layout_difference(row, base, recipe)
     if differs:
         return HeldOut(label, row["line"], row["base"], None, f"layout not the {row['base']} recipe's ({differs})")
-    priced = evaluate_row(dataclasses.replace(row_of(held_out_entry(row, base)), id=label))
-    return HeldOut(label, row["line"], row["base"], priced)
+    settings = recipe.settings if recipe else None
+    priced = evaluate_row(dataclasses.replace(row_of(held_out_entry(row, base, recipe), settings), id=label))
+    return HeldOut(label, row["line"], row["base"], priced, recipe=recipe.name if recipe else None)
 
 
 def held_out(path: Path = HELD_OUT_PATH) -> list[HeldOut]:

@@ -394,7 +394,8 @@ def _shipped_is_moe(name: str) -> bool:
     return bool(yaml.safe_load((MODEL_CONFIG_DIR / f"{name}.yaml").read_text()).get("num_experts"))
 
 
-def row_of(entry: dict) -> Row:
+def row_of(entry: dict, settings: dict | None = None) -> Row:
+    """The bench's row of a calibration entry; `settings` replace its ROW_SETTINGS (a later release's recipe)."""
     shipped = SHIPPED_MODELS.get(entry["id"])
     moe = _shipped_is_moe(shipped) if shipped else bool(entry["model_shape"].get("experts"))
     common = dict(id=entry["id"], source=source_of(entry), precision=entry["precision_class"].lower(), moe=moe,
@@ -402,7 +403,7 @@ def row_of(entry: dict) -> Row:
     why = _not_expressible(entry)
     if why:
         return Row(**common, measured_step_s=math.nan, not_expressible=why)
-    settings = ROW_SETTINGS.get(entry["id"], {})
+    settings = ROW_SETTINGS.get(entry["id"], {}) if settings is None else settings
     assumed = list(settings.get("assumed", []))
     layout = settings.get("layout", {})
     if layout:
