@@ -3,9 +3,10 @@
     python scripts/fit_calibration.py [--constants NAME,...] [--no-cross-validation] [--write-shipped]
 
 The candidates are the cost model's physics, not per-row knobs (calibration/constants.py): by default the six
-constants of the shipped fit, gemm_efficiency, gemm_fp8_efficiency, attention_efficiency, memory_bound_efficiency,
-kernel_overhead_us and host_overhead_us (cost/host.py; it keeps its prior while no row is host-bound); `--constants`
-adds others (network_efficiency.1, all_to_all_efficiency.1, ...).
+constants of the shipped fit (fidelity/bench.py SHIPPED_FIT), gemm_efficiency, gemm_fp8_efficiency,
+attention_efficiency, memory_bound_efficiency, host_overhead_us (cost/host.py; it keeps its prior while no row is
+host-bound) and all_to_all_efficiency.1 (the NIC level of dgx_h100_superpod); `--constants` names others
+(kernel_overhead_us, network_efficiency.1, ...).
 Everything else (peaks, bandwidths, tile shape) is a datasheet or a derivation. The fit is calibration/fit.py's,
 the one `nest-megatron calibrate` runs on a user's logs: a regularised, bounded fit of the log step-time errors of
 every calibration row priced at its published layout (scripts/bench_published.py), the shipped values as priors,
@@ -30,7 +31,7 @@ import yaml
 
 from nest_megatron.calibration.fit import cross_validation, errors_of, fit, priors
 from nest_megatron.calibration.profile import SHIPPED
-from nest_megatron.fidelity.bench import SHIPPED_FIT, as_runs, evaluate_row
+from nest_megatron.fidelity.bench import SHIPPED_FIT, SHIPPED_HELD, as_runs, evaluate_row
 from nest_megatron.fidelity.published import CALIBRATION_PATH, rows
 
 # The band every plan prints: each row priced by a fit that saw no run of its framework (launcher, NeMo, AutoModel),
@@ -77,7 +78,7 @@ def write_shipped(runs, prior: dict, crossed: dict) -> None:
         "applies_to": list(ACCELERATORS),
         "written": f"python scripts/fit_calibration.py --write-shipped, {dt.date.today().isoformat()}",
         "rows": f"{len(runs)} rows of benchmarks/{CALIBRATION_PATH.name}",
-        "constants": {k: float(v) for k, v in prior.items() if k in SHIPPED_FIT},
+        "constants": {k: float(v) for k, v in prior.items() if k in SHIPPED_FIT + SHIPPED_HELD},
         "band_from": BAND_FROM,
         "cross_validation": {name: {"runs": e.runs, "median_abs_error": round(e.median_abs, 5),
                                     "bias": round(e.bias, 5), "worst_abs_error": round(e.worst, 5),

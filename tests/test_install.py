@@ -103,8 +103,8 @@ def test_a_user_file_named_like_a_shipped_one_is_refused(tmp_path, monkeypatch):
 # on lines 9-11: `  - {name: node,  fan_out: 8,  bandwidth_gb_per_s: 450, latency_s: 3.0e-6}` first
 BROKEN_FILES = {
     "unclosed flow mapping": (("fan_out: 8,  bandwidth_gb_per_s: 450, latency_s: 3.0e-6}", "fan_out: 8"),
-                              "line 10, column 5: expected ',' or '}', but got '{' "
-                              "(while parsing a flow mapping from line 9); fix the YAML"),
+                              "line 13, column 5: expected ',' or '}', but got '{' "
+                              "(while parsing a flow mapping from line 12); fix the YAML"),
     "misspelt level key": (("bandwidth_gb_per_s: 450", "bandwith_gb_per_s: 450"),
                            "bandwith_gb_per_s: no such key; did you mean bandwidth_gb_per_s? keys of a cluster level: "
                            "name, fan_out, bandwidth_gb_per_s, latency_s, oversubscription, efficiency, all_to_all_efficiency"),

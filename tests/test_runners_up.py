@@ -101,29 +101,35 @@ def test_pick_beyond_the_runners_up_is_one_line(plans):
         api.plan(overrides(*case) + ["plan.pick=99"])
 
 
-def test_launch_takes_a_pick(plans):
-    """`launch plan.pick=1` runs the first fitting runner-up: its planner flags are the row's."""
+def _launch_plan(*extra: str):
+    """The plan `launch` (and `sbatch`, which writes its job) makes of llama3_70b on 8 nodes of dgx_h100_superpod:
+    priced as the script runs (its Megatron flags, here none: no DP overlap), not as `plan` alone prices it."""
     from nest_megatron.launch.devices import Devices
     from nest_megatron.launch.prepare import prepare
+
+    return prepare(overrides=["model=llama3_70b", "cluster=dgx_h100_superpod", *extra], script="pretrain_gpt.py",
+                   script_args=["--data-path", "/data/corpus_text_document"],
+                   devices=Devices(num_nodes=8, per_node=8, node_rank=0, master_addr="n1")).plan
+
+
+def test_launch_takes_a_pick():
+    """`launch plan.pick=1` runs the first fitting runner-up of the plan it would launch: its planner flags are the
+    row's."""
     from nest_megatron.launch.rewrite import planner_part
 
-    case = ("llama3_70b", "dgx_h100_superpod", 64)
-    first = next(r for r in planned(plans, case).runners_up if r["fits"])
-    prepared = prepare(overrides=["model=llama3_70b", "cluster=dgx_h100_superpod", "plan.pick=1"], script="pretrain_gpt.py",
-                       script_args=["--data-path", "/data/corpus_text_document"],
-                       devices=Devices(num_nodes=8, per_node=8, node_rank=0, master_addr="n1"))
-    assert planner_part(prepared.plan.megatron_args) == planner_part(first["megatron_args"])
-    assert prepared.plan.predicted["step_time_s"] == first["step_time_s"]
+    first = next(r for r in _launch_plan().runners_up if r["fits"])
+    picked = _launch_plan("plan.pick=1")
+    assert planner_part(picked.megatron_args) == planner_part(first["megatron_args"])
+    assert picked.predicted["step_time_s"] == first["step_time_s"]
 
 
-def test_sbatch_takes_a_pick(plans, capsys):
+def test_sbatch_takes_a_pick(capsys):
     """`sbatch plan.pick=1` writes the job of the first fitting runner-up: the plan in its comments is the row's, and
     every node's launch line asks for the same pick (and the row's plan digest, which --expect-plan checks)."""
     from nest_megatron import cli
 
-    case = ("llama3_70b", "dgx_h100_superpod", 64)
-    first = next(r for r in planned(plans, case).runners_up if r["fits"])
-    picked = api.plan(overrides(*case) + ["plan.pick=1"])  # the same row (test_pick_takes_the_kth_fitting_runner_up)
+    first = next(r for r in _launch_plan().runners_up if r["fits"])
+    picked = _launch_plan("plan.pick=1")
     assert cli.main(["sbatch", "--nodes", "8", "model=llama3_70b", "cluster=dgx_h100_superpod", "plan.pick=1", "--",
                      "pretrain_gpt.py", "--data-path", "/data/corpus_text_document"]) == 0
     lines = capsys.readouterr().out.splitlines()
