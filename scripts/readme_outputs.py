@@ -9,7 +9,7 @@ Two kinds of generated block, each between an opening and an end marker:
     ```
     <!-- end readme-output -->
 
-    <!-- readme-include: docs/fidelity/published_2026-12-06.md "## Cross-validated" -->
+    <!-- readme-include: docs/fidelity/published_2026-12-07.md "## Cross-validated" -->
     (the first table under that heading of that file)
     <!-- end readme-include -->
 

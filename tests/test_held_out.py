@@ -53,20 +53,23 @@ def test_rows_not_priced_say_why():
     assert nano.result is None and "no 25.11 Megatron-Bridge recipe" in nano.why_not
     # a later release at a layout neither the 25.11 recipe nor a later one read gives: listed, not guessed
     pp4 = {**row(132), "release": "26.02", "pp": 4}
-    assert price(pp4, ENTRIES).why_not == ("layout not the mb-25.11-Qwen3_30B_a3B-fp8cs recipe's "
+    assert price(pp4, ENTRIES).why_not == ("layout not that of Bridge v0.3.0 QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 "
                                            "(pp 4 against 2, vp 1 against 12, ep 16 against 8)")
+    # 26.02.01 is Bridge v0.3.1, whose recipe runs EP 16 without a pipeline; its table row prints v0.3.0's layout
+    assert price(row(445), ENTRIES).why_not == ("layout not that of Bridge v0.3.1 QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 "
+                                                "(pp 2 against 1, vp 12 against 1, ep 8 against 16)")
     rows = held_out()
     priced = [h for h in rows if h.result is not None]
-    assert len(priced) == 20 and all(h.result.refused is None for h in priced)
-    assert {h.label.split("-", 2)[2] for h in rows if h.result is None} == {"Nemotron_3_Nano-fp8"}
+    assert len(priced) == 19 and all(h.result.refused is None for h in priced)
+    assert {h.label.split("-", 2)[2] for h in rows if h.result is None} == {"Nemotron_3_Nano-fp8", "Qwen3_30B_a3B-fp8"}
 
 
 def test_a_later_recipe_prices_its_own_layout_and_settings():
-    # 26.06 Qwen3-30B-A3B (line 132) at Bridge v0.4.0's H100 FP8 recipe: 16 GPUs as EP 16 = DP 16, no pipeline,
-    # HybridEP (priced as DeepEP), no EP all-to-all overlap; GBS 1024 x 4096 tokens at 8,826 tokens/s on each of 16
-    # GPUs: 4,194,304 / 141,216 = 29.701 s a step
+    # 26.06 Qwen3-30B-A3B (line 132) at the H100 FP8 recipe of Bridge v0.3.1 and later (v0.5.0 for 26.06): 16 GPUs as
+    # EP 16 = DP 16, no pipeline, HybridEP (priced as DeepEP), no EP all-to-all overlap; GBS 1024 x 4096 tokens at
+    # 8,826 tokens/s on each of 16 GPUs: 4,194,304 / 141,216 = 29.701 s a step
     h = price(row(132), ENTRIES)
-    assert h.recipe == "Bridge v0.4.0 QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1"
+    assert h.recipe == "Bridge v0.3.1 QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1"
     r = h.result.row
     assert r.measured_step_s == pytest.approx(29.701, abs=1e-3)
     assert {"plan.pp=1", "plan.vpp=1", "plan.ep=16", "plan.dp=16", "plan.mbs=1", "train.global_batch_size=1024"} \
@@ -79,6 +82,28 @@ def test_a_later_recipe_prices_its_own_layout_and_settings():
     assert {"plan.pp=2", "plan.vpp=12", "plan.ep=8", "train.moe_a2a_overlap=true"} <= set(v030.result.row.overrides)
     # a model whose recipe kept its settings is priced at the 25.11 one
     assert price(row(357), ENTRIES).recipe is None
+
+
+def test_gpt_oss_recomputes_from_v030_only():
+    # 25.11 (Bridge v0.2.0) set recompute_modules without the selective granularity: nothing was recomputed
+    assert {"plan.recompute=none"} <= set(row_of(ENTRIES["mb-25.11-GPT_OSS_120B-bf16"]).overrides)
+    assert not any(o.startswith("plan.recompute_modules") for o in row_of(ENTRIES["mb-25.11-GPT_OSS_120B-bf16"]).overrides)
+    # 26.02 (v0.3.0 sets the granularity): the same layout, selective [layernorm, moe_act]; GBS 1280 x 4096 tokens at
+    # 5,993 tokens/s on each of 64 GPUs: 5,242,880 / 383,552 = 13.669 s a step
+    h = price(row(520), ENTRIES)
+    assert h.recipe == "Bridge v0.3.0 GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V2" and h.result.recompute == "selective"
+    assert {"plan.recompute=selective", "plan.recompute_modules=[layernorm,moe_act]", "plan.pp=4", "plan.ep=8",
+            "plan.mbs=1"} <= set(h.result.row.overrides)
+    assert h.result.row.measured_step_s == pytest.approx(13.669, abs=1e-3)
+
+
+def test_known_issue_marks_the_runs_it_degraded():
+    # 26.02's notes: DeepEP not supported in that container; its Qwen3-30B-A3B recipe (v0.3.0) dispatches with
+    # DeepEP, its Qwen3-235B-A22B and GPT-OSS recipes with the alltoall dispatcher
+    assert "DeepEP is not supported in the NeMo 26.02 container" in price(row(530), ENTRIES).known_issue
+    assert price(row(540), ENTRIES).known_issue is None and price(row(520), ENTRIES).known_issue is None
+    # the DeepEP-priced Qwen3-30B runs of later releases are not marked
+    assert price(row(348), ENTRIES).known_issue is None
 
 
 def test_a_row_at_its_base_batch_is_priced_as_the_base():
@@ -97,7 +122,10 @@ def test_script_writes_the_report(tmp_path, capsys):
     assert script.main(["--out", str(tmp_path)]) == 0
     (report,) = tmp_path.glob("held_out_bridge_*.md")
     text = report.read_text()
-    assert text.count("| mb-26.") == 20 and text.count("\n- mb-26.") == 4
-    assert text.count(" at Bridge v0.4.0 QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 |") == 3
-    assert text.count(" at Bridge v0.3.0 QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 |") == 2
-    assert "summary: 20 rows" in capsys.readouterr().out
+    assert text.count("| mb-26.") == 19 and text.count("\n- mb-26.") == 5 + 1  # not priced; degraded
+    assert text.count(" at Bridge v0.3.1 QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 |") == 3
+    assert text.count(" at Bridge v0.3.0 QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 |") == 1
+    assert text.count(" at Bridge v0.3.0 GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V2 |") == 4
+    assert "\n- mb-26.02-Qwen3_30B_a3B-fp8 (530): DeepEP is not supported" in text
+    out = capsys.readouterr().out
+    assert "summary: 19 rows" in out and "without the 1 row(s) their release's notes say ran degraded: 18 rows" in out

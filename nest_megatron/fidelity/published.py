@@ -161,10 +161,12 @@ ROW_SETTINGS = {
         "moe_dispatcher": "deepep", "recompute": "selective", "recompute_modules": ["mla_up_proj", "mlp"]},
     # GPT-OSS 120B (25.11): GPT_OSS_120B_H100_BF16_BASE_CONFIG (configs/gpt_oss/workload_base_configs.py:22-28,58-62
     # at v0.2.0): PP 4, EP 8, MBS 1 (the table's MBS 4 / GA 2 do not multiply to GBS 512 over DP 16; they are the
-    # B200 row's), recompute_modules [layernorm, moe_act]: a norm and the experts' activation run again, memory-bound
-    # elementwise work (cost/recompute.py).
-    "mb-25.11-GPT_OSS_120B-bf16": {"layout": {"mbs": 1}, "recompute": "selective",
-                                   "recompute_modules": ["layernorm", "moe_act"]},
+    # B200 row's). It names recompute_modules [layernorm, moe_act], but v0.2.0's set_recompute_overrides
+    # (utils/helpers.py:163-179, called at :78-80) sets only the modules, not the granularity, and no GPT-OSS recipe
+    # or provider sets one: megatron-core recomputes a module only under selective granularity
+    # (transformer_layer.py:382-383, moe/experts.py:102-104 at 0.16.1), so the run recomputed nothing. v0.3.0 sets
+    # it (overrides.py:141-143): the later releases' runs recompute (held_out.LATER_RECIPES).
+    "mb-25.11-GPT_OSS_120B-bf16": {"layout": {"mbs": 1}, "recompute": "none"},
 }
 # The same run with FP8 blockwise scaling: Transformer Engine's userbuffers take no blockwise FP8 (the TP overlap rule,
 # parallel/rules.py), so its TP collectives ran without them
