@@ -98,8 +98,57 @@ def test_scontrol_show_topology_lines_parse():
     assert tree.chain("n3") == ["s1", "top"] and tree.leaf_of["n1"] == "s0"
 
 
+# SLURM's topology/block plugin (Slurm 23.11+; Debian's 22.05 here has no such plugin, so these files are read, not
+# served by a running slurmctld): ten NVL72 racks of 18 trays, one block each.
+RACKS = "".join(f"BlockName=rack{b} Nodes=r{b}n[01-18]\n" for b in range(10)) + "BlockSizes=18,36\n"
+
+
+def test_blocks_are_racks_and_consecutive_blocks_share_a_scalable_unit(tmp_path):
+    conf = tmp_path / "topology.conf"
+    conf.write_text(RACKS)
+
+    def topology(nodes: str):
+        return load(["model=tiny_gpt", "cluster=gb200_nvl72", f"cluster.topology_conf={conf}",
+                     f"cluster.nodes={nodes}"]).problem.topology
+
+    # Half of rack 1, all of rack 2, half of rack 3: 36 trays of 4 GPUs. The racks are the units above the tray,
+    # largest first (rack 2's 18, then 9 and 9); gb200_nvl72's scalable unit takes 8 consecutive racks, so all three
+    # share su 0 (one unit: the spine above it is not crossed and drops out).
+    three = topology("r1n[10-18],r2n[01-18],r3n[01-09]")
+    assert three.num_devices == 144 and three.children[1:] == ((18, 9, 9), (3,))
+    assert three.hosts[:2] == ("r2n01", "r2n02") and three.hosts[18:20] == ("r1n10", "r1n11")
+    # Racks 0 and 7 are in su 0 (racks 0-7), racks 0 and 8 in su 0 and su 1: the same 36 trays, and DP 36 over
+    # them (TP 4 in each tray) crosses the su level in the first allocation, the spine in the second.
+    same_su, two_sus = topology("r0n[01-18],r7n[01-18]"), topology("r0n[01-18],r8n[01-18]")
+    assert same_su.children[1:] == ((18, 18), (2,)) and two_sus.children[1:] == ((18, 18), (1, 1), (2,))
+    dp = ParallelConfig(tp=4, dp=36)
+    assert compute_spans(dp, same_su, identity_placement(144)).levels_used(moe=False)["dp"] == 2  # su
+    assert compute_spans(dp, two_sus, identity_placement(144)).levels_used(moe=False)["dp"] == 3  # spine
+    assert [lv.name for lv in two_sus.levels] == ["tray", "nvl72", "su", "spine"]
+
+
+def test_a_plan_on_blocks_names_the_allocated_trays(tmp_path):
+    conf = tmp_path / "topology.conf"
+    conf.write_text(RACKS)
+    nodes = "r1n[10-18],r2n[01-18],r3n[01-09]"
+    plan = api.plan(["model=llama3_8b", "cluster=gb200_nvl72", f"cluster.topology_conf={conf}", f"cluster.nodes={nodes}"])
+    assert plan.num_devices == 144 and sorted(plan.hosts) == sorted(expand(nodes))
+    assert plan.group_levels["dp"] in ("nvl72", "su")  # three racks of one scalable unit: the spine is not there
+
+
+def test_scontrol_show_topology_blocks_follow_their_block_index():
+    # the block plugin's `scontrol show topology` lines carry BlockIndex and BlockSize; blocks go in index order
+    tree = parse("BlockName=b2 BlockIndex=1 Nodes=n[3-4] BlockSize=2\nBlockName=b1 BlockIndex=0 Nodes=n[1-2] BlockSize=2\n",
+                 source="scontrol show topology")
+    assert tree.blocks == ("b1", "b2") and tree.leaf_of["n3"] == "b2"
+
+
 @pytest.mark.parametrize("text, words", [
     ("SwitchName=s0 Nodes=n[01-20]\nSwitchName=s1 Nodes=n[05-06]\n", ":2: node n05 hangs off switches s0 and s1"),
+    ("BlockName=b0 Nodes=n[01-18]\nBlockName=b1 Nodes=n18\n", ":2: node n18 hangs off blocks b0 and b1"),
+    ("SwitchName=s0 Nodes=n1\nBlockName=b0 Nodes=n2\n", ":2: BlockName= after SwitchName= lines; a topology.conf is"),
+    ("BlockName=b0 Switches=s[0-1]\n", ":1: block b0 lists Switches=; a block holds nodes only"),
+    ("BlockName=b0 Nodes=n1\nBlockName=b0 Nodes=n2\n", ":2: block b0 is described twice"),
     ("SwitchName=s0 Nodes=n[01-20]\nNodes=n21\n", ":2: a line without SwitchName="),
     ("SwitchName=s0 Nodes=n[01-\n", ":1: Nodes=n[01-: '[' without ']'"),
     ("SwitchName=s0 Nodes\n", ":1: 'Nodes' is not KEY=VALUE"),

@@ -680,13 +680,13 @@ def _working_nodes(c: ClusterConfig, nodes: list[str]) -> list[str]:
 
 
 def _scontrol_topology() -> slurm_tree.SwitchTree | None:
-    """SLURM's switch tree inside a job, when the tree plugin is configured (None otherwise: no scontrol,
-    or it prints no switches)."""
+    """SLURM's switch tree (or blocks) inside a job, when the tree or block plugin is configured (None otherwise: no
+    scontrol, or it prints neither)."""
     try:
         done = subprocess.run(["scontrol", "show", "topology"], capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if done.returncode != 0 or "SwitchName=" not in done.stdout:
+    if done.returncode != 0 or ("SwitchName=" not in done.stdout and "BlockName=" not in done.stdout):
         return None
     return slurm_tree.parse(done.stdout, source="scontrol show topology")
 

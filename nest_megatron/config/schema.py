@@ -191,9 +191,10 @@ class ClusterConfig:
     # The allocated nodes, a SLURM hostlist (n[01-12],n[21-24]): the plan's hosts, cluster.num_devices =
     # nodes x devices per node (None: SLURM_JOB_NODELIST inside a SLURM job, else unnamed nodes).
     nodes: Optional[str] = None
-    # SLURM's topology.conf (tree plugin: SwitchName=... Nodes=... / Switches=...): which switches the nodes
-    # hang off; a leaf switch is a unit of the level above the host, its parent one of the next level
-    # (None: `scontrol show topology` inside a SLURM job with the tree plugin, else the levels' fan_outs).
+    # SLURM's topology.conf (tree plugin: SwitchName=... Nodes=... / Switches=...; block plugin: BlockName=...
+    # Nodes=...): which switches or blocks the nodes hang off; a leaf switch or a block is a unit of the level
+    # above the host, its parent one of the next level (blocks: fan_out consecutive blocks a unit)
+    # (None: `scontrol show topology` inside a SLURM job with either plugin, else the levels' fan_outs).
     topology_conf: Optional[str] = None
     # Nodes of the allocation that are down (a SLURM hostlist, e.g. after a node failed mid-run): the plan
     # runs on the others, and the report draws these as failed in the allocation's tree.
