@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
            f"`python scripts/bench_held_out.py` at commit {commit}: the rows of `{HELD_OUT_PATH.relative_to(ROOT)}` "
            "(NeMo containers 26.02 to 26.06), which no fit sees, priced with the shipped constants and the settings "
            "of the 25.11 recipe whose layout they run, or of the later recipe named, read at its tag "
-           "(nest_megatron/fidelity/held_out.py LATER_RECIPES). Error = predicted / measured - 1.", "",
+           "(nest_megatron/fidelity/held_out.py LATER_RECIPES; for a model without a 25.11 row, the row named gives "
+           "only its shape). Error = predicted / measured - 1.", "",
            f"Summary: {summary_line}; {sound_line}", "", *table, "",
            "## Degraded by a known issue of their release (priced, and left out of the second summary)", "",
            *(degraded or ["none"]), "", "## Not priced", "", *skipped]

@@ -49,8 +49,10 @@ def test_layout_difference_reads_na_as_one_and_names_each_difference():
 
 
 def test_rows_not_priced_say_why():
-    nano = price(row(156), ENTRIES)
-    assert nano.result is None and "no 25.11 Megatron-Bridge recipe" in nano.why_not
+    # Nemotron-3 Nano at 26.02: no 25.11 row, and its first perf recipe is Bridge v0.3.1's (26.02.01)
+    nano = price({**row(463), "release": "26.02"}, ENTRIES)
+    assert nano.result is None and nano.why_not == ("no 25.11 Megatron-Bridge recipe of this model in the calibration "
+                                                    "set, nor a later one read")
     # a later release at a layout neither the 25.11 recipe nor a later one read gives: listed, not guessed
     pp4 = {**row(132), "release": "26.02", "pp": 4}
     assert price(pp4, ENTRIES).why_not == ("layout not that of Bridge v0.3.0 QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 "
@@ -60,8 +62,8 @@ def test_rows_not_priced_say_why():
                                                 "(pp 2 against 1, vp 12 against 1, ep 8 against 16)")
     rows = held_out()
     priced = [h for h in rows if h.result is not None]
-    assert len(priced) == 19 and all(h.result.refused is None for h in priced)
-    assert {h.label.split("-", 2)[2] for h in rows if h.result is None} == {"Nemotron_3_Nano-fp8", "Qwen3_30B_a3B-fp8"}
+    assert len(priced) == 23 and all(h.result.refused is None for h in priced)
+    assert [h.label for h in rows if h.result is None] == ["mb-26.02.01-Qwen3_30B_a3B-fp8"]
 
 
 def test_a_later_recipe_prices_its_own_layout_and_settings():
@@ -97,6 +99,22 @@ def test_gpt_oss_recomputes_from_v030_only():
     assert h.result.row.measured_step_s == pytest.approx(13.669, abs=1e-3)
 
 
+def test_a_model_without_a_2511_row_is_priced_at_its_own_recipe_with_another_rows_shape():
+    # 26.06 Nemotron-3 Nano (line 156) at Bridge's H100 FP8 recipe (v0.3.1 on): 16 GPUs, TP 1, EP 8 (DP 16), MBS 1,
+    # selective recompute of four modules, FP8 current scaling, the distributed optimizer; the hybrid's shape is the
+    # AutoModel row's. GBS 1024 x 8192 tokens at 14,719 tokens/s on each of 16 GPUs: 8,388,608 / 235,504 = 35.620 s
+    h = price(row(156), ENTRIES)
+    assert h.recipe == "Bridge v0.3.1 NEMOTRON_3_NANO_PRETRAIN_CONFIG_H100_FP8_CS_V1"
+    assert h.base == "automodel-Nemotron_V3_Nano_30B-8gpu-bf16"
+    r = h.result.row
+    assert r.source == "bridge" and r.optimizer == "megatron" and r.moe_dispatcher == "deepep"
+    assert {"plan.tp=1", "plan.ep=8", "plan.dp=16", "plan.mbs=1", "plan.zero=1", "plan.recompute=selective",
+            "plan.recompute_modules=[moe,layernorm,core_attn,moe_act]", "train.precision=fp8", "train.fp8_recipe=tensorwise",
+            "model.seq_length=8192", "model.hybrid_layer_pattern=MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"} \
+        <= set(r.overrides)
+    assert r.measured_step_s == pytest.approx(35.620, abs=1e-3)
+
+
 def test_known_issue_marks_the_runs_it_degraded():
     # 26.02's notes: DeepEP not supported in that container; its Qwen3-30B-A3B recipe (v0.3.0) dispatches with
     # DeepEP, its Qwen3-235B-A22B and GPT-OSS recipes with the alltoall dispatcher
@@ -122,10 +140,11 @@ def test_script_writes_the_report(tmp_path, capsys):
     assert script.main(["--out", str(tmp_path)]) == 0
     (report,) = tmp_path.glob("held_out_bridge_*.md")
     text = report.read_text()
-    assert text.count("| mb-26.") == 19 and text.count("\n- mb-26.") == 5 + 1  # not priced; degraded
+    assert text.count("| mb-26.") == 23 and text.count("\n- mb-26.") == 1 + 1  # not priced; degraded
     assert text.count(" at Bridge v0.3.1 QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 |") == 3
     assert text.count(" at Bridge v0.3.0 QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 |") == 1
     assert text.count(" at Bridge v0.3.0 GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V2 |") == 4
+    assert text.count(" at Bridge v0.3.1 NEMOTRON_3_NANO_PRETRAIN_CONFIG_H100_FP8_CS_V1 |") == 4
     assert "\n- mb-26.02-Qwen3_30B_a3B-fp8 (530): DeepEP is not supported" in text
     out = capsys.readouterr().out
-    assert "summary: 19 rows" in out and "without the 1 row(s) their release's notes say ran degraded: 18 rows" in out
+    assert "summary: 23 rows" in out and "without the 1 row(s) their release's notes say ran degraded: 22 rows" in out

@@ -5,14 +5,15 @@ fitted to (NeMo containers 26.02 to 26.06 against the calibration set's 25.09 an
 layout and throughput only; the recipe's other settings (recomputation, overlaps, FP8 recipe, dispatcher) are
 those of the 25.11 row it names as `base`, so a row is priced where its layout is that recipe's (the base row's
 layout as the fidelity bench prices it, published.ROW_SETTINGS applied), or where a later recipe read at its tag
-(LATER_RECIPES) gives the row's layout and the settings it changes. The others are listed with the reason, not
-guessed.
+(LATER_RECIPES) gives the row's layout and the settings it changes. A model without a 25.11 row is priced where
+a later recipe of it was read, with the shape of another stack's calibration row of that model. The others are
+listed with the reason, not guessed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -35,6 +36,10 @@ class LaterRecipe:
     releases: tuple[str, ...]  # the NeMo containers that run it
     layout: dict  # LAYOUT_KEYS it sets (the rest are the base's)
     settings: dict  # published.ROW_SETTINGS-style, in place of the base's
+    # A model no 25.11 Bridge row has: the held-out rows' model name it prices, `base` another stack's row that gives
+    # the model's shape, and `stack` the entry fields that make it this recipe's (source, precision, optimizer)
+    model: str | None = None
+    stack: dict = field(default_factory=dict)
 
 
 # Megatron-Bridge v0.3.0 is NeMo 26.02's, v0.4.0 26.04's and v0.5.0 26.06's (docs/releases/software-versions.md at
@@ -53,7 +58,26 @@ class LaterRecipe:
 #   priced as DeepEP's as the AutoModel rows. The 26.02.01 table row prints the v0.3.0 layout (PP 2, VP 12, EP 8), not
 #   its tag's: listed, not priced.
 # The rest as at v0.2.0 (set_qwen3_common_configs: no recompute, forced balancing, bf16 gradient reduction).
+# Nemotron-3 Nano 30B-A3B has no 25.11 Bridge row; its H100 FP8 recipe from v0.3.1 on,
+# NEMOTRON_3_NANO_PRETRAIN_CONFIG_H100_FP8_CS_V1 (configs/nemotronh/nemotron_3_nano_workload_base_configs.py at v0.3.1,
+# nemotron_3_workload_base_configs.py:31-40,70-87 at v0.4.0 and v0.4.1, :31-40,74-91 at v0.5.0): 16 GPUs, TP 1, EP 8,
+# MBS 1, GBS 1024, selective recompute of [moe, layernorm, core_attn, moe_act] (overrides.py sets the granularity), TE
+# CUDA graphs of the Mamba mixers; the recipe (src/megatron/bridge/recipes/nemotronh/nemotron_3_nano.py:49,65-67,87-89 at
+# v0.3.1) 8,192 tokens, the flex dispatcher with its backend set to HybridEP by the perf config, fused permutation, the
+# fused loss; set_nemotron_3_nano_common_configs forced balancing and bf16 gradient reduction; FP8 current scaling
+# (get_precision_config 'fp8_cs'). The model's shape is the AutoModel row's (the same Nemotron3NanoProvider).
+NANO = "automodel-Nemotron_V3_Nano_30B-8gpu-bf16"
+BRIDGE_STACK = {"source": {"repo": "NVIDIA-NeMo/Megatron-Bridge"}, "fsdp": 0, "distributed_optimizer": True,
+                "precision_class": "FP8", "fp8_recipe": "FP8 current scaling", "sequence_parallel": False,
+                "optimizations": {"dp_overlap_grad_reduce": True, "dp_overlap_param_gather": True}}
 LATER_RECIPES = (
+    LaterRecipe("Bridge v0.3.1 NEMOTRON_3_NANO_PRETRAIN_CONFIG_H100_FP8_CS_V1", NANO,
+                ("26.02.01", "26.04", "26.04.01", "26.06"), {"num_gpus": 16, "seq_length": 8192},
+                {"model": ROW_SETTINGS[NANO]["model"], "recompute": "selective",
+                 "recompute_modules": ["moe", "layernorm", "core_attn", "moe_act"], "moe_dispatcher": "deepep",
+                 "cross_entropy_fusion": True,
+                 "assumed": ["model shape of the AutoModel row", "HybridEP dispatch priced as DeepEP's"]},
+                model="Nemotron_3_Nano", stack=BRIDGE_STACK),
     LaterRecipe("Bridge v0.3.0 GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V2", "mb-25.11-GPT_OSS_120B-bf16",
                 ("26.02", "26.02.01", "26.04", "26.04.01"), {},
                 {"layout": {"mbs": 1}, "recompute": "selective", "recompute_modules": ["layernorm", "moe_act"]}),
@@ -100,8 +124,8 @@ def base_layout(base: dict) -> dict:
 
 
 def layout_difference(row: dict, base: dict, recipe: LaterRecipe | None = None) -> str | None:
-    """'pp 1 against 2, ...' where the held-out row's layout is not its base recipe's (or `recipe`'s); None when it
-    is."""
+    """'pp 1 against 2, ...' where the held-out row's layout is not its base recipe's (or `recipe`'s, `base` with the
+    recipe's stack); None when it is."""
     layout = {**base, **recipe.layout} if recipe else base_layout(base)
     diffs = [f"{key} {_size(row[key])} against {_size(layout[key])}" for key in LAYOUT_KEYS
              if _size(row[key]) != _size(layout[key])]
@@ -126,22 +150,26 @@ def held_out_entry(row: dict, base: dict, recipe: LaterRecipe | None = None) -> 
 
 
 def later_recipe(row: dict) -> LaterRecipe | None:
-    return next((r for r in LATER_RECIPES if r.base == row["base"] and row["release"] in r.releases), None)
+    """The later recipe of the row's base, or of its model where it names no base, at the row's release."""
+    return next((r for r in LATER_RECIPES if row["release"] in r.releases
+                 and (r.base == row["base"] if row["base"] else r.model == row["model"])), None)
 
 
 def price(row: dict, entries: dict[str, dict]) -> HeldOut:
     label = label_of(row)
-    if row["base"] is None:
-        return HeldOut(label, row["line"], None, None, "no 25.11 Megatron-Bridge recipe of this model in the calibration set")
-    base = entries[row["base"]]
     recipe = later_recipe(row)
+    if row["base"] is None and recipe is None:
+        return HeldOut(label, row["line"], None, None, "no 25.11 Megatron-Bridge recipe of this model in the calibration "
+                                                       "set, nor a later one read")
+    base_id = recipe.base if recipe else row["base"]
+    base = {**entries[base_id], **(recipe.stack if recipe else {})}
     differs = layout_difference(row, base, recipe)
     if differs:
         recipe_of = f"that of {recipe.name}" if recipe else f"the {row['base']} recipe's"
-        return HeldOut(label, row["line"], row["base"], None, f"layout not {recipe_of} ({differs})")
+        return HeldOut(label, row["line"], base_id, None, f"layout not {recipe_of} ({differs})")
     settings = recipe.settings if recipe else None
     priced = evaluate_row(dataclasses.replace(row_of(held_out_entry(row, base, recipe), settings), id=label))
-    return HeldOut(label, row["line"], row["base"], priced, recipe=recipe.name if recipe else None,
+    return HeldOut(label, row["line"], base_id, priced, recipe=recipe.name if recipe else None,
                    known_issue=known_issue(row["release"], priced))
 
 
