@@ -137,10 +137,12 @@ def test_a_plan_on_blocks_names_the_allocated_trays(tmp_path):
 
 
 def test_scontrol_show_topology_blocks_follow_their_block_index():
-    # the block plugin's `scontrol show topology` lines carry BlockIndex and BlockSize; blocks go in index order
-    tree = parse("BlockName=b2 BlockIndex=1 Nodes=n[3-4] BlockSize=2\nBlockName=b1 BlockIndex=0 Nodes=n[1-2] BlockSize=2\n",
-                 source="scontrol show topology")
-    assert tree.blocks == ("b1", "b2") and tree.leaf_of["n3"] == "b2"
+    # the block plugin's `scontrol show topology` lines (slurm src/plugins/topology/block/topology_block.c
+    # _print_topo_record): BlockName= or AggregatedBlock= (a scheduling aggregate of base blocks, read past), BlockIndex,
+    # Nodes, BlockSize; the base blocks go in index order
+    tree = parse("BlockName=b2 BlockIndex=1 Nodes=n[3-4] BlockSize=2\nBlockName=b1 BlockIndex=0 Nodes=n[1-2] BlockSize=2\n"
+                 "AggregatedBlock=b[1-2] BlockIndex=2 Nodes=n[1-4] BlockSize=4\n", source="scontrol show topology")
+    assert tree.blocks == ("b1", "b2") and tree.leaf_of["n3"] == "b2" and tree.leaf_of["n1"] == "b1"
 
 
 @pytest.mark.parametrize("text, words", [

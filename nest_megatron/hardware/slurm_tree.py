@@ -3,7 +3,7 @@
 Tree plugin: each line names a switch and what hangs off it: `SwitchName=s0 Nodes=n[01-20]` (a leaf) or
 `SwitchName=s2 Switches=s[0-1]`. Block plugin (Slurm 23.11+, how NVL72 sites describe racks): `BlockName=b1
 Nodes=n[01-18]`, one line a block, and a `BlockSizes=18,36` line (how many nodes the scheduler aggregates; not
-read). `#` starts a comment; other keys (LinkSpeed, Level, BlockIndex, BlockSize) are ignored. `scontrol show
+read, nor the `AggregatedBlock=` lines scontrol prints for it). `#` starts a comment; other keys (LinkSpeed, Level, BlockIndex, BlockSize) are ignored. `scontrol show
 topology` prints the same forms. The link classes (bandwidths, latencies) and the devices of a node stay those of
 the named cluster config; the file only says which unit each node is in. Switch depth maps onto the config's levels
 from the bottom: a node's leaf switch (or block) is the unit of the level above the host, the leaf's parent the next
@@ -53,8 +53,10 @@ def parse(text: str, *, source: str) -> SwitchTree:
             if not eq or not value:
                 raise NestError(f"{where}: {token!r} is not KEY=VALUE (e.g. SwitchName=s0 Nodes=n[01-20])")
             keys[key.lower()] = value
-        if set(keys) == {"blocksizes"}:
-            continue  # the block plugin's aggregation sizes: how it schedules, not how the nodes are wired
+        if set(keys) == {"blocksizes"} or "aggregatedblock" in keys:
+            # the block plugin's aggregation sizes, and the aggregated blocks `scontrol show topology` prints beside the
+            # base blocks (slurm src/plugins/topology/block/topology_block.c _print_topo_record): how it schedules
+            continue
         name = keys.get("switchname") or keys.get("blockname")
         if name is None or ("switchname" in keys and "blockname" in keys):
             raise NestError(f"{where}: a line without SwitchName= or BlockName=, or with both (the tree plugin's lines "
