@@ -80,7 +80,7 @@ def parse(text: str, *, source: str) -> SwitchTree:
         # the nodes below its children.
         for node in expand(keys["nodes"], key=f"{where}: Nodes") if "nodes" in keys and "switches" not in keys else []:
             if node in leaf_of:
-                raise NestError(f"{where}: node {node} hangs off {kind}{'s' if is_block else 'es'} {leaf_of[node]} and {name}")
+                raise NestError(f"{where}: node {node} hangs off {'blocks' if is_block else 'switches'} {leaf_of[node]} and {name}")
             leaf_of[node] = name
         for child in expand(keys["switches"], key=f"{where}: Switches") if "switches" in keys else []:
             if child in parent:
