@@ -21,7 +21,9 @@ from slurm_cluster import SlurmCluster, SlurmClusterError, clean_environment, ru
 
 from nest_megatron import api, cli
 from nest_megatron.config.load import load
+from nest_megatron.hardware import slurm_tree
 from nest_megatron.launch.prepare import problem_overrides
+from nest_megatron.launch.sbatch import unit_option
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = str(ROOT / "tests" / "slurm_probe.py")
@@ -331,6 +333,63 @@ def test_sbatch_defaults_gpus_per_node_to_the_clusters_node_size(tmp_path, capsy
     assert script.stat().st_mode & 0o111  # executable
     assert capsys.readouterr().out == f"sbatch script written to {script}\n"
 
+
+
+# -- whole units of the level above the host (leaf switches, NVL72 racks) --------------------------------------
+
+BLOCKS = slurm_tree.parse("BlockName=rack0 Nodes=t[001-018]\nBlockName=rack1 Nodes=t[019-036]\nBlockSizes=18,36\n",
+                          source="scontrol show topology")
+SWITCHES = slurm_tree.parse("SwitchName=leaf0 Nodes=n[01-32]\nSwitchName=leaf1 Nodes=n[33-64]\n"
+                            "SwitchName=spine Switches=leaf[0-1]\n", source="scontrol show topology")
+
+
+@pytest.mark.parametrize("scheduler, nodes, option", [
+    # SLURM's Topology Guide, User Options: --segment=S books segments of S nodes, each in one base block, the node
+    # count a multiple of S; a job of one block or less is placed in one by the block plugin itself.
+    (BLOCKS, 36, "--segment=18"), (BLOCKS, 72, "--segment=18"), (BLOCKS, 18, None), (BLOCKS, 9, None),
+    # the tree plugin's --switches=K: at most K leaf switches, so K x 18 nodes fill K of them
+    (SWITCHES, 36, "--switches=2"), (SWITCHES, 18, "--switches=1"), (SWITCHES, 5, "--switches=1"),
+    (SWITCHES, 1, None),
+])
+def test_units_of_the_level_above_the_host_are_booked_whole(scheduler, nodes, option):
+    assert unit_option(scheduler, nodes=nodes, unit_nodes=18, unit="rack", extra=[]) == (option, None)
+
+
+def test_units_that_cannot_be_booked_whole_are_a_note():
+    # 20 = 18 + 2: SLURM's segments must divide the nodes, and two leaf switches may hold 10 + 10
+    for scheduler in (BLOCKS, SWITCHES):
+        option, note = unit_option(scheduler, nodes=20, unit_nodes=18, unit="rack", extra=[])
+        assert option is None and note.startswith("20 nodes are not whole rack units of 18 nodes: SLURM may book them "
+                                                  "in other shares than the plan's (1 x 18 + 2)")
+    option, note = unit_option(None, nodes=36, unit_nodes=18, unit="rack", extra=[])
+    assert option is None and note.endswith("add --sbatch=--segment=18 (block plugin) or --sbatch=--switches=2 (tree "
+                                            "plugin)")
+    # one rack or less: the block plugin needs nothing
+    assert unit_option(None, nodes=9, unit_nodes=18, unit="rack", extra=[])[1].endswith(
+        "add --sbatch=--switches=1 (tree plugin)")
+    # the user's own --segment or --switches is kept, nothing added
+    assert unit_option(BLOCKS, nodes=36, unit_nodes=18, unit="rack", extra=["--segment=36"]) == (None, None)
+    assert unit_option(SWITCHES, nodes=36, unit_nodes=18, unit="rack", extra=["--switches=1@10:00"]) == (None, None)
+
+
+def test_sbatch_on_nvl72_racks_books_whole_racks(monkeypatch, tmp_path, capsys):
+    """36 trays of gb200_nvl72 (18 a rack) under SLURM's block plugin: `scontrol show topology` answers with two
+    blocks (a stand-in for the plugin: Debian's SLURM 22.05 here has none), and the script asks --segment=18."""
+    monkeypatch.setattr(slurm_tree, "from_scontrol", lambda: BLOCKS)
+    script = tmp_path / "job.sh"
+    assert cli.main(["sbatch", "--nodes", "36", "model=tiny_gpt", "cluster=gb200_nvl72", "train.global_batch_size=144",
+                     f"out={script}", "--", "pretrain_gpt.py"]) == 0, capsys.readouterr().err
+    lines = script.read_text().splitlines()
+    assert lines[1:7] == ["#SBATCH --job-name=nest-megatron", "#SBATCH --nodes=36", "#SBATCH --ntasks-per-node=1",
+                          "#SBATCH --gpus-per-node=4", "#SBATCH --exclusive", "#SBATCH --segment=18"]
+    assert "note:" not in capsys.readouterr().err
+    # 40 trays are not whole racks: no option, the note in the script and on stderr
+    monkeypatch.setattr(slurm_tree, "from_scontrol", lambda: BLOCKS)
+    assert cli.main(["sbatch", "--nodes", "40", "model=tiny_gpt", "cluster=gb200_nvl72", "train.global_batch_size=160",
+                     f"out={script}", "--", "pretrain_gpt.py"]) == 0
+    text, err = script.read_text(), capsys.readouterr().err
+    assert "--segment" not in text and "# note: 40 nodes are not whole nvl72 units of 18 nodes: " in text
+    assert "\nnest-megatron sbatch: note: 40 nodes are not whole nvl72 units of 18 nodes: " in "\n" + err
 
 @pytest.mark.parametrize("args, message", [
     (["--nodes", "2", "--time", "4h"], "--time '4h': give minutes, [hours:]minutes:seconds or days-hours"),

@@ -72,3 +72,25 @@ def test_failed_nodes_of_the_job_run_nothing_and_the_working_ones_run_the_plan(c
     assert sorted({int(r["GROUP_RANK"]) for r in records}) == [0, 1]
     assert (step.stdout + step.stderr).count("runs no rank of this plan (a failed node of the plan)") == \
         (2 if srun == ["-N4"] else 0)
+
+
+def test_sbatch_books_whole_leaf_switches_and_the_job_runs_there(cluster, tmp_path):
+    # Written inside this cluster's reach (scontrol answers with its tree): the plan fills leaves of 2 nodes, so
+    # 2 nodes are one leaf (--switches=1) and 3 nodes are not whole leaves (a note, no option). Submitted, the
+    # 2-node job runs and its nodes share a leaf: .1 and .3, or .2 and .4.
+    script = tmp_path / "job.sh"
+    written = cluster.run(["nest-megatron", "sbatch", "--nodes", "2", f"--output={tmp_path}/job-%j.out", *OVERRIDES,
+                           f"out={script}", "--", PROBE, "--bf16"], cwd=ROOT, timeout_s=120)
+    assert written.returncode == 0, written.stderr
+    assert "#SBATCH --switches=1" in script.read_text().splitlines()
+    three = cluster.run(["nest-megatron", "sbatch", "--nodes", "3", *OVERRIDES, "plan.pp=1", "plan.tp=2", "--", PROBE,
+                         "--bf16"], cwd=ROOT, timeout_s=120)
+    assert three.returncode == 0 and "--switches" not in three.stdout, three.stderr
+    assert "nest-megatron sbatch: note: 3 nodes are not whole rack units of 2 nodes: " in three.stderr
+
+    probe = tmp_path / "probe"
+    env = cluster.env(NEST_PROBE_DIR=str(probe), OMP_NUM_THREADS="1", NEST_PROBE_ONLY="1")
+    job = cluster.run(["sbatch", "--parsable", "--wait", str(script)], env=env, cwd=ROOT, timeout_s=300)
+    assert job.returncode == 0, job.stderr + cluster.logs()
+    nodes = sorted({json.loads(p.read_text())["SLURMD_NODENAME"] for p in probe.glob("rank*.json")})
+    assert nodes in (["127.0.0.1", "127.0.0.3"], ["127.0.0.2", "127.0.0.4"]), nodes

@@ -9,6 +9,7 @@ digest onto the launch line. At run time every node plans again under `srun nest
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -18,9 +19,10 @@ from nest_megatron.commands.common import fail, write_atomically
 from nest_megatron.commands.launch import show_changes
 from nest_megatron.config.load import CONFIG_PATH_ENV, load, user_config_dirs
 from nest_megatron.errors import NestError
+from nest_megatron.hardware import slurm_tree
 from nest_megatron.launch.devices import Devices
 from nest_megatron.launch.prepare import Prepared, prepare, problem_overrides, split_keep
-from nest_megatron.launch.sbatch import SbatchOptions, sbatch_script
+from nest_megatron.launch.sbatch import SbatchOptions, sbatch_script, unit_option
 from nest_megatron.report.table import calibration_line
 
 HELP = "plan a Megatron launch for N nodes and write the sbatch script that runs it (out=PATH or stdout)"
@@ -78,8 +80,9 @@ def launcher_path(srun_options: list[str]) -> str:
     return os.path.abspath(found) if found else "nest-megatron"
 
 
-def build(args: argparse.Namespace) -> tuple[str, str | None, Prepared]:
-    """(script text, out path or None, the launch as planned now): everything checked, nothing written."""
+def build(args: argparse.Namespace) -> tuple[str, str | None, Prepared, list[str]]:
+    """(script text, out path or None, the launch as planned now, notes for the user): everything checked, nothing
+    written."""
     if not args.script_argv:
         raise NestError("no training script: give it after --, e.g. nest-megatron sbatch --nodes 2 -- pretrain_gpt.py ARGS")
     overrides, script_argv = args.overrides, args.script_argv
@@ -100,9 +103,26 @@ def build(args: argparse.Namespace) -> tuple[str, str | None, Prepared]:
                       master_addr="node0", source="sbatch")
     prepared = prepare(overrides=forwarded, script=script_argv[0], script_args=script_argv[1:], devices=devices,
                        pins=args.pin.split(",") if args.pin else [])
+    units, note = _units(prepared, options)
+    options = dataclasses.replace(options, units=units)
+    notes = [note] if note else []
     launch_options = ["--expect-plan", prepared.plan.digest] + (["--pin", args.pin] if args.pin else [])
     return sbatch_script(options, launch_options + forwarded, script_argv, plan_lines=_plan_lines(prepared),
-                         launcher=launcher_path(options.srun), config_path=_config_path()), out, prepared
+                         launcher=launcher_path(options.srun), config_path=_config_path(), notes=notes), out, \
+        prepared, notes
+
+
+def _units(prepared: Prepared, options: SbatchOptions) -> tuple[str | None, str | None]:
+    """The option booking whole units of the cluster's level above the host, as the plan fills them (`unit_option`),
+    for the topology plugin `scontrol show topology` answers for here; (None, None) on a cluster without such a
+    level (one switch, a torus)."""
+    cluster = prepared.loaded.config.cluster
+    above = cluster.host_level + 1
+    if cluster.topology != "hierarchical" or above >= len(cluster.levels) - 1:
+        return None, None  # nothing above the host but the top level, which holds the whole job
+    level = cluster.levels[above]
+    return unit_option(slurm_tree.from_scontrol(), nodes=options.nodes, unit_nodes=level.fan_out, unit=level.name,
+                       extra=options.extra)
 
 
 def _config_path() -> str | None:
@@ -115,7 +135,7 @@ def _config_path() -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        text, out, prepared = build(args)
+        text, out, prepared, notes = build(args)
         if out:
             write_atomically(Path(out), text)
             Path(out).chmod(0o755)
@@ -123,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
         return fail("sbatch", err)
     show_changes(prepared)  # what every node's launch will change in the script's arguments; after out= is written,
     # so that an out= that cannot be written stays the one line
+    for note in notes:
+        print(f"nest-megatron sbatch: note: {note}", file=sys.stderr)
     if out:
         print(f"sbatch script written to {out}")
     else:

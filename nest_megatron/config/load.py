@@ -12,7 +12,6 @@ import hashlib
 import math
 import os
 import re
-import subprocess
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from pathlib import Path
@@ -638,7 +637,7 @@ def _allocation(c: ClusterConfig, topology: Topology) -> Topology:
     if c.topology_conf is not None:
         tree, source = slurm_tree.read(c.topology_conf), c.topology_conf
     elif nodes is not None and c.nodes is None:
-        tree, source = _scontrol_topology(), "scontrol show topology"
+        tree, source = slurm_tree.from_scontrol(), "scontrol show topology"
     else:
         tree, source = None, ""
     if tree is not None:
@@ -677,18 +676,6 @@ def _working_nodes(c: ClusterConfig, nodes: list[str]) -> list[str]:
         raise NestError(f"cluster.failed_nodes={c.failed_nodes}: every node of the allocation failed; nothing is "
                         "left to plan on")
     return working
-
-
-def _scontrol_topology() -> slurm_tree.SwitchTree | None:
-    """SLURM's switch tree (or blocks) inside a job, when the tree or block plugin is configured (None otherwise: no
-    scontrol, or it prints neither)."""
-    try:
-        done = subprocess.run(["scontrol", "show", "topology"], capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if done.returncode != 0 or ("SwitchName=" not in done.stdout and "BlockName=" not in done.stdout):
-        return None
-    return slurm_tree.parse(done.stdout, source="scontrol show topology")
 
 
 def _check_train_and_solver(t: TrainConfig, s: SolverConfig) -> None:

@@ -15,6 +15,7 @@ aggregates consecutive blocks (`grouped_blocks`).
 
 from __future__ import annotations
 
+import subprocess
 from dataclasses import dataclass
 
 from nest_megatron.errors import NestError
@@ -166,6 +167,18 @@ def grouped_blocks(tree: SwitchTree, base: Topology) -> SwitchTree:
         parent |= dict(zip(units, groups))
         units = list(dict.fromkeys(groups))
     return SwitchTree(parent, tree.leaf_of, tree.blocks)
+
+
+def from_scontrol() -> SwitchTree | None:
+    """The scheduler's switch tree (or blocks), from `scontrol show topology`: None where it answers neither (no
+    scontrol, no controller, or no tree or block plugin)."""
+    try:
+        done = subprocess.run(["scontrol", "show", "topology"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0 or ("SwitchName=" not in done.stdout and "BlockName=" not in done.stdout):
+        return None
+    return parse(done.stdout, source="scontrol show topology")
 
 
 def read(path: str) -> SwitchTree:
