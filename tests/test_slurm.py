@@ -214,7 +214,8 @@ def test_job_expecting_another_plan_starts_nothing(cluster, tmp_path):
     assert status == 2, log[-3000:]
     refused = (f"nest-megatron launch: error: this node planned {written}, but the job expects plan 0123456789ab "
                "(--expect-plan): nothing started; a different nest-megatron version, cluster config or profile cache "
-               "on this node (or on the node that wrote the job) changes the plan")
+               "on this node (or on the node that wrote the job) changes the plan, or SLURM booked the nodes on "
+               "other switches or racks than it was planned on (docs/guide.md, 'Whole racks')")
     lines = sorted(line for line in log.splitlines() if line.startswith("nest-megatron"))
     assert lines in ([refused] * 2, [refused, "nest-megatron: stopped by SIGTERM; the launch exits with 1"]), log
     assert not (tmp_path / "probe").exists()  # no rank started anywhere

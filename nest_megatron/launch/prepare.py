@@ -168,7 +168,8 @@ def check_expected_plan(plan: Plan, expected: str) -> None:
     if plan.digest != expected:
         raise NestError(f"this node planned {plan.digest}, but the job expects plan {expected} (--expect-plan): "
                         "nothing started; a different nest-megatron version, cluster config or profile cache on "
-                        "this node (or on the node that wrote the job) changes the plan")
+                        "this node (or on the node that wrote the job) changes the plan, or SLURM booked the nodes "
+                        "on other switches or racks than it was planned on (docs/guide.md, 'Whole racks')")
 
 
 def megatron_env(plan: Plan) -> dict[str, str | None]:
