@@ -9,8 +9,10 @@ host-bound) and all_to_all_efficiency.1 (the NIC level of dgx_h100_superpod); `-
 (kernel_overhead_us, network_efficiency.1, ...).
 Everything else (peaks, bandwidths, tile shape) is a datasheet or a derivation. The fit is calibration/fit.py's,
 the one `nest-megatron calibrate` runs on a user's logs: a regularised, bounded fit of the log step-time errors of
-every calibration row priced at its published layout (scripts/bench_published.py), the shipped values as priors,
-keeping the prior of every constant the rows do not determine.
+every calibration row priced at its published layout (scripts/bench_published.py), each candidate's prior centred
+on its nominal size (calibration/fit.py nominal_priors: the shipped values were fitted to these same rows, and a
+cross-validation fold centred on them would lean on the rows it holds out), keeping the prior of every constant
+the rows do not determine.
 
 It prints the fitted constants (for nest_megatron/hydra_configs/accelerator/<accelerator>.yaml), the in-sample
 errors, and the errors where each row is priced by a fit that did not see it: leave-one-out, leave-one-source-out
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from nest_megatron.calibration.fit import cross_validation, errors_of, fit, priors
+from nest_megatron.calibration.fit import cross_validation, errors_of, fit, nominal_priors, priors
 from nest_megatron.calibration.profile import SHIPPED
 from nest_megatron.fidelity.bench import SHIPPED_FIT, SHIPPED_HELD, as_runs, evaluate_row
 from nest_megatron.fidelity.published import CALIBRATION_PATH, rows
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = as_runs([evaluate_row(row) for row in rows()])
     prior = priors(runs)
     shipped = errors_of(tuple(run.predict(prior) for run in runs), runs)
-    full = fit(runs, only=only)
+    nominal = nominal_priors(runs, only)
+    full = fit(runs, prior=nominal, only=only)
     print(f"# {len(runs)} rows of {CALIBRATION_PATH.name}, {time.perf_counter() - start:.0f} s")
     print("# fitted constants (calibration/fit.py; write the fitted ones into the accelerator config to ship them):")
     for name, verdict in full.verdicts.items():
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# the fit, in sample:           {errors_of(full.predicted_s, runs).line()}")
     if args.no_cross_validation:
         return 0
-    crossed = cross_validation(runs, full=full, only=only)
+    crossed = cross_validation(runs, full=full, prior=nominal, only=only)
     for name, errors in crossed.items():
         print(f"# {name + ':':24s}  {errors.line()}   ({time.perf_counter() - start:.0f} s)")
     if args.write_shipped:

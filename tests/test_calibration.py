@@ -31,7 +31,7 @@ from megatron_logs import (
 from nest_megatron import api, cli
 from nest_megatron.calibration.band import band, overlaps
 from nest_megatron.calibration.constants import CONSTANTS
-from nest_megatron.calibration.fit import fit
+from nest_megatron.calibration.fit import Run, fit, nominal_priors, priors
 from nest_megatron.calibration.logs import read
 from nest_megatron.calibration.profile import SHIPPED, read_profile
 from nest_megatron.calibration.runs import DEST, read_run
@@ -434,6 +434,20 @@ def test_the_shipped_calibration_is_of_the_shipped_constants():
         assert CONSTANTS[name].read(load(CLUSTER).problem) == pytest.approx(value), name
     assert accelerator.name == data["accelerator"]
     assert len(data["cross_validation"][data["band_from"]]["errors"]) == data["cross_validation"][data["band_from"]]["runs"]
+
+
+
+def test_the_shipped_fit_is_cross_validated_from_priors_no_row_informed():
+    """The shipped values were fitted to the calibration rows: a fold centred on them would lean on the rows it
+    holds out. scripts/fit_calibration.py centres each candidate on its nominal size instead (gemm 0.6, the
+    all-to-all 1.0 of the NIC: calibration/constants.py) and keeps every other constant at its shipped value."""
+    runs = [Run(label="r", problem=load(CLUSTER).problem, config=None, measured_s=1.0)]
+    shipped = priors(runs)
+    nominal = nominal_priors(runs, ["gemm_efficiency", "all_to_all_efficiency.1"])
+    assert nominal["gemm_efficiency"] == 0.6 and nominal["all_to_all_efficiency.1"] == 1.0
+    assert shipped["gemm_efficiency"] == pytest.approx(0.65) and shipped["all_to_all_efficiency.1"] == pytest.approx(0.74)
+    assert {k: v for k, v in nominal.items() if k not in ("gemm_efficiency", "all_to_all_efficiency.1")} == \
+        {k: v for k, v in shipped.items() if k not in ("gemm_efficiency", "all_to_all_efficiency.1")}
 
 
 def test_the_band_is_the_cross_validated_errors_percentiles():

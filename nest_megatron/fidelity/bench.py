@@ -122,13 +122,15 @@ def cross_validated(results: list[RowResult], *, compute: bool = False) -> dict[
     same rows and the constants they are priced with; {} when it does not (refit: compute them)."""
     import yaml
 
-    from nest_megatron.calibration.fit import cross_validation, fit, priors
+    from nest_megatron.calibration.fit import cross_validation, fit, nominal_priors, priors
     from nest_megatron.calibration.profile import SHIPPED
 
     runs = as_runs(results)
     if compute:
-        full = fit(runs, only=list(SHIPPED_FIT))
-        return {name: list(e.errors) for name, e in cross_validation(runs, full=full, only=list(SHIPPED_FIT)).items()}
+        nominal = nominal_priors(runs, list(SHIPPED_FIT))
+        full = fit(runs, prior=nominal, only=list(SHIPPED_FIT))
+        crossed = cross_validation(runs, full=full, prior=nominal, only=list(SHIPPED_FIT))
+        return {name: list(e.errors) for name, e in crossed.items()}
     path = SHIPPED / "h100_sxm.yaml"
     if not path.exists():
         return {}
