@@ -340,7 +340,7 @@ def test_sbatch_defaults_gpus_per_node_to_the_clusters_node_size(tmp_path, capsy
 
 BLOCKS = slurm_tree.parse("BlockName=rack0 Nodes=t[001-018]\nBlockName=rack1 Nodes=t[019-036]\nBlockSizes=18,36\n",
                           source="scontrol show topology")
-SWITCHES = slurm_tree.parse("SwitchName=leaf0 Nodes=n[01-32]\nSwitchName=leaf1 Nodes=n[33-64]\n"
+SWITCHES = slurm_tree.parse("SwitchName=leaf0 Nodes=n[01-18]\nSwitchName=leaf1 Nodes=n[19-36]\n"
                             "SwitchName=spine Switches=leaf[0-1]\n", source="scontrol show topology")
 
 
@@ -368,6 +368,9 @@ def test_units_that_cannot_be_booked_whole_are_a_note():
     # one rack or less: the block plugin needs nothing
     assert unit_option(None, nodes=9, unit_nodes=18, unit="rack", extra=[])[1].endswith(
         "add --sbatch=--switches=1 (tree plugin)")
+    # SLURM's racks of 16 trays against the config's 18: the nodes would plan on 16
+    option, note = unit_option(BLOCKS, nodes=36, unit_nodes=16, unit="nvl72", extra=[])
+    assert option is None and note.startswith("SLURM's blocks hold 18 nodes, the cluster config's nvl72 units 16: ")
     # the user's own --segment or --switches is kept, nothing added
     assert unit_option(BLOCKS, nodes=36, unit_nodes=18, unit="rack", extra=["--segment=36"]) == (None, None)
     assert unit_option(SWITCHES, nodes=36, unit_nodes=18, unit="rack", extra=["--switches=1@10:00"]) == (None, None)

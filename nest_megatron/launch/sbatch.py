@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections import Counter
 from dataclasses import dataclass, field
 
 from nest_megatron.errors import NestError
@@ -84,6 +85,13 @@ def unit_option(scheduler: SwitchTree | None, *, nodes: int, unit_nodes: int, un
     block level that holds it (Topology Guide, "Block Topology"); the tree plugin takes --switches=1."""
     if nodes <= 1 or unit_nodes <= 1 or any(option.split("=")[0] in UNIT_OPTIONS for option in extra):
         return None, None
+    sizes = set(Counter(scheduler.leaf_of.values()).values()) if scheduler is not None else set()
+    if sizes and unit_nodes not in sizes:
+        # the nodes plan on SLURM's switches or blocks, the script on the config's: they would differ
+        kind = "blocks" if scheduler.blocks else "leaf switches"
+        return None, (f"SLURM's {kind} hold {'/'.join(map(str, sorted(sizes)))} nodes, the cluster config's {unit} "
+                      f"units {unit_nodes}: the nodes, which plan on SLURM's, would plan otherwise than this script "
+                      "and start nothing (--expect-plan); set that level's fan_out to SLURM's")
     whole, part = divmod(nodes, unit_nodes)
     if part and whole:
         return None, (f"{nodes} nodes are not whole {unit} units of {unit_nodes} nodes: SLURM may book them in other "
