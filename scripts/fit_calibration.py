@@ -31,9 +31,9 @@ from pathlib import Path
 
 import yaml
 
-from nest_megatron.calibration.fit import cross_validation, errors_of, fit, nominal_priors, priors
+from nest_megatron.calibration.fit import cross_validation, errors_of, priors
 from nest_megatron.calibration.profile import SHIPPED
-from nest_megatron.fidelity.bench import SHIPPED_FIT, SHIPPED_HELD, as_runs, evaluate_row
+from nest_megatron.fidelity.bench import SHIPPED_FIT, SHIPPED_HELD, as_runs, evaluate_row, shipped_fit
 from nest_megatron.fidelity.published import CALIBRATION_PATH, rows
 
 # The band every plan prints: each row priced by a fit that saw no run of its framework (launcher, NeMo, AutoModel),
@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = as_runs([evaluate_row(row) for row in rows()])
     prior = priors(runs)
     shipped = errors_of(tuple(run.predict(prior) for run in runs), runs)
-    nominal = nominal_priors(runs, only)
-    full = fit(runs, prior=nominal, only=only)
+    nominal, full = shipped_fit(runs, only)
     print(f"# {len(runs)} rows of {CALIBRATION_PATH.name}, {time.perf_counter() - start:.0f} s")
     print("# fitted constants (calibration/fit.py; write the fitted ones into the accelerator config to ship them):")
     for name, verdict in full.verdicts.items():

@@ -13,7 +13,7 @@ import dataclasses
 import statistics
 from dataclasses import dataclass
 
-from nest_megatron.calibration.fit import Run
+from nest_megatron.calibration.fit import Fit, Run, fit, nominal_priors
 from nest_megatron.config.load import load
 from nest_megatron.cost.evaluate import Estimate, estimate
 from nest_megatron.cost.problem import Problem
@@ -115,6 +115,13 @@ def as_runs(results: list[RowResult]) -> list[Run]:
             for r in results if r.estimate is not None and r.refused is None]
 
 
+def shipped_fit(runs: list[Run], only: list[str]) -> tuple[dict[str, float], Fit]:
+    """The procedure that chooses the shipped constants: the fit of `only` to `runs`, each candidate's prior at its
+    nominal size (calibration/fit.py nominal_priors). (That prior, for the cross-validation's folds; the Fit.)"""
+    nominal = nominal_priors(runs, only)
+    return nominal, fit(runs, prior=nominal, only=only)
+
+
 def cross_validated(results: list[RowResult], *, compute: bool = False) -> dict[str, list[float]]:
     """Each cross-validation's errors of the priced rows (calibration/fit.py cross_validation: leave-one-out,
     -source-out, -release-out), by name. Without `compute`, those the shipped calibration file holds
@@ -122,13 +129,12 @@ def cross_validated(results: list[RowResult], *, compute: bool = False) -> dict[
     same rows and the constants they are priced with; {} when it does not (refit: compute them)."""
     import yaml
 
-    from nest_megatron.calibration.fit import cross_validation, fit, nominal_priors, priors
+    from nest_megatron.calibration.fit import cross_validation, priors
     from nest_megatron.calibration.profile import SHIPPED
 
     runs = as_runs(results)
     if compute:
-        nominal = nominal_priors(runs, list(SHIPPED_FIT))
-        full = fit(runs, prior=nominal, only=list(SHIPPED_FIT))
+        nominal, full = shipped_fit(runs, list(SHIPPED_FIT))
         crossed = cross_validation(runs, full=full, prior=nominal, only=list(SHIPPED_FIT))
         return {name: list(e.errors) for name, e in crossed.items()}
     path = SHIPPED / "h100_sxm.yaml"
