@@ -121,6 +121,10 @@ def model():
     (["--fp8-param-gather"], ["solver.zero_stages=[0,1]"], [["solver.zero_stages=[1]"]]),
     (["--fp8-param-gather", "--load", "/c", "--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"], [],
      [["plan.zero=1"], ["solver.zero_stages=[1,2,3]"]]),
+    # CPU offloading: megatron-core has none under pipeline parallelism or recompute (transformer_config.py:1891-1899)
+    (["--cpu-offloading-num-layers", "4"], [], [["plan.pp=1", "plan.recompute=none"]]),
+    (["--cpu-offloading-num-layers", "4"], ["plan.recompute=none"], [["plan.pp=1"]]),
+    (["--cpu-offloading-num-layers", "0"], [], []),
 ])
 def test_what_the_argv_fixes(model, argv, user, expected):
     assert [c.overrides for c in argv_constraints(argv, user, model=model)] == expected
@@ -139,11 +143,36 @@ def test_what_the_argv_fixes(model, argv, user, expected):
     (["--fp8-param-gather", "--load", "/c"], [], "--fp8-param-gather needs a sharded optimizer (ZeRO 1-3: the "
                                                  "distributed optimizer or Megatron-FSDP), but DDP (ZeRO 0) is fixed by "
                                                  "--load with --ckpt-format torch_dist (DDP)"),
+    (["--cpu-offloading-num-layers", "4"], ["plan.pp=2"], "--cpu-offloading-num-layers 4 needs pp 1 and no recompute "
+                                                          "(megatron-core has neither with CPU offloading), but plan.pp=2 "
+                                                          "is fixed by your overrides"),
+    (["--cpu-offloading-num-layers", "4", "--load", "/c", "--use-distributed-optimizer", "--pipeline-model-parallel-size",
+      "2"], [], "--cpu-offloading-num-layers 4 needs pp 1 and no recompute (megatron-core has neither with CPU "
+                "offloading), but plan.pp=2 is fixed by --load with --ckpt-format torch_dist"),
 ])
 def test_what_no_plan_can_keep_is_one_line(model, argv, user, message):
     with pytest.raises(NestError) as err:
         argv_constraints(argv, user, model=model)
     assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
+# -- CPU offloading: pp 1, no recompute -----------------------------------------------------------------------------
+
+def test_cpu_offloading_keeps_the_plan_to_one_stage_without_recompute(capsys):
+    """Megatron-LM would refuse --cpu-offloading-num-layers with pp > 1 or recompute at start (transformer_config.py:
+    1891-1899). Under DDP (plan.zero=0) the 7B's weights, gradients and Adam state (18 B a parameter) want a split:
+    the plan takes pp > 1; with the offloading it splits by TP instead, on one stage, and recomputes nothing. A pinned
+    pp 4 with the offloading is one line."""
+    argv, _ = dry_run(capsys, "plan.zero=0", "--", "pretrain_gpt.py", *MODEL)
+    assert int(value(argv, "--pipeline-model-parallel-size")) > 1
+    argv, _ = dry_run(capsys, "plan.zero=0", "--", "pretrain_gpt.py", *MODEL, "--cpu-offloading-num-layers", "4")
+    assert value(argv, "--pipeline-model-parallel-size") == "1" and int(value(argv, "--tensor-model-parallel-size")) > 1
+    assert "--recompute-granularity" not in argv and value(argv, "--cpu-offloading-num-layers") == "4"
+    assert cli.main(["launch", *NODES, "--dry-run", "--pin", "pp", "--", "pretrain_gpt.py", *MODEL,
+                     "--pipeline-model-parallel-size", "4", "--cpu-offloading-num-layers", "4"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "nest-megatron launch: error: --cpu-offloading-num-layers 4 needs pp 1 and no recompute (megatron-core has "
+        "neither with CPU offloading), but plan.pp=4 is fixed by --pin pp")
 
 
 # -- --tp-comm-overlap only with sequence parallel ----------------------------------------------------------------

@@ -4,6 +4,7 @@ with an argv that keeps it and one that breaks it; and every plan of the paper g
 from __future__ import annotations
 
 import pytest
+import torch
 from paper_grid_plans import grid_plans
 
 from nest_megatron.errors import NestError
@@ -185,6 +186,25 @@ CASES = [
      ("--num-experts 8 --moe-latent-size 64 --moe-shared-expert-intermediate-size 128", 8),
      ("--num-experts 8 --moe-latent-size 64 --moe-shared-expert-intermediate-size 128 --moe-shared-expert-overlap", 8),
      "--moe-latent-size with --moe-shared-expert-overlap"),
+    # CPU offloading (megatron-core transformer_config.py:1884-1899, 2798-2801 at d98e8a6; cpu_offloading is set by
+    # --cpu-offloading-num-layers N > 0, arguments.py:1950-1951)
+    ("CPU offloading of fewer layers than the model's",
+     ("--cpu-offloading-num-layers 7", 8),
+     ("--cpu-offloading-num-layers 8", 8),
+     "--cpu-offloading-num-layers 8: megatron-core offloads fewer than the 8 layers of --num-layers"),
+    ("CPU offloading not with pipeline parallelism",
+     ("--cpu-offloading-num-layers 2 --tensor-model-parallel-size 2", 8),
+     ("--cpu-offloading-num-layers 2 --pipeline-model-parallel-size 2", 8),
+     "--cpu-offloading-num-layers with --pipeline-model-parallel-size 2: megatron-core has no CPU offloading with "
+     "pipeline parallelism"),
+    ("CPU offloading not with recompute",
+     ("--cpu-offloading-num-layers 2", 8),
+     ("--cpu-offloading-num-layers 2 --recompute-activations", 8),
+     "--cpu-offloading-num-layers with --recompute-granularity: megatron-core does not offload and recompute"),
+    ("CPU offloading not with per-layer CUDA graphs",
+     ("--cpu-offloading-num-layers 2 --cuda-graph-impl full_iteration", 8),
+     ("--cpu-offloading-num-layers 2 --external-cuda-graph", 8),
+     "--cpu-offloading-num-layers with per-layer CUDA graphs: megatron-core refuses them together"),
     ("--micro-batch-size is required",
      ("", 8),
      ("", 8),
@@ -461,3 +481,34 @@ def test_mla_local_spec_tp_rule_as_megatron_core_decides(q_lora_rank, builds):
     local = violation(cfg, model=ModelSpec(replace(model, transformer_impl="local")), num_devices=2, global_batch_size=2)
     assert (local is None) == builds, local
     assert violation(cfg, model=ModelSpec(model), num_devices=2, global_batch_size=2) is None
+
+
+@pytest.mark.parametrize("fields, megatron_says", [
+    ({}, None),
+    # megatron-core asks any pipeline its dtype first
+    ({"pipeline_model_parallel_size": 2, "pipeline_dtype": torch.bfloat16},
+     "no support for Pipeline parallelism with CPU offloading"),
+    ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+     "CPU offloading does not work when activation recomputation is enabled"),
+    ({"cpu_offloading_num_layers": 4}, "CPU offloading can be done only for layers less than 4"),
+])
+def test_cpu_offloading_rules_as_megatron_core_decides(fields, megatron_says):
+    """megatron-core 0.16.1's own TransformerConfig (on CPU) refuses what the cpu-offloading rules refuse."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "cpu_offloading": True,
+            "cpu_offloading_num_layers": 1}
+    flags = {"pipeline_model_parallel_size": "--pipeline-model-parallel-size 2",
+             "recompute_granularity": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"}
+    argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--vocab-size", "128", "--micro-batch-size", "1", "--global-batch-size",
+            "8", "--cpu-offloading-num-layers", str(fields.get("cpu_offloading_num_layers", 1)),
+            *" ".join(flags[k] for k in fields if k in flags).split()]
+    ours = [line for line in violations(argv, world_size=8) if line.startswith("--cpu-offloading-num-layers")]
+    if megatron_says is None:
+        TransformerConfig(**base)
+        assert ours == []
+        return
+    with pytest.raises(ValueError, match=megatron_says):
+        TransformerConfig(**{**base, **fields})
+    assert len(ours) == 1, ours

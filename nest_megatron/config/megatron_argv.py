@@ -115,6 +115,9 @@ HINT_FLAGS: dict[str, str] = {
     "--moe-use-legacy-grouped-gemm": "true",
     "--fine-grained-activation-offloading": "true",
     "--offload-modules": "list",
+    # layer-level activation offloading to the host: Megatron-LM's flag for it (cpu_offloading itself is no flag,
+    # arguments.py:2320; :1950-1951 turn it on for N > 0), which the launch rules and constraints read
+    "--cpu-offloading-num-layers": "int",
     # FP8 (train_overrides): TransformerConfig.fp8 is the flag --fp8-format {e4m3,hybrid}, default None (no FP8), and
     # fp8_recipe --fp8-recipe {tensorwise,delayed,mxfp8,blockwise,custom}, default delayed (Megatron-LM d98e8a6
     # megatron/core/transformer/transformer_config.py:587-599; arguments.py:2373-2374 generates both from it)

@@ -1,7 +1,8 @@
 """What the user's Megatron argv fixes for the planner: a checkpoint to resume, a flag that needs a sharded optimizer.
 
 The planner owns the parallel flags (launch/rewrite.py), but some choices of the argv are constraints, since a
-plan that changed them would not run: the checkpoint format and the optimizer sharding it was written with.
+plan that changed them would not run: the checkpoint format and the optimizer sharding it was written with, and
+what activation offloading to the host allows.
 Each becomes plan.* / solver.* overrides fed to the planner as --pin's are. (--tp-comm-overlap is no
 constraint: it becomes train.tp_comm_overlap=true (config/megatron_argv.train_overrides), under which the
 search has no TP > 1 plan without sequence parallel, and the plan emits the flag with TP > 1 only.) A resume laid out
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from nest_megatron.config.megatron_argv import Scanned, scan
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.errors import NestError
-from nest_megatron.launch.megatron_rules import argv_form, argv_segments, argv_vpp
+from nest_megatron.launch.megatron_rules import argv_form, argv_segments, argv_vpp, cpu_offloaded_layers
 from nest_megatron.launch.rewrite import pin_overrides
 from nest_megatron.parallel.config import CP_COMM_TYPES
 from nest_megatron.parallel.layout import ACCOUNT_FIELDS, EVEN, FIRST_LAST_FIELDS, LAYOUT_FIELD, flag_of, rank_layers
@@ -174,6 +175,30 @@ def _cp_comm_type(s: Scanned, user_keys: set[str]) -> Constraint | None:
     return Constraint([f"plan.cp_comm_type={given[0]}"], f"--cp-comm-type {given[0]}")
 
 
+def _cpu_offloading(argv: list[str], s: Scanned, *, model: ModelConfig, user: list[str], pinned: list[str],
+                    fixed: list[Constraint]) -> Constraint | None:
+    """--cpu-offloading-num-layers: megatron-core offloads no activations under pipeline parallelism or recompute
+    (transformer_config.py:1891-1899), so the plan keeps pp 1 and no recompute; a pp or recompute that the user's
+    overrides, a pin or another constraint holds otherwise is one line. The offload itself is not priced: the memory
+    model keeps those activations on the device, and their copies to the host are not timed."""
+    n = cpu_offloaded_layers(s)
+    if not n:
+        return None
+    why = f"--cpu-offloading-num-layers {n}"
+    held = [(item, "your overrides") for item in user]
+    held += [(item, f"--pin {','.join(pinned)}") for item in pin_overrides(argv, [p for p in pinned if p in ("pp", "recompute")],
+                                                                          model=model)]
+    held += [(item, c.why) for c in fixed for item in c.overrides]
+    for item, source in held:
+        key, _, value = item.partition("=")
+        if key in ("plan.pp", "plan.recompute") and value not in ("1", "none"):
+            raise NestError(f"{why} needs pp 1 and no recompute (megatron-core has neither with CPU offloading), but "
+                            f"{item} is fixed by {source}")
+    decided = _keys([item for item, _ in held])
+    kept = [item for item in ("plan.pp=1", "plan.recompute=none") if not _theirs(item, decided)]
+    return Constraint(kept, f"{why} (no pipeline parallelism or recompute with it)") if kept else None
+
+
 def argv_constraints(argv: list[str], user: list[str], *, model: ModelConfig, pinned: list[str] = ()) -> list[Constraint]:
     """The constraints the argv puts on the plan, less what the user's overrides (`user`) decide themselves. With
     pp `pinned` (--pin pp), the argv's own split flags are kept too."""
@@ -188,6 +213,8 @@ def argv_constraints(argv: list[str], user: list[str], *, model: ModelConfig, pi
     sharded = _sharded_optimizer(s, user, resume)  # within the user's own stages already
     exchange = _cp_comm_type(s, user_keys)
     out += [c for c in (sharded, exchange) if c is not None]
+    offloading = _cpu_offloading(argv, s, model=model, user=user, pinned=list(pinned), fixed=out)
+    out += [offloading] if offloading is not None else []
     decided = user_keys | _keys([item for c in out for item in c.overrides])
     split = (_kept_split(s, model, even=False, virtual="vpp" in pinned) if "pp" in pinned and not decided & SPLIT_KEYS
              else [])

@@ -483,6 +483,44 @@ def _a2a_shared_expert_overlap(launch: Launch):
                 "two; drop --moe-shared-expert-overlap")
 
 
+def cpu_offloaded_layers(s: Scanned) -> int:
+    """The layers whose activations --cpu-offloading-num-layers sends to the host (0: none; Megatron-LM turns
+    cpu_offloading on for any N > 0, arguments.py:1950-1951)."""
+    return max(0, s.get("--cpu-offloading-num-layers", 0))
+
+
+def _cpu_offloading_layers(launch: Launch):
+    """CPU offloading of fewer layers than the model has."""
+    n = cpu_offloaded_layers(launch.s)
+    if n and n >= launch.model.num_layers:
+        return (f"--cpu-offloading-num-layers {n}: megatron-core offloads fewer than the {launch.model.num_layers} "
+                "layers of --num-layers")
+
+
+def _cpu_offloading_pp(launch: Launch):
+    """CPU offloading not with pipeline parallelism."""
+    if cpu_offloaded_layers(launch.s) and launch.pp > 1:
+        return (f"--cpu-offloading-num-layers with --pipeline-model-parallel-size {launch.pp}: megatron-core has no "
+                "CPU offloading with pipeline parallelism; use pp 1 or drop the offloading")
+
+
+def _cpu_offloading_recompute(launch: Launch):
+    """CPU offloading not with activation recompute."""
+    if cpu_offloaded_layers(launch.s) and _recompute(launch.s)[0] != "none":
+        return ("--cpu-offloading-num-layers with --recompute-granularity: megatron-core does not offload and "
+                "recompute activations together; drop one")
+
+
+def _cpu_offloading_cuda_graphs(launch: Launch):
+    """CPU offloading not with per-layer CUDA graphs."""
+    s = launch.s
+    graphs = s.has("--enable-cuda-graph") or s.has("--external-cuda-graph") or \
+        s.get("--cuda-graph-impl", "none") in ("local", "transformer_engine")
+    if cpu_offloaded_layers(s) and graphs:
+        return ("--cpu-offloading-num-layers with per-layer CUDA graphs: megatron-core refuses them together "
+                "(full_iteration graphs are allowed); drop one")
+
+
 ARGS = "megatron/training/arguments.py"
 # The flag combinations Megatron-LM (and Transformer Engine) reject; the sizes are checked by parallel.rules.RULES on
 # the configuration.
@@ -530,6 +568,13 @@ ARGV_RULES = (
     Rule("cp-comm-type-layers", "megatron/core/transformer/transformer_config.py:3103-3113", _cp_comm_type_layers),
     Rule("cp-hierarchical", f"{ARGS}:580-585", _cp_hierarchical),
     Rule("cp-comm-type-known", f"{DPA}context_parallel.py:4076-4110", _cp_comm_type_known),
+    Rule("cpu-offloading-layers", f"megatron/core/transformer/transformer_config.py:1884-1889; {ARGS}:1950-1951",
+         _cpu_offloading_layers),
+    Rule("cpu-offloading-pp", "megatron/core/transformer/transformer_config.py:1891-1894", _cpu_offloading_pp),
+    Rule("cpu-offloading-recompute", "megatron/core/transformer/transformer_config.py:1896-1899",
+         _cpu_offloading_recompute),
+    Rule("cpu-offloading-cuda-graphs", f"megatron/core/transformer/transformer_config.py:2798-2801; {ARGS}:619-630 (the "
+         "deprecated CUDA-graph flags)", _cpu_offloading_cuda_graphs),
     Rule("offload-expert-fc1-delayed", f"{TE}pytorch/module/grouped_linear.py:107-108 (Float8Quantizer: delayed "
          "scaling); megatron/core/transformer/moe/experts.py:254-257, 278-284 (TEGroupedMLP's linear_fc1 saves its "
          "original input unless MXFP8 or NVFP4; megatron-core 0.16.1 experts.py:598-601 with every recipe)",
