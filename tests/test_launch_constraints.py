@@ -121,6 +121,20 @@ def model():
     (["--fp8-param-gather"], ["solver.zero_stages=[0,1]"], [["solver.zero_stages=[1]"]]),
     (["--fp8-param-gather", "--load", "/c", "--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"], [],
      [["plan.zero=1"], ["solver.zero_stages=[1,2,3]"]]),
+    # an optimizer Megatron-FSDP does not take (arguments.py:1150-1151, 1739-1741): ZeRO 0 or 1, with the others' stages
+    (["--optimizer", "muon"], [], [["solver.zero_stages=[0,1]"]]),
+    (["--optimizer", "adam"], [], []),
+    (["--optimizer", "muon", "--fp8-param-gather"], [], [["solver.zero_stages=[1,2,3]"], ["solver.zero_stages=[1]"]]),
+    (["--optimizer", "lion", "--load", "/c"], [], [["plan.zero=0"], ["solver.zero_stages=[0]"]]),
+    # CUDA graphs (transformer_config.py:2854-2858, 2868-2884): per-layer ones take no full recompute; whole-layer ones
+    # no selective recompute (core_attn in every searched set) with attention dropout, Megatron's default 0.1
+    (["--cuda-graph-impl", "transformer_engine", "--attention-dropout", "0"], [], [["solver.recompute=[none,selective]"]]),
+    (["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn"], [], [["solver.recompute=[none,selective]"]]),
+    (["--external-cuda-graph"], [], [["solver.recompute=[none]"]]),
+    (["--cuda-graph-impl", "full_iteration"], [], [["solver.recompute=[none,full]"]]),
+    (["--cuda-graph-impl", "full_iteration", "--attention-dropout", "0"], [], []),
+    (["--cuda-graph-impl", "local", "--attention-dropout", "0"], ["solver.recompute=[selective,full]"],
+     [["solver.recompute=[selective]"]]),
     # CPU offloading: megatron-core has none under pipeline parallelism or recompute (transformer_config.py:1891-1899)
     (["--cpu-offloading-num-layers", "4"], [], [["plan.pp=1", "plan.recompute=none"]]),
     (["--cpu-offloading-num-layers", "4"], ["plan.recompute=none"], [["plan.pp=1"]]),
@@ -143,6 +157,14 @@ def test_what_the_argv_fixes(model, argv, user, expected):
     (["--fp8-param-gather", "--load", "/c"], [], "--fp8-param-gather needs a sharded optimizer (ZeRO 1-3: the "
                                                  "distributed optimizer or Megatron-FSDP), but DDP (ZeRO 0) is fixed by "
                                                  "--load with --ckpt-format torch_dist (DDP)"),
+    (["--optimizer", "muon"], ["plan.zero=3"], "--optimizer muon runs without Megatron-FSDP (ZeRO 0 or 1: DDP or the "
+                                               "distributed optimizer), but ZeRO 3 is fixed by your overrides"),
+    (["--optimizer", "soap", "--ckpt-format", "fsdp_dtensor"], [], "--optimizer soap runs without Megatron-FSDP (ZeRO 0 "
+                                                                  "or 1: DDP or the distributed optimizer), but ZeRO 2,3 "
+                                                                  "is fixed by --ckpt-format fsdp_dtensor (Megatron-FSDP)"),
+    (["--cuda-graph-impl", "local", "--attention-dropout", "0"], ["plan.recompute=full"],
+     "--cuda-graph-impl local takes recompute none or selective (megatron-core), but plan.recompute=full is fixed by "
+     "your overrides"),
     (["--cpu-offloading-num-layers", "4"], ["plan.pp=2"], "--cpu-offloading-num-layers 4 needs pp 1 and no recompute "
                                                           "(megatron-core has neither with CPU offloading), but plan.pp=2 "
                                                           "is fixed by your overrides"),

@@ -205,6 +205,20 @@ CASES = [
      ("--cpu-offloading-num-layers 2 --cuda-graph-impl full_iteration", 8),
      ("--cpu-offloading-num-layers 2 --external-cuda-graph", 8),
      "--cpu-offloading-num-layers with per-layer CUDA graphs: megatron-core refuses them together"),
+    # CUDA graphs and recompute (transformer_config.py:2854-2858, 2868-2899)
+    ("per-layer CUDA graphs not with full recompute",
+     ("--cuda-graph-impl full_iteration --recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+      8),
+     ("--cuda-graph-impl local --recompute-granularity full --recompute-method uniform --recompute-num-layers 1", 8),
+     "--cuda-graph-impl local with --recompute-granularity full: megatron-core recomputes whole layers only"),
+    ("whole-layer CUDA graphs recompute no attention with dropout",
+     ("--cuda-graph-impl transformer_engine --recompute-activations --attention-dropout 0", 8),
+     ("--cuda-graph-impl transformer_engine --recompute-activations", 8),
+     "--recompute-modules core_attn with attention dropout under whole-layer CUDA graphs"),
+    ("whole-layer CUDA graphs recompute no MLP with dropout",
+     ("--cuda-graph-impl local --cuda-graph-modules attn --recompute-activations --recompute-modules mlp", 8),
+     ("--cuda-graph-impl local --recompute-activations --recompute-modules mlp", 8),
+     "--recompute-modules mlp or moe with hidden dropout under whole-layer CUDA graphs"),
     ("--micro-batch-size is required",
      ("", 8),
      ("", 8),
@@ -511,4 +525,32 @@ def test_cpu_offloading_rules_as_megatron_core_decides(fields, megatron_says):
         return
     with pytest.raises(ValueError, match=megatron_says):
         TransformerConfig(**{**base, **fields})
+    assert len(ours) == 1, ours
+
+
+@pytest.mark.parametrize("fields, megatron_says", [
+    ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+     "full recompute is only supported with full iteration CUDA graph"),
+    ({"recompute_granularity": "selective", "attention_dropout": 0.1},
+     "attention dropout is not supported with graphed attention recomputation"),
+    ({"recompute_granularity": "selective", "attention_dropout": 0.0}, None),
+])
+def test_cuda_graph_recompute_rules_as_megatron_core_decides(fields, megatron_says):
+    """megatron-core 0.16.1's own TransformerConfig (on CPU), a whole-layer local CUDA graph (its default scope),
+    refuses what the cuda-graphs rules refuse."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "cuda_graph_impl": "local"}
+    argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--vocab-size", "128", "--micro-batch-size", "1", "--global-batch-size",
+            "8", "--cuda-graph-impl", "local", "--attention-dropout", str(fields.get("attention_dropout", 0.1)),
+            *(["--recompute-activations"] if fields["recompute_granularity"] == "selective" else
+              ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"])]
+    ours = [line for line in violations(argv, world_size=8) if "CUDA graphs" in line]
+    if megatron_says is None:
+        TransformerConfig(**base, **fields)
+        assert ours == []
+        return
+    with pytest.raises(AssertionError, match=megatron_says):
+        TransformerConfig(**base, **fields)
     assert len(ours) == 1, ours

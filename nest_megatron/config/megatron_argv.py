@@ -118,6 +118,7 @@ HINT_FLAGS: dict[str, str] = {
     # layer-level activation offloading to the host: Megatron-LM's flag for it (cpu_offloading itself is no flag,
     # arguments.py:2320; :1950-1951 turn it on for N > 0), which the launch rules and constraints read
     "--cpu-offloading-num-layers": "int",
+    "--optimizer": "str",  # adam or sgd, or one Megatron-FSDP does not take (launch/constraints.py)
     # FP8 (train_overrides): TransformerConfig.fp8 is the flag --fp8-format {e4m3,hybrid}, default None (no FP8), and
     # fp8_recipe --fp8-recipe {tensorwise,delayed,mxfp8,blockwise,custom}, default delayed (Megatron-LM d98e8a6
     # megatron/core/transformer/transformer_config.py:587-599; arguments.py:2373-2374 generates both from it)
@@ -135,6 +136,9 @@ HINT_FLAGS: dict[str, str] = {
     "--cuda-graph-impl": "str",
     "--enable-cuda-graph": "true",
     "--external-cuda-graph": "true",
+    # the parts of a layer a per-layer graph captures (none named: the whole layer), which the launch rules read
+    "--cuda-graph-modules": "list",
+    "--cuda-graph-scope": "list",  # megatron-core 0.16.1's name of it
 }
 
 # Flags the planner decides (launch/rewrite.py removes them and inserts the plan's), with their arity.

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from nest_megatron.config.megatron_argv import Scanned, scan
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.errors import NestError
-from nest_megatron.launch.megatron_rules import argv_form, argv_segments, argv_vpp, cpu_offloaded_layers
+from nest_megatron.launch.megatron_rules import (
+    argv_form,
+    argv_segments,
+    argv_vpp,
+    cpu_offloaded_layers,
+    cuda_graph_impl,
+    whole_layer_graphs,
+)
 from nest_megatron.launch.rewrite import pin_overrides
 from nest_megatron.parallel.config import CP_COMM_TYPES
 from nest_megatron.parallel.layout import ACCOUNT_FIELDS, EVEN, FIRST_LAST_FIELDS, LAYOUT_FIELD, flag_of, rank_layers
@@ -175,6 +182,57 @@ def _cp_comm_type(s: Scanned, user_keys: set[str]) -> Constraint | None:
     return Constraint([f"plan.cp_comm_type={given[0]}"], f"--cp-comm-type {given[0]}")
 
 
+# The optimizers Megatron-FSDP takes (training/arguments.py:1150-1151); the others of --optimizer's choices (:2913-2914:
+# muon, dist_muon, lion, soap, adaptive_muon) assert it off (:1724-1741), under DDP or the distributed optimizer.
+FSDP_OPTIMIZERS = ("adam", "sgd")
+
+
+def _optimizer_without_fsdp(s: Scanned, user: list[str], fixed: list[Constraint]) -> Constraint | None:
+    """An --optimizer Megatron-FSDP does not take holds the plan to ZeRO 0 or 1, within the stages the user's
+    overrides and the other constraints allow; one line when they leave none."""
+    optimizer = s.get("--optimizer", "adam")
+    if optimizer in FSDP_OPTIMIZERS:
+        return None
+    allowed = {0, 1}
+    for source, overrides in [("your overrides", user), *((c.why, c.overrides) for c in fixed)]:
+        stages = _zero_stages(overrides)
+        if stages is None:
+            continue
+        if not stages & allowed:
+            raise NestError(f"--optimizer {optimizer} runs without Megatron-FSDP (ZeRO 0 or 1: DDP or the distributed "
+                            f"optimizer), but ZeRO {','.join(map(str, sorted(stages)))} is fixed by {source}")
+        allowed &= stages
+    return Constraint([f"solver.zero_stages=[{','.join(map(str, sorted(allowed)))}]"],
+                      f"--optimizer {optimizer} (no Megatron-FSDP)")
+
+
+def _cuda_graphs(s: Scanned, user: list[str]) -> Constraint | None:
+    """CUDA graphs hold the search's recompute kinds: per-layer graphs take no full recompute (transformer_config.py:
+    2854-2858), and whole-layer graphs no selective recompute with attention dropout (:2868-2884), since every module
+    set the search tries recomputes core_attn (cost/recompute.py CANDIDATE_SETS); one line when the user's overrides
+    fix a kind they refuse."""
+    impl = cuda_graph_impl(s)
+    kinds = ["none", "selective", "full"]
+    if impl in ("local", "transformer_engine"):
+        kinds.remove("full")
+    if whole_layer_graphs(s) and s.get("--attention-dropout", 0.1):
+        kinds.remove("selective")
+    if len(kinds) == 3:
+        return None
+    why = f"--cuda-graph-impl {impl}" + (" with attention dropout" if "selective" not in kinds else "")
+    for item in user:
+        key, _, value = item.partition("=")
+        theirs = {"plan.recompute": [value], "solver.recompute": value.strip("[]").split(",")}.get(key)
+        if theirs is None:
+            continue
+        kept = [kind for kind in kinds if kind in {v.strip() for v in theirs}]
+        if not kept:
+            raise NestError(f"{why} takes recompute {' or '.join(kinds)} (megatron-core), but {item} is fixed by your "
+                            "overrides")
+        kinds = kept
+    return Constraint([f"solver.recompute=[{','.join(kinds)}]"], f"{why} (recompute {' or '.join(kinds)})")
+
+
 def _cpu_offloading(argv: list[str], s: Scanned, *, model: ModelConfig, user: list[str], pinned: list[str],
                     fixed: list[Constraint]) -> Constraint | None:
     """--cpu-offloading-num-layers: megatron-core offloads no activations under pipeline parallelism or recompute
@@ -213,6 +271,9 @@ def argv_constraints(argv: list[str], user: list[str], *, model: ModelConfig, pi
     sharded = _sharded_optimizer(s, user, resume)  # within the user's own stages already
     exchange = _cp_comm_type(s, user_keys)
     out += [c for c in (sharded, exchange) if c is not None]
+    optimizer = _optimizer_without_fsdp(s, user, out)
+    graphs = _cuda_graphs(s, user)
+    out += [c for c in (optimizer, graphs) if c is not None]
     offloading = _cpu_offloading(argv, s, model=model, user=user, pinned=list(pinned), fixed=out)
     out += [offloading] if offloading is not None else []
     decided = user_keys | _keys([item for c in out for item in c.overrides])

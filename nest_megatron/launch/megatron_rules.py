@@ -511,12 +511,51 @@ def _cpu_offloading_recompute(launch: Launch):
                 "recompute activations together; drop one")
 
 
+def cuda_graph_impl(s: Scanned) -> str:
+    """The argv's CUDA-graph implementation: --cuda-graph-impl, or the deprecated --enable-cuda-graph (local) and
+    --external-cuda-graph (transformer_engine) as Megatron-LM reads them (arguments.py:619-630); 'none' without."""
+    if s.has("--enable-cuda-graph"):
+        return "local"
+    if s.has("--external-cuda-graph"):
+        return "transformer_engine"
+    return s.get("--cuda-graph-impl", "none")
+
+
+def whole_layer_graphs(s: Scanned) -> bool:
+    """Whether the argv's CUDA graphs capture whole layers: full_iteration, or a per-layer graph without
+    --cuda-graph-modules (or megatron-core 0.16.1's --cuda-graph-scope) naming its parts (transformer_config.py:
+    2871-2876)."""
+    impl = cuda_graph_impl(s)
+    parts = s.has("--cuda-graph-modules") or s.has("--cuda-graph-scope")
+    return impl == "full_iteration" or (impl in ("local", "transformer_engine") and not parts)
+
+
+def _cuda_graphs_full_recompute(launch: Launch):
+    """Per-layer CUDA graphs not with full recompute."""
+    if cuda_graph_impl(launch.s) in ("local", "transformer_engine") and _recompute(launch.s)[0] == "full":
+        return (f"--cuda-graph-impl {cuda_graph_impl(launch.s)} with --recompute-granularity full: megatron-core "
+                "recomputes whole layers only under full_iteration CUDA graphs; drop one")
+
+
+def _cuda_graphs_dropout_recompute(launch: Launch):
+    """Whole-layer CUDA graphs recompute no module whose dropout they would capture."""
+    s = launch.s
+    if not whole_layer_graphs(s) or _recompute(s)[0] != "selective":
+        return None
+    modules = argv_recompute_modules(s)
+    if s.get("--attention-dropout", 0.1) and "core_attn" in modules:
+        return ("--recompute-modules core_attn with attention dropout under whole-layer CUDA graphs: megatron-core "
+                "refuses graphed attention recompute with dropout; set --attention-dropout 0 or name "
+                "--cuda-graph-modules")
+    if s.get("--hidden-dropout", 0.1) and {"mlp", "moe"} & set(modules):
+        return ("--recompute-modules mlp or moe with hidden dropout under whole-layer CUDA graphs: megatron-core "
+                "refuses graphed MLP recompute with dropout; set --hidden-dropout 0 or name --cuda-graph-modules")
+
+
 def _cpu_offloading_cuda_graphs(launch: Launch):
     """CPU offloading not with per-layer CUDA graphs."""
     s = launch.s
-    graphs = s.has("--enable-cuda-graph") or s.has("--external-cuda-graph") or \
-        s.get("--cuda-graph-impl", "none") in ("local", "transformer_engine")
-    if cpu_offloaded_layers(s) and graphs:
+    if cpu_offloaded_layers(s) and cuda_graph_impl(s) in ("local", "transformer_engine"):
         return ("--cpu-offloading-num-layers with per-layer CUDA graphs: megatron-core refuses them together "
                 "(full_iteration graphs are allowed); drop one")
 
@@ -575,6 +614,10 @@ ARGV_RULES = (
          _cpu_offloading_recompute),
     Rule("cpu-offloading-cuda-graphs", f"megatron/core/transformer/transformer_config.py:2798-2801; {ARGS}:619-630 (the "
          "deprecated CUDA-graph flags)", _cpu_offloading_cuda_graphs),
+    Rule("cuda-graphs-full-recompute", "megatron/core/transformer/transformer_config.py:2854-2858",
+         _cuda_graphs_full_recompute),
+    Rule("cuda-graphs-dropout-recompute", "megatron/core/transformer/transformer_config.py:2868-2899",
+         _cuda_graphs_dropout_recompute),
     Rule("offload-expert-fc1-delayed", f"{TE}pytorch/module/grouped_linear.py:107-108 (Float8Quantizer: delayed "
          "scaling); megatron/core/transformer/moe/experts.py:254-257, 278-284 (TEGroupedMLP's linear_fc1 saves its "
          "original input unless MXFP8 or NVFP4; megatron-core 0.16.1 experts.py:598-601 with every recipe)",
