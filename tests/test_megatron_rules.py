@@ -205,6 +205,12 @@ CASES = [
      ("--cpu-offloading-num-layers 2 --cuda-graph-impl full_iteration", 8),
      ("--cpu-offloading-num-layers 2 --external-cuda-graph", 8),
      "--cpu-offloading-num-layers with per-layer CUDA graphs: megatron-core refuses them together"),
+    ("the shared expert overlapped only with the alltoall or flex dispatcher (transformer_config.py:1820-1826)",
+     ("--num-experts 8 --moe-shared-expert-intermediate-size 128 --moe-shared-expert-overlap "
+      "--moe-token-dispatcher-type alltoall", 8),
+     ("--num-experts 8 --moe-shared-expert-intermediate-size 128 --moe-shared-expert-overlap", 8),
+     "--moe-shared-expert-overlap with --moe-token-dispatcher-type allgather (Megatron's default allgather when not "
+     "given)"),
     # CUDA graphs and recompute (transformer_config.py:2854-2858, 2868-2899)
     ("per-layer CUDA graphs not with full recompute",
      ("--cuda-graph-impl full_iteration --recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
@@ -554,3 +560,29 @@ def test_cuda_graph_recompute_rules_as_megatron_core_decides(fields, megatron_sa
     with pytest.raises(AssertionError, match=megatron_says):
         TransformerConfig(**base, **fields)
     assert len(ours) == 1, ours
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_shared_experts_recompute_with_the_overlap_as_megatron_core_decides(overlap):
+    """megatron-core 0.16.1's TransformerConfig refuses the shared_experts recompute module with the shared expert
+    overlapped; the rule does too, and the search then tries no set holding it (cost/recompute.py searched_sets)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from nest_megatron.config.load import load
+    from nest_megatron.cost.recompute import searched_sets
+    from nest_megatron.parallel.rules import module_problem
+
+    fields = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_moe_experts": 4,
+              "moe_shared_expert_intermediate_size": 64, "moe_shared_expert_overlap": overlap,
+              "moe_token_dispatcher_type": "alltoall",  # the overlap's own requirement
+              "recompute_granularity": "selective", "recompute_modules": ["shared_experts"]}
+    model = load(["model=deepseek_v3", f"model.moe_shared_expert_overlap={str(overlap).lower()}"]).problem.model
+    if overlap:
+        with pytest.raises(ValueError, match="shared_experts recompute cannot work with --moe-shared-expert-overlap"):
+            TransformerConfig(**fields)
+        assert module_problem(model, ("shared_experts",)).startswith("plan.recompute_modules: shared_experts does not")
+        assert all("shared_experts" not in modules for modules in searched_sets(model))
+    else:
+        TransformerConfig(**fields)
+        assert module_problem(model, ("shared_experts",)) is None
+        assert any("shared_experts" in modules for modules in searched_sets(model))

@@ -64,6 +64,7 @@ MODEL_FLAGS: dict[str, tuple[str, str, object]] = {
     # arguments.py:327 moe_freq_type: an integer N, or a Python list expression of 0/1 per layer ("([0]*3+[1]*58)")
     "--moe-layer-freq": ("moe_layer_freq", "str", "1"),
     "--moe-shared-expert-intermediate-size": ("moe_shared_expert_intermediate_size", "int", None),
+    "--moe-shared-expert-overlap": ("moe_shared_expert_overlap", "true", False),
     # latent MoE: TransformerConfig.moe_latent_size (transformer_config.py:952 at d98e8a6; megatron-core 0.16.1
     # :719), a generated flag
     "--moe-latent-size": ("moe_latent_size", "int", None),

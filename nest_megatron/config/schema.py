@@ -63,6 +63,9 @@ class ModelConfig:
     # e.g. [0, 0, 0, 1, ...] for DeepSeek-V3's first three dense layers
     moe_layer_freq: Any = 1
     moe_shared_expert_intermediate_size: Optional[int] = None
+    # --moe-shared-expert-overlap: the shared expert computed beside the token dispatch (not priced: the cost model runs
+    # it in turn); megatron-core then recomputes no shared_experts module (parallel/rules.py module_problem)
+    moe_shared_expert_overlap: bool = False
     # latent MoE (megatron-core's TransformerConfig.moe_latent_size): the routed experts run at this width, not
     # hidden_size; fc1_latent_proj (h -> latent) before the token dispatch and fc2_latent_proj (latent -> h) after the
     # combine, both duplicated on every TP rank; the router and the shared expert read the h-wide input (megatron-core

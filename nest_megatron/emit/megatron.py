@@ -124,6 +124,8 @@ def model_args(model: ModelSpec, *, tp: int) -> list[str]:
             args += ["--moe-ffn-hidden-size", str(m.moe_ffn_hidden_size)]
         if m.moe_shared_expert_intermediate_size:
             args += ["--moe-shared-expert-intermediate-size", str(m.moe_shared_expert_intermediate_size)]
+            if m.moe_shared_expert_overlap:
+                args.append("--moe-shared-expert-overlap")
         if m.moe_latent_size:
             args += ["--moe-latent-size", str(m.moe_latent_size)]
         if m.moe_router_group_topk:

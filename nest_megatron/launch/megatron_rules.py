@@ -475,6 +475,16 @@ def _latent_shared_expert_overlap(launch: Launch):
                 "with latent-wide tokens, which megatron-core refuses in training; drop --moe-shared-expert-overlap")
 
 
+def _shared_expert_overlap_dispatcher(launch: Launch):
+    """The shared expert overlapped with the dispatch only under the alltoall or flex dispatcher."""
+    s = launch.s
+    dispatcher = s.get("--moe-token-dispatcher-type", "allgather")
+    if s.has("--moe-shared-expert-intermediate-size") and s.present("--moe-shared-expert-overlap") and \
+            dispatcher not in ("alltoall", "flex"):
+        return (f"--moe-shared-expert-overlap with --moe-token-dispatcher-type {dispatcher} (Megatron's default "
+                "allgather when not given): megatron-core overlaps the shared expert only with alltoall or flex")
+
+
 def _a2a_shared_expert_overlap(launch: Launch):
     """The EP all-to-all overlap not with the shared expert overlapped with the dispatch."""
     s = launch.s
@@ -600,6 +610,8 @@ ARGV_RULES = (
          f"{ARGS}:1273 (d98e8a6 has no legacy GroupedMLP left)", _latent_legacy_grouped_gemm),
     Rule("latent-shared-expert-overlap", "megatron/core/transformer/moe/moe_layer.py:476-481 (megatron-core 0.16.1 "
          "moe_layer.py:264-268)", _latent_shared_expert_overlap),
+    Rule("shared-expert-overlap-dispatcher", "megatron/core/transformer/transformer_config.py:1820-1826",
+         _shared_expert_overlap_dispatcher),
     Rule("a2a-shared-expert-overlap", "megatron/core/transformer/transformer_config.py:3039-3041",
          _a2a_shared_expert_overlap),
     Rule("first-last-bf16-delayed", "megatron/core/transformer/transformer_config.py:1527-1530",

@@ -95,7 +95,8 @@ def _recompute_kind(c: Case):
 def module_problem(model: ModelSpec, modules: tuple[str, ...]) -> str | None:
     """The first of megatron-core's rules on recompute_modules that `modules` breaks for `model` (one line), or None:
     known names (Megatron-LM transformer_config.py:1943-1962), mla_up_proj only with MLA (:1969-1973), moe_act and
-    layernorm not with fp8 delayed scaling (:2000-2006). moe_act's --moe-grouped-gemm the emitter gives every MoE model."""
+    layernorm not with fp8 delayed scaling (:2000-2006), shared_experts not with --moe-shared-expert-overlap
+    (:1991-1998). moe_act's --moe-grouped-gemm the emitter gives every MoE model."""
     unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
     if unknown:
         return f"plan.recompute_modules: {', '.join(unknown)} unknown; allowed are {', '.join(RECOMPUTE_MODULES)}"
@@ -104,6 +105,9 @@ def module_problem(model: ModelSpec, modules: tuple[str, ...]) -> str | None:
     if model.numerics.fp8_recipe == "delayed" and {"moe_act", "layernorm"} & set(modules):
         return ("plan.recompute_modules: moe_act and layernorm do not recompute with fp8 delayed scaling; "
                 "use another model.fp8_recipe or drop them")
+    if "shared_experts" in modules and model.cfg.moe_shared_expert_intermediate_size and model.cfg.moe_shared_expert_overlap:
+        return ("plan.recompute_modules: shared_experts does not recompute with the shared expert overlapped "
+                "(model.moe_shared_expert_overlap); drop one")
     return None
 
 
@@ -628,7 +632,8 @@ RULES = (
     Rule("positive", "nest: argparse takes any integer; a size below 1 is no configuration", _positive),
     Rule("zero-stage", "nest: the ZeRO stages emit/megatron.py ZERO_FLAGS realises", _zero_stage),
     Rule("recompute-kind", f"{TC}:1904", _recompute_kind),
-    Rule("recompute-modules", f"{TC}:1943-1962 (the names), 1969-1973 (mla_up_proj), 2000-2006 (fp8 delayed)",
+    Rule("recompute-modules", f"{TC}:1943-1962 (the names), 1969-1973 (mla_up_proj), 1991-1998 (shared_experts with "
+         "--moe-shared-expert-overlap), 2000-2006 (fp8 delayed)",
          _recompute_modules),
     Rule("rank-order", "megatron/training/initialize.py:395", _rank_order),
     Rule("fsdp-order", "Megatron-Bridge src/megatron/bridge/training/config.py@4feb11f "
