@@ -162,6 +162,9 @@ def test_what_the_argv_fixes(model, argv, user, expected):
     (["--optimizer", "soap", "--ckpt-format", "fsdp_dtensor"], [], "--optimizer soap runs without Megatron-FSDP (ZeRO 0 "
                                                                   "or 1: DDP or the distributed optimizer), but ZeRO 2,3 "
                                                                   "is fixed by --ckpt-format fsdp_dtensor (Megatron-FSDP)"),
+    (["--step-batch-size-schedule", "0:64,1000:128"], [], "--step-batch-size-schedule: the plan is made for one "
+                                                          "global batch and gives --global-batch-size, which "
+                                                          "Megatron-LM refuses beside a schedule"),
     (["--cuda-graph-impl", "local", "--attention-dropout", "0"], ["plan.recompute=full"],
      "--cuda-graph-impl local takes recompute none or selective (megatron-core), but plan.recompute=full is fixed by "
      "your overrides"),

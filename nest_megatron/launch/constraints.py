@@ -263,6 +263,11 @@ def argv_constraints(argv: list[str], user: list[str], *, model: ModelConfig, pi
     user_keys = _keys(user)
     out = []
     s = scan(argv)
+    if s.present("--step-batch-size-schedule"):
+        # every plan emits its --global-batch-size, which Megatron-LM refuses beside a schedule (arguments.py:698-701)
+        raise NestError("--step-batch-size-schedule: the plan is made for one global batch and gives "
+                        "--global-batch-size, which Megatron-LM refuses beside a schedule; drop the schedule (plan each "
+                        "batch size as its own launch)")
     resume = _resume(argv, s, model)
     if resume is not None:
         kept = [item for item in resume.overrides if not _theirs(item, user_keys)]
