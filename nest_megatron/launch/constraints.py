@@ -1,8 +1,10 @@
-"""What the user's Megatron argv fixes for the planner: a checkpoint to resume, a flag that needs a sharded optimizer.
+"""What the user's Megatron argv fixes for the planner: a checkpoint to resume, flags that hold the optimizer, the
+recompute or the pipeline.
 
 The planner owns the parallel flags (launch/rewrite.py), but some choices of the argv are constraints, since a
-plan that changed them would not run: the checkpoint format and the optimizer sharding it was written with, and
-what activation offloading to the host allows.
+plan that changed them would not run: the checkpoint format and the optimizer sharding it was written with, the
+sharding an optimizer or --fp8-param-gather needs, the recompute CUDA graphs allow, and what activation offloading
+to the host allows.
 Each becomes plan.* / solver.* overrides fed to the planner as --pin's are. (--tp-comm-overlap is no
 constraint: it becomes train.tp_comm_overlap=true (config/megatron_argv.train_overrides), under which the
 search has no TP > 1 plan without sequence parallel, and the plan emits the flag with TP > 1 only.) A resume laid out
