@@ -94,7 +94,8 @@ MODEL_KEYS = {
     "attention_dropout": ("0.05", 0.05), "attention_backend": ("unfused", "unfused"),
     "attention_softmax_in_fp32": ("true", True), "bias_swiglu_fusion": ("false", False), "num_experts": ("8", 8),
     "moe_router_topk": ("1", 1), "moe_ffn_hidden_size": ("4096", 4096),
-    "moe_shared_expert_intermediate_size": ("2048", 2048), "moe_layer_freq": ("2", 2),
+    "moe_shared_expert_intermediate_size": ("2048", 2048), "moe_shared_expert_overlap": ("true", True),
+    "moe_layer_freq": ("2", 2),
     # a latent size needs Transformer Engine's spec, not the local one set below: tests/test_latent_moe.py loads them
     "moe_latent_size": ("null", None),
     "squared_relu": ("true", True), "qk_layernorm": ("true", True), "window_size": ("512", 512),
