@@ -272,6 +272,16 @@ class Scanned:
         return any(token == flag or token.startswith(flag + "=") for token in self.argv)
 
 
+def cuda_graph_impl(s: Scanned) -> str:
+    """The argv's CUDA-graph implementation: --cuda-graph-impl, or the deprecated --enable-cuda-graph (local) and
+    --external-cuda-graph (transformer_engine) as Megatron-LM reads them (arguments.py:619-630); 'none' without."""
+    if s.has("--enable-cuda-graph"):
+        return "local"
+    if s.has("--external-cuda-graph"):
+        return "transformer_engine"
+    return s.get("--cuda-graph-impl", "none")
+
+
 def misspelt(flag: str) -> str | None:
     """The known flag that `flag` is probably a typo of; None for a known flag or one far from all (it passes
     through). A --no-X / --disable-X form of a known --X is Megatron's negation of it, not a typo."""
@@ -602,8 +612,7 @@ def train_overrides(argv: list[str] | Scanned) -> list[str]:
     impl = s.get("--cuda-graph-impl", "none")
     if impl not in CUDA_GRAPH_IMPLS:
         raise NestError(f"--cuda-graph-impl {impl}: allowed are {', '.join(CUDA_GRAPH_IMPLS)}")
-    graphs = impl != "none" or s.has("--enable-cuda-graph") or s.has("--external-cuda-graph")
-    out.append(f"train.cuda_graphs={_hydra(graphs)}")
+    out.append(f"train.cuda_graphs={_hydra(cuda_graph_impl(s) != 'none')}")
     out += _dispatcher_override(s)
     out.append(f"train.precision_aware_optimizer={_hydra(s.has('--use-precision-aware-optimizer'))}")
     for flag in ("--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype"):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nest_megatron.config.megatron_argv import Scanned, scan
+from nest_megatron.config.megatron_argv import Scanned, cuda_graph_impl, scan
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.errors import NestError
 from nest_megatron.launch.megatron_rules import (
@@ -28,7 +28,6 @@ from nest_megatron.launch.megatron_rules import (
     argv_segments,
     argv_vpp,
     cpu_offloaded_layers,
-    cuda_graph_impl,
     whole_layer_graphs,
 )
 from nest_megatron.launch.rewrite import pin_overrides

@@ -16,7 +16,14 @@ import math
 import re
 from dataclasses import dataclass
 
-from nest_megatron.config.megatron_argv import FLAG_OF_KEY, Scanned, argv_hybrid_pattern, model_values, scan
+from nest_megatron.config.megatron_argv import (
+    FLAG_OF_KEY,
+    Scanned,
+    argv_hybrid_pattern,
+    cuda_graph_impl,
+    model_values,
+    scan,
+)
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.errors import NestError
 from nest_megatron.model.spec import ModelSpec, Numerics
@@ -519,16 +526,6 @@ def _cpu_offloading_recompute(launch: Launch):
     if cpu_offloaded_layers(launch.s) and _recompute(launch.s)[0] != "none":
         return ("--cpu-offloading-num-layers with --recompute-granularity: megatron-core does not offload and "
                 "recompute activations together; drop one")
-
-
-def cuda_graph_impl(s: Scanned) -> str:
-    """The argv's CUDA-graph implementation: --cuda-graph-impl, or the deprecated --enable-cuda-graph (local) and
-    --external-cuda-graph (transformer_engine) as Megatron-LM reads them (arguments.py:619-630); 'none' without."""
-    if s.has("--enable-cuda-graph"):
-        return "local"
-    if s.has("--external-cuda-graph"):
-        return "transformer_engine"
-    return s.get("--cuda-graph-impl", "none")
 
 
 def whole_layer_graphs(s: Scanned) -> bool:
