@@ -202,7 +202,7 @@ CASES = [
      ("--cpu-offloading-num-layers 2 --recompute-activations", 8),
      "--cpu-offloading-num-layers with --recompute-granularity: megatron-core does not offload and recompute"),
     ("CPU offloading not with per-layer CUDA graphs",
-     ("--cpu-offloading-num-layers 2 --cuda-graph-impl full_iteration", 8),
+     ("--cpu-offloading-num-layers 2", 8),
      ("--cpu-offloading-num-layers 2 --external-cuda-graph", 8),
      "--cpu-offloading-num-layers with per-layer CUDA graphs: megatron-core refuses them together"),
     ("the shared expert overlapped only with the alltoall or flex dispatcher (transformer_config.py:1820-1826)",
@@ -213,8 +213,7 @@ CASES = [
      "given)"),
     # CUDA graphs and recompute (transformer_config.py:2854-2858, 2868-2899)
     ("per-layer CUDA graphs not with full recompute",
-     ("--cuda-graph-impl full_iteration --recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
-      8),
+     ("--cuda-graph-impl local --recompute-activations --attention-dropout 0", 8),
      ("--cuda-graph-impl local --recompute-granularity full --recompute-method uniform --recompute-num-layers 1", 8),
      "--cuda-graph-impl local with --recompute-granularity full: megatron-core recomputes whole layers only"),
     ("whole-layer CUDA graphs recompute no attention with dropout",
