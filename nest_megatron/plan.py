@@ -33,7 +33,7 @@ class Plan:
     accelerator: str
     num_devices: int
     idle_devices: int
-    parallel: dict  # tp, pp, dp, cp, ep, etp, vpp, sp, cp_comm_type
+    parallel: dict  # tp, pp, dp, cp, ep, etp, vpp, sp, cp_comm_type, moe_a2a_overlap
     micro_batch_size: int
     global_batch_size: int
     num_microbatches: int
@@ -165,7 +165,6 @@ def megatron_args(problem: Problem, est: Estimate) -> list[str]:
         layers_per_stage=est.layers_per_stage,
         tp_comm_overlap=problem.tp_comm_overlap,
         moe_dispatcher=problem.moe_dispatcher,
-        moe_a2a_overlap=problem.moe_a2a_overlap,
         delay_wgrad_compute=problem.delay_wgrad_compute,
     )
 
@@ -182,7 +181,7 @@ def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name
         num_devices=problem.num_devices,
         idle_devices=est.idle_devices,
         parallel={"tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep, "etp": c.etp, "vpp": c.vpp, "sp": c.sp,
-                  "cp_comm_type": c.cp_comm_type},
+                  "cp_comm_type": c.cp_comm_type, "moe_a2a_overlap": c.moe_a2a_overlap},
         micro_batch_size=c.mbs,
         global_batch_size=problem.global_batch_size,
         num_microbatches=est.num_microbatches,

@@ -137,15 +137,14 @@ TRAIN_KEYS = {
     "tp_comm_overlap": ("true", True), "grad_reduce_in_bf16": ("true", True), "cross_entropy_fusion": ("true", True),
     "precision_aware_optimizer": ("true", True), "main_params_dtype": ("fp16", "fp16"), "exp_avg_dtype": ("bf16", "bf16"),
     "exp_avg_sq_dtype": ("fp8", "fp8"), "moe_dispatcher": ("deepep", "deepep"), "cuda_graphs": ("true", True),
-    # true needs a MoE model (tests/test_a2a_overlap.py); the tiny model here is dense
-    "moe_a2a_overlap": ("false", False), "delay_wgrad_compute": ("false", False),
+    "delay_wgrad_compute": ("false", False),  # true needs plan.moe_a2a_overlap=true (tests/test_a2a_overlap.py)
 }
 SOLVER_KEYS = {
     "name": ("enumerate", "enumerate"), "micro_batch_sizes": ("[1,2]", [1, 2]), "zero_stages": ("[1]", [1]),
     "recompute": ("[none]", ["none"]), "rank_orders": ("[tp-cp-ep-dp-pp]", ["tp-cp-ep-dp-pp"]),
     "max_virtual_stages": ("2", 2), "max_context_parallel": ("2", 2), "top_k": ("3", 3),
     "recompute_num_layers": ("[null,1]", [None, 1]), "jobs": ("2", 2), "allow_idle": ("false", False),
-    "cp_comm_types": ("[p2p,a2a]", ["p2p", "a2a"]),
+    "cp_comm_types": ("[p2p,a2a]", ["p2p", "a2a"]), "moe_a2a_overlap": ("[false]", [False]),
 }
 SPLIT_FORM_KEYS = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
                    "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
@@ -159,6 +158,7 @@ PLAN_KEYS = {
     "sp": ("true", True), "mbs": ("1", 1), "zero": ("1", 1), "recompute": ("full", "full"),
     "recompute_num_layers": ("1", 1), "order": ("tp-cp-ep-pp-dp", "tp-cp-ep-pp-dp"),
     "layers_per_stage": ("[1,3]", [1, 3]), "cp_comm_type": ("a2a", "a2a"), "pick": ("0", 0),
+    "moe_a2a_overlap": ("false", False),  # true needs a MoE model (tests/test_a2a_overlap.py); the tiny model is dense
 }
 
 

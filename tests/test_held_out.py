@@ -81,7 +81,7 @@ def test_a_later_recipe_prices_its_own_layout_and_settings():
     v030 = price(row(530), ENTRIES)
     assert v030.recipe == "Bridge v0.3.0 QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1"
     assert v030.result.row.moe_dispatcher == "deepep"
-    assert {"plan.pp=2", "plan.vpp=12", "plan.ep=8", "train.moe_a2a_overlap=true"} <= set(v030.result.row.overrides)
+    assert {"plan.pp=2", "plan.vpp=12", "plan.ep=8", "plan.moe_a2a_overlap=true"} <= set(v030.result.row.overrides)
     # a model whose recipe kept its settings is priced at the 25.11 one
     assert price(row(357), ENTRIES).recipe is None
 

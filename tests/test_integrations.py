@@ -328,14 +328,14 @@ def test_bridge_overrides_of_a_moe_plan(moe_plan):
 
 
 def test_bridge_overrides_carry_the_a2a_overlap():
-    plan = api.evaluate(["model=tiny_moe", *BASE, "plan.tp=1", "plan.ep=2", "train.moe_a2a_overlap=true",
+    plan = api.evaluate(["model=tiny_moe", *BASE, "plan.tp=1", "plan.ep=2", "plan.moe_a2a_overlap=true",
                          "train.delay_wgrad_compute=true"])
     m = apply_to_config(bridge_container_stand_in(), plan).model
     assert m.overlap_moe_expert_parallel_comm is True and m.delay_wgrad_compute is True
 
 
 def test_nemo_overrides_refuse_the_a2a_overlap_bridge_takes_it():
-    plan = api.evaluate(["model=tiny_moe", *BASE, "plan.tp=1", "plan.ep=2", "train.moe_a2a_overlap=true"])
+    plan = api.evaluate(["model=tiny_moe", *BASE, "plan.tp=1", "plan.ep=2", "plan.moe_a2a_overlap=true"])
     with pytest.raises(NestError, match="no NeMo 2 form"):
         nemo_overrides(plan, 8)
     assert bridge_overrides(plan)["model.overlap_moe_expert_parallel_comm"] is True
@@ -417,8 +417,8 @@ def test_bridge_command_cli_form(capsys):
     (["model=tiny_gpt", *BASE, "plan.tp=3"], "plan.tp=3: must divide num_attention_heads=8"),  # tiny_gpt: 8 heads
     (["model=no_such_model"], "model"),
     # NeMo 2.7.3's forward step cannot build megatron-core's combined 1F1B schedule plan (integrations/nemo.py)
-    (["model=tiny_moe", *BASE, "plan.tp=1", "plan.ep=2", "train.moe_a2a_overlap=true"],
-     "train.moe_a2a_overlap=true has no NeMo 2 form"),
+    (["model=tiny_moe", *BASE, "plan.tp=1", "plan.ep=2", "plan.moe_a2a_overlap=true"],
+     "plan.moe_a2a_overlap=true has no NeMo 2 form"),
 ])
 def test_nemo_command_bad_input_is_one_line(args, message, tmp_path, capsys):
     out = tmp_path / "o.txt"

@@ -125,7 +125,7 @@ def test_megatron_lm_accepts_each_new_shipped_model_s_launch(tmp_path):
     initialize_model_parallel. A cell the model does not fit in is left out (said in the output)."""
     cases, left_out = [], []
     # and a MoE model with the EP all-to-all overlap (its rules: parallel/rules.py a2a-overlap-*)
-    overlap = ["train.moe_a2a_overlap=true", "train.delay_wgrad_compute=true"]
+    overlap = ["plan.moe_a2a_overlap=true", "train.delay_wgrad_compute=true"]
     runs = [(model, [], machine) for model in NEW_MODELS for machine in MACHINES]
     runs += [("deepseek_v3", overlap, MACHINES[0]), ("qwen3_235b_a22b", overlap, MACHINES[0])]
     for model, extra, (cluster, devices, per_node) in runs:

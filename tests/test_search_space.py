@@ -11,7 +11,15 @@ import pytest
 from nest_megatron.config.load import load
 from nest_megatron.parallel.config import DEFAULT_RECOMPUTE_MODULES
 from nest_megatron.parallel.layout import SplitForm
-from nest_megatron.parallel.rules import PIPELINE_RULES, RECOMPUTE_RULES, RULES, SIZE_RULES, Case, violation
+from nest_megatron.parallel.rules import (
+    OVERLAP_RULES,
+    PIPELINE_RULES,
+    RULES,
+    SIZE_RULES,
+    VARIANT_RULES,
+    Case,
+    violation,
+)
 from nest_megatron.solver.space import _configurations, candidates
 
 
@@ -36,6 +44,10 @@ def test_candidates_are_the_judged_space_that_launches(overrides):
     judged = [c for c, line in _configurations(problem, cfg.solver, cfg.plan, **args) if line is None]
     found = list(candidates(problem, cfg.solver, cfg.plan, **args))
     assert found == judged and found
+    # the EP all-to-all overlap is searched for the MoE models, where its rules let it launch
+    overlapped = [c for c in found if c.moe_a2a_overlap]
+    assert bool(overlapped) == problem.model.is_moe
+    assert all(c.ep > 1 and c.recompute != "full" and (c.pp == 1 or c.vpp > 1) for c in overlapped)
     fsdp = [c for c in found if c.zero >= 2]
     assert fsdp and all(c.pp == 1 and c.order == "tp-cp-ep-dp-pp" for c in fsdp)
     # what was skipped is there, and refused, in the judged space
@@ -65,8 +77,8 @@ def test_candidates_are_the_judged_space_that_launches(overrides):
      "model.fp8_recipe or drop them"),
 ])
 def test_the_search_judges_each_configuration_as_the_rule_table_does(overrides, recompute_rule):
-    """The search judges the rules but the recompute ones once for a configuration's recompute variants
-    (rules.RECOMPUTE_RULES): each configuration's line is still violation()'s, the first rule of RULES it breaks,
+    """The search judges the rules but the variant ones once for a configuration's recompute and overlap variants
+    (rules.VARIANT_RULES): each configuration's line is still violation()'s, the first rule of RULES it breaks,
     in spaces where the recompute rules break alone, together with earlier rules and with later ones."""
     loaded = load(overrides)
     problem, cfg = loaded.problem, loaded.config
@@ -85,42 +97,44 @@ def test_the_search_judges_each_configuration_as_the_rule_table_does(overrides, 
         assert recompute_rule in lines and None in lines and len(lines) > 3
 
 
-def test_the_recompute_rules_are_the_ones_reading_the_recompute_fields():
-    """Each rule outside RECOMPUTE_RULES gives one answer whatever a configuration's recompute fields, and each rule in
-    it one answer for every configuration with the same recompute fields, pp and vpp: on 300 configurations spread
-    over a MoE space (both rank orders, expert TP, FP8 GEMM shapes, pipeline splits), each with recompute variants
-    that break and keep the recompute rules."""
+def test_the_variant_rules_are_the_ones_reading_the_recompute_fields_and_the_overlap():
+    """Each rule outside VARIANT_RULES gives one answer whatever a configuration's recompute fields and EP all-to-all
+    overlap, and each rule in it one answer for every configuration with the same variant fields, pp, vpp and ep: on
+    300 configurations spread over a MoE space (both rank orders, expert TP, FP8 GEMM shapes, pipeline splits), each
+    with variants that break and keep the variant rules."""
     loaded = load(["model=mixtral_8x7b", "cluster=h100_spine_leaf", "cluster.num_devices=64", "train.global_batch_size=1024",
                    "train.precision=fp8", "solver.recompute_num_layers=[null,1,20]"])
     problem, cfg = loaded.problem, loaded.config
     configurations = {dataclasses.replace(c, recompute="none", recompute_num_layers=None,
-                                          recompute_modules=DEFAULT_RECOMPUTE_MODULES)
+                                          recompute_modules=DEFAULT_RECOMPUTE_MODULES, moe_a2a_overlap=False)
                       for c, _ in _configurations(problem, cfg.solver, cfg.plan, any_split=True, micro_batch_size=None)
                       if c is not None}
     configurations = sorted(configurations, key=repr)[::len(configurations) // 300]
-    variants = [dict(recompute="none"), dict(recompute="full"), dict(recompute="full", recompute_num_layers=20),
-                dict(recompute="selective", recompute_modules=("moe_act",)),
-                dict(recompute="selective", recompute_modules=("core_attn", "mlp")), dict(recompute="bogus"),
-                dict(recompute="none", recompute_num_layers=1), dict(recompute="selective", recompute_modules=("x",)),
-                dict(recompute="selective", recompute_modules=("moe",))]
-    assert len(configurations) > 100 and len([r for r in RULES if r.id in RECOMPUTE_RULES]) == 5
+    recomputes = [dict(recompute="none"), dict(recompute="full"), dict(recompute="full", recompute_num_layers=20),
+                  dict(recompute="selective", recompute_modules=("moe_act",)),
+                  dict(recompute="selective", recompute_modules=("core_attn", "mlp")), dict(recompute="bogus"),
+                  dict(recompute="none", recompute_num_layers=1), dict(recompute="selective", recompute_modules=("x",)),
+                  dict(recompute="selective", recompute_modules=("moe",))]
+    variants = [dict(v, moe_a2a_overlap=overlap) for v in recomputes for overlap in (False, True)]
+    assert len(configurations) > 100 and len([r for r in RULES if r.id in VARIANT_RULES]) == 6
+    assert {c.ep for c in configurations} > {1} and {(c.pp > 1, c.vpp > 1) for c in configurations} >= {(True, False),
+                                                                                                      (True, True)}
 
     def answer(rule, c, variant):
-        # with the EP all-to-all overlap, whose rules read the recompute fields too
         return rule.check(Case(dataclasses.replace(c, **variant), problem.model, problem.num_devices,
-                               problem.global_batch_size, None, True, moe_a2a_overlap=True))
+                               problem.global_batch_size, None, True))
 
-    recompute_answers: dict[tuple, set] = {}
+    variant_answers: dict[tuple, set] = {}
     for c in configurations:
         for rule in RULES:
             answers = {i: answer(rule, c, v) for i, v in enumerate(variants)}
-            if rule.id in RECOMPUTE_RULES:
+            if rule.id in VARIANT_RULES:
                 for i, line in answers.items():
-                    recompute_answers.setdefault((rule.id, c.pp, c.vpp, i), set()).add(line)
+                    variant_answers.setdefault((rule.id, c.pp, c.vpp, c.ep, i), set()).add(line)
             else:
                 assert len(set(answers.values())) == 1, (rule.id, c, answers)
-    assert all(len(lines) == 1 for lines in recompute_answers.values())
-    assert len({line for lines in recompute_answers.values() for line in lines}) > 4  # they break, and hold
+    assert all(len(lines) == 1 for lines in variant_answers.values())
+    assert len({line for lines in variant_answers.values() for line in lines}) > 6  # they break, and hold
 
 
 # Spaces whose configurations reach every rule of the two groups: virtual stages and micro-batch counts, MoE expert
@@ -154,7 +168,9 @@ class _Reading:
 @pytest.mark.parametrize("group, allowed", [
     (SIZE_RULES, {"tp", "cp", "pp", "dp", "ep", "etp", "zero", "order"}),
     (PIPELINE_RULES, {"pp", "vpp", "mbs", "dp"}),
-], ids=["SIZE_RULES", "PIPELINE_RULES"])
+    # refused_overlap asks them with Megatron's default modules, which read as recompute_modules only with selective
+    (OVERLAP_RULES, {"moe_a2a_overlap", "pp", "vpp", "ep", "recompute", "recompute_modules"}),
+], ids=["SIZE_RULES", "PIPELINE_RULES", "OVERLAP_RULES"])
 def test_the_rules_the_search_applies_first_read_only_their_fields(group, allowed):
     """The search drops what SIZE_RULES and PIPELINE_RULES refuse before it enumerates the rest of a configuration
     (solver/space.py), asking them with the other fields at Megatron's defaults: right only when each rule reads

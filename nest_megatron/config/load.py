@@ -395,7 +395,7 @@ def _check(root: RootConfig) -> None:
     _check_accelerator(root.accelerator, root.cluster.device_memory_gib)
     _check_train_and_solver(root.train, root.solver)
     _check_precision(root.train, root.accelerator)
-    _check_a2a_overlap(root.train, root.model)
+    _check_a2a_overlap(root.train, root.model, root.plan)
     _check_plan(root.plan, devices=devices, layers=root.model.num_layers, batch=root.train.global_batch_size,
                 mtp_num_layers=root.model.mtp_num_layers)
     p = root.profile
@@ -735,25 +735,29 @@ def _check_precision(t: TrainConfig, a: AcceleratorConfig) -> None:
                         f"MXFP8 accelerators: {', '.join(with_mx) or 'none'}; use delayed, tensorwise or blockwise")
 
 
-def _check_a2a_overlap(t: TrainConfig, m: ModelConfig) -> None:
-    """What --overlap-moe-expert-parallel-comm asks of the run as a whole, whatever the layout (megatron-core 0.16.1
-    transformer_config.py:1852-1913; what it asks of the layout is parallel/rules.py's a2a-overlap rules): a MoE
-    model, the alltoall or flex dispatcher, at most one multi-token-prediction depth; --delay-wgrad-compute only
-    with it."""
-    if t.delay_wgrad_compute and not t.moe_a2a_overlap:
-        raise NestError("train.delay_wgrad_compute=true needs train.moe_a2a_overlap=true "
+def _check_a2a_overlap(t: TrainConfig, m: ModelConfig, p: PlanChoice) -> None:
+    """What a pinned --overlap-moe-expert-parallel-comm asks of the run as a whole, whatever the layout (Megatron-LM
+    transformer_config.py:3002-3071 at d98e8a6; what it asks of the layout is parallel/rules.py's a2a-overlap rules;
+    the search tries it only where these hold, solver/space.py searched_a2a_overlaps): a MoE model, the alltoall or
+    flex dispatcher, at most one multi-token-prediction depth, no shared-expert overlap; --delay-wgrad-compute only
+    with it (:3074-3077)."""
+    if t.delay_wgrad_compute and not p.moe_a2a_overlap:
+        raise NestError("train.delay_wgrad_compute=true needs plan.moe_a2a_overlap=true "
                         "(--delay-wgrad-compute only with --overlap-moe-expert-parallel-comm)")
-    if not t.moe_a2a_overlap:
+    if not p.moe_a2a_overlap:
         return
     if not m.num_experts:
-        raise NestError(f"train.moe_a2a_overlap=true: model {m.name} has no experts (model.num_experts); "
+        raise NestError(f"plan.moe_a2a_overlap=true: model {m.name} has no experts (model.num_experts); "
                         "the overlap hides a MoE layer's expert-parallel all-to-alls")
     if t.moe_dispatcher == "allgather":
-        raise NestError("train.moe_a2a_overlap=true with train.moe_dispatcher=allgather: the overlap runs with the "
+        raise NestError("plan.moe_a2a_overlap=true with train.moe_dispatcher=allgather: the overlap runs with the "
                         "alltoall or flex (deepep) dispatcher only")
     if (m.mtp_num_layers or 0) > 1:
-        raise NestError(f"train.moe_a2a_overlap=true with model.mtp_num_layers={m.mtp_num_layers}: the overlap takes "
+        raise NestError(f"plan.moe_a2a_overlap=true with model.mtp_num_layers={m.mtp_num_layers}: the overlap takes "
                         "at most 1 multi-token-prediction layer")
+    if m.moe_shared_expert_overlap:
+        raise NestError("plan.moe_a2a_overlap=true with model.moe_shared_expert_overlap=true: megatron-core takes one "
+                        "of the two (--overlap-moe-expert-parallel-comm, --moe-shared-expert-overlap)")
 
 
 def _has_fp8(name: str, key: str = "peak_fp8_tflops") -> bool:
@@ -859,6 +863,5 @@ def _problem(root: RootConfig, tracer=None) -> Problem:
         tp_comm_overlap=t.tp_comm_overlap,
         moe_dispatcher=t.moe_dispatcher,
         cuda_graphs=t.cuda_graphs,
-        moe_a2a_overlap=t.moe_a2a_overlap,
         delay_wgrad_compute=t.delay_wgrad_compute,
     )

@@ -187,8 +187,9 @@ PLANNER_FLAGS: dict[str, str] = {
     # train.tp_comm_overlap, which the argv's own --tp-comm-overlap sets (train_overrides); Megatron-LM asserts
     # sequence parallel with it (arguments.py:1441-1442), and turns that off at TP 1 (:1433)
     "--tp-comm-overlap": "true",
-    # The EP all-to-all overlap and its delayed weight gradient: the plan emits them when train.moe_a2a_overlap /
-    # train.delay_wgrad_compute, which the argv's own flags set (train_overrides); priced in cost/a2a_overlap.py
+    # The EP all-to-all overlap and its delayed weight gradient: the plan emits them when its configuration overlaps
+    # (plan.moe_a2a_overlap, searched; the argv's flag pins it: launch/constraints.py) / train.delay_wgrad_compute,
+    # which the argv's own flag sets (train_overrides); priced in cost/a2a_overlap.py
     "--overlap-moe-expert-parallel-comm": "true",
     "--delay-wgrad-compute": "true",
     # Transformer Engine's context-parallel exchange (training/arguments.py:3221, nargs='+': one for every layer, or
@@ -241,7 +242,6 @@ FLAG_OF_KEY |= {"train.precision": "--fp8-format", "train.fp8_recipe": "--fp8-re
                 "train.precision_aware_optimizer": "--use-precision-aware-optimizer",
                 "train.main_params_dtype": "--main-params-dtype", "train.exp_avg_dtype": "--exp-avg-dtype",
                 "train.exp_avg_sq_dtype": "--exp-avg-sq-dtype", "train.moe_dispatcher": "--moe-token-dispatcher-type",
-                "train.moe_a2a_overlap": "--overlap-moe-expert-parallel-comm",
                 "train.delay_wgrad_compute": "--delay-wgrad-compute"}
 FP8_FORMATS = ("e4m3", "hybrid")  # transformer_config.py:587
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
@@ -605,7 +605,6 @@ def train_overrides(argv: list[str] | Scanned) -> list[str]:
     out.append(f"train.precision={'fp8' if s.has('--fp8-format') else 'bf16'}")
     out.append(f"train.fp8_recipe={s.get('--fp8-recipe', 'delayed')}")
     out.append(f"train.tp_comm_overlap={_hydra(s.has('--tp-comm-overlap'))}")
-    out.append(f"train.moe_a2a_overlap={_hydra(s.has('--overlap-moe-expert-parallel-comm'))}")
     out.append(f"train.delay_wgrad_compute={_hydra(s.has('--delay-wgrad-compute'))}")
     out.append(f"train.grad_reduce_in_bf16={_hydra(s.has('--grad-reduce-in-bf16'))}")
     out.append(f"train.cross_entropy_fusion={_hydra(s.has('--cross-entropy-loss-fusion'))}")

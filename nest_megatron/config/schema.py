@@ -231,11 +231,8 @@ class TrainConfig:
     # --external-cuda-graph): each layer's pass is one graph replay for the host (cost/host.py). Read from the argv;
     # the plan does not emit the flag (its other requirements are the user's: Megatron-LM arguments.py:1953-1971)
     cuda_graphs: bool = False
-    # --overlap-moe-expert-parallel-comm: a MoE model's EP dispatch and combine of one micro-batch beside another's
-    # computation in the steady state of the schedule (cost/a2a_overlap.py; its requirements are rules: EP > 1,
-    # virtual stages with PP > 1, no full recompute); --delay-wgrad-compute, with it: the experts' weight gradient
-    # after the backward's dispatch.
-    moe_a2a_overlap: bool = False
+    # --delay-wgrad-compute, with the EP all-to-all overlap (plan.moe_a2a_overlap=true): the experts' weight gradient
+    # after the backward's dispatch (cost/a2a_overlap.py).
     delay_wgrad_compute: bool = False
 
 
@@ -257,6 +254,9 @@ class SolverConfig:
     # Transformer Engine runs none of them for a configuration (sliding-window attention refuses p2p, an off-by-one or
     # learnable softmax all but a2a: parallel/rules.py), the others it runs are tried instead; [p2p, a2a, all_gather] tries all (a slower search).
     cp_comm_types: list[str] = field(default_factory=lambda: ["p2p"])
+    # --overlap-moe-expert-parallel-comm tried off and on, for a MoE model with EP > 1 where the run allows it (the
+    # alltoall or flex dispatcher, at most one MTP layer, no shared-expert overlap, no CUDA graphs: solver/space.py)
+    moe_a2a_overlap: list[bool] = field(default_factory=lambda: [False, True])
     top_k: int = 10  # how many runners-up the Plan keeps
     # Plans may leave devices idle, when nothing uses them all or fewer are faster (false: every device runs
     # a rank; an elastic launch sets it, as torchrun starts a worker on every device of every node).
@@ -289,6 +289,10 @@ class PlanChoice:
     recompute_modules: Optional[list[str]] = None
     order: Optional[str] = None  # tp-cp-ep-dp-pp | tp-cp-ep-pp-dp
     cp_comm_type: Optional[str] = None  # --cp-comm-type with CP > 1: p2p (Megatron's default) | a2a | all_gather
+    # --overlap-moe-expert-parallel-comm: a MoE layer's EP dispatch and combine of one micro-batch beside another's
+    # computation in the schedule's steady state (cost/a2a_overlap.py); it needs EP > 1, virtual stages with PP > 1,
+    # no full recompute and no recomputed moe module (parallel/rules.py)
+    moe_a2a_overlap: Optional[bool] = None
     # The layer split, given one of five ways (at most one; none: `evaluate` splits evenly, `plan` chooses). The
     # plan emits the simplest Megatron flags for the split it has, whichever way it was given.
     # layers_per_stage (needs plan.pp): pp entries, the layers of each pipeline rank (with vpp > 1 each a multiple

@@ -142,8 +142,7 @@ def layer_options(problem: Problem, cfg: ParallelConfig) -> dict:
     copies = (dispatch_copies(problem.model, cfg.ep, dispatcher=problem.moe_dispatcher, router=problem.moe_router)
               if problem.model.is_moe else None)
     return {"tp_comm_overlap": problem.tp_comm_overlap, "ep_copies": copies, "dispatcher": problem.moe_dispatcher,
-            "router": problem.moe_router, "permute_fusion": problem.moe_permute_fusion,
-            "a2a_overlap": problem.moe_a2a_overlap}
+            "router": problem.moe_router, "permute_fusion": problem.moe_permute_fusion}
 
 
 def uniform_split(num_layers: int, pp: int) -> tuple[int, ...]:
@@ -213,8 +212,7 @@ def fits_in(ctx: Context, split: tuple[int, ...]) -> bool:
     for stage in range(cfg.pp):
         memory = memory_of_rank(problem.model, cfg, stage_sums(ctx.costs, cfg, tuple(split), stage), stage=stage,
                                 num_microbatches=ctx.num_microbatches,
-                                reserved_bytes=problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt,
-                                a2a_overlap=problem.moe_a2a_overlap)
+                                reserved_bytes=problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt)
         if memory.total > problem.accelerator.memory_bytes:
             return False
     return True
@@ -222,8 +220,7 @@ def fits_in(ctx: Context, split: tuple[int, ...]) -> bool:
 
 def _memory_in(ctx: Context, sums: list[StageSums]) -> tuple:
     return memory_per_stage(ctx.problem.model, ctx.cfg, sums, num_microbatches=ctx.num_microbatches,
-                            reserved_bytes=ctx.problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt,
-                            a2a_overlap=ctx.problem.moe_a2a_overlap)
+                            reserved_bytes=ctx.problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt)
 
 
 def stage_parts(ctx: Context, sums: StageSums, *, stage: int) -> dict:
@@ -271,7 +268,7 @@ def stage_body(ctx: Context, sums: StageSums, *, first: bool, last: bool) -> dic
     model, cfg, spans, net = ctx.problem.model, ctx.cfg, ctx.spans, ctx.net
     tokens = cfg.mbs * model.cfg.seq_length // cfg.cp
     compute_s, recompute, tp_comm, cp_comm, ep_comm = sums.compute, sums.recompute, sums.tp_comm, sums.cp_comm, sums.ep_comm
-    if ctx.problem.moe_a2a_overlap:  # the EP communication paired passes hide (a2a_overlap.py)
+    if cfg.moe_a2a_overlap:  # the EP communication paired passes hide (a2a_overlap.py)
         ep_comm = ep_comm - ctx.a2a_paired_share * sums.a2a_saving
     gpu_fwd, gpu_bwd = sums.fwd, sums.bwd + sums.recompute  # the GPU work of the host's spans (host.py)
     host_fwd, host_bwd = _layer_operators(ctx, sums)

@@ -199,25 +199,25 @@ def quantisation_bytes(model: ModelSpec, gemms: list[Gemm]) -> tuple[float, floa
 def layer_time(
     model: ModelSpec, *, cfg: ParallelConfig, kind: LayerKind, spans: Spans, net: Network, compute: ComputeModel,
     tp_comm_overlap: bool = False, ep_copies: float | None = None, dispatcher: str = "alltoall",
-    router: str = "learned", permute_fusion: bool = False, a2a_overlap: bool = False,
+    router: str = "learned", permute_fusion: bool = False,
 ) -> LayerTime:
     """One layer's times for a layer of `kind`; configurations that differ only in what a layer does not see
     (ZeRO, recompute, pipeline depth, ...) share one computation. `ep_copies`: the copies of a token the EP
     all-to-alls carry (`routing.dispatch_copies`; None: topk, Megatron's alltoall dispatcher); `dispatcher` and
     `permute_fusion` set the permutation's bytes (`permutation_elements`); `router` where DeepEP's copies go
-    (`routing.deepep_level_copies`); `a2a_overlap`: --overlap-moe-expert-parallel-comm (`ordered_streams`)."""
+    (`routing.deepep_level_copies`)."""
     copies = float(model.cfg.moe_router_topk) if ep_copies is None else ep_copies
     return _layer_time(model, cfg.tp, cfg.sp, cfg.cp, cfg.ep, cfg.etp, cfg.mbs, kind, spans.tp, spans.cp, spans.ep, net,
-                       compute, tp_comm_overlap, ordered_streams(cfg, a2a_overlap=a2a_overlap), copies, dispatcher,
+                       compute, tp_comm_overlap, ordered_streams(cfg), copies, dispatcher,
                        router, permute_fusion, cfg.cp_comm_type)
 
 
-def ordered_streams(cfg: ParallelConfig, *, a2a_overlap: bool = False) -> bool:
+def ordered_streams(cfg: ParallelConfig) -> bool:
     """Whether the launch sets CUDA_DEVICE_MAX_CONNECTIONS=1 (launch/prepare.py megatron_env): with TP, unless
     Megatron-FSDP or the EP all-to-all overlap needs more queues. Only then are the backward's collectives issued
     ahead of the GEMMs they overlap (megatron/core/tensor_parallel/layers.py:843-849); otherwise they may wait
     behind them."""
-    return cfg.zero < 2 and not a2a_overlap
+    return cfg.zero < 2 and not cfg.moe_a2a_overlap
 
 
 def _exposed(comm: float, gemm: float, chunks: int) -> float:

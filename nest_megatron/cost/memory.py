@@ -78,10 +78,10 @@ def model_state_bytes(params: float, *, zero: int, shards: int, grad_bytes: int 
     return weights, grads, optimizer
 
 
-def in_flight_chunks(cfg: ParallelConfig, *, stage: int, num_microbatches: int, a2a_overlap: bool = False) -> int:
-    """Micro-batch chunks whose activations a pipeline rank holds at its peak (`a2a_overlap`: with
+def in_flight_chunks(cfg: ParallelConfig, *, stage: int, num_microbatches: int) -> int:
+    """Micro-batch chunks whose activations a pipeline rank holds at its peak (with the EP all-to-all overlap,
     --overlap-moe-expert-parallel-comm, one more)."""
-    p, v = cfg.pp, cfg.vpp
+    p, v, a2a_overlap = cfg.pp, cfg.vpp, int(cfg.moe_a2a_overlap)
     if v == 1:
         return min(p - stage + a2a_overlap, num_microbatches)
     return min(num_microbatches * v, 2 * (p - stage - 1) + (v - 1) * p + 1 + a2a_overlap)
@@ -180,21 +180,18 @@ def memory_per_stage(
     num_microbatches: int,
     reserved_bytes: float,
     act_rebuilt: float,
-    a2a_overlap: bool = False,
 ) -> tuple[StageMemory, ...]:
     """Memory of every pipeline rank, whose layers `sums[i]` adds up, under 1F1B or interleaving."""
     return tuple(
         memory_of_rank(model, cfg, s, stage=i, num_microbatches=num_microbatches, reserved_bytes=reserved_bytes,
-                       act_rebuilt=act_rebuilt, a2a_overlap=a2a_overlap)
+                       act_rebuilt=act_rebuilt)
         for i, s in enumerate(sums)
     )
 
 
 def memory_of_rank(model: ModelSpec, cfg: ParallelConfig, sums: StageSums, *, stage: int, num_microbatches: int,
-                   reserved_bytes: float, act_rebuilt: float, a2a_overlap: bool = False) -> StageMemory:
-    """Memory of pipeline rank `stage`, whose layers `sums` adds up, under 1F1B or interleaving (`a2a_overlap`:
-    with --overlap-moe-expert-parallel-comm)."""
+                   reserved_bytes: float, act_rebuilt: float) -> StageMemory:
+    """Memory of pipeline rank `stage`, whose layers `sums` adds up, under 1F1B or interleaving."""
     return stage_memory(model, cfg, sums, first=stage == 0, last=stage == cfg.pp - 1,
-                        in_flight=in_flight_chunks(cfg, stage=stage, num_microbatches=num_microbatches,
-                                                   a2a_overlap=a2a_overlap),
+                        in_flight=in_flight_chunks(cfg, stage=stage, num_microbatches=num_microbatches),
                         reserved_bytes=reserved_bytes, act_rebuilt=act_rebuilt)

@@ -26,11 +26,10 @@ class Problem:
     moe_dispatcher: str = "alltoall"
     moe_router: str = "learned"
     moe_permute_fusion: bool = False  # --moe-permute-fusion: Transformer Engine's fused (un)permutation
-    cuda_graphs: bool = False
-    # --overlap-moe-expert-parallel-comm: each micro-batch's EP all-to-alls beside another's computation, and
-    # --delay-wgrad-compute: the experts' weight gradient after the backward's dispatch (cost/a2a_overlap.py)
-    moe_a2a_overlap: bool = False
-    delay_wgrad_compute: bool = False  # train.cuda_graphs: each layer's pass one graph replay for the host (cost/host.py)
+    cuda_graphs: bool = False  # train.cuda_graphs: each layer's pass one graph replay for the host (cost/host.py)
+    # --delay-wgrad-compute: the experts' weight gradient after the backward's dispatch, with a configuration's EP
+    # all-to-all overlap (ParallelConfig.moe_a2a_overlap; cost/a2a_overlap.py)
+    delay_wgrad_compute: bool = False
     # The pipeline schedules a step runs, each filling and draining the pipeline over its share of the micro-batches:
     # 1 in Megatron (one schedule over all of them); more where a framework accumulates gradients over several
     # schedules (PyTorch pipelining under NeMo AutoModel, which only the fidelity bench prices).

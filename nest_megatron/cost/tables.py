@@ -76,15 +76,15 @@ class LayerCosts:
 def layer_costs(
     model: ModelSpec, cfg: ParallelConfig, *, spans: Spans | None, net: Network | None, compute: ComputeModel | None,
     tp_comm_overlap: bool = False, ep_copies: float | None = None, dispatcher: str = "alltoall",
-    router: str = "learned", permute_fusion: bool = False, a2a_overlap: bool = False, delay_wgrad: bool = False,
+    router: str = "learned", permute_fusion: bool = False, delay_wgrad: bool = False,
     dispatch_sm_share: float = 0.0,
 ) -> LayerCosts:
     """Per-layer costs, computed once per layer kind (model.kinds) and laid out per layer (model.layer_kinds);
     with spans=None only the memory columns (times are left at zero). `ep_copies`, `dispatcher`, `router`,
-    `permute_fusion`: layer.layer_time's; `a2a_overlap`, `delay_wgrad`: --overlap-moe-expert-parallel-comm and
-    --delay-wgrad-compute, `dispatch_sm_share` the SMs its all-to-alls hold (a2a_overlap.py)."""
+    `permute_fusion`: layer.layer_time's; `delay_wgrad`: --delay-wgrad-compute with cfg's EP all-to-all overlap,
+    `dispatch_sm_share` the SMs its all-to-alls hold (a2a_overlap.py)."""
     options = dict(spans=spans, net=net, compute=compute, tp_comm_overlap=tp_comm_overlap, ep_copies=ep_copies,
-                   dispatcher=dispatcher, router=router, permute_fusion=permute_fusion, a2a_overlap=a2a_overlap)
+                   dispatcher=dispatcher, router=router, permute_fusion=permute_fusion)
     per_kind = [_kind_costs(model, cfg, kind, **options) for kind in model.kinds]
     kind_of_layer = model.kind_index
 
@@ -117,7 +117,7 @@ def layer_costs(
         host_fwd=_prefix(operators[kind_of_layer, 0]),
         host_bwd=_prefix(operators[kind_of_layer, 1]),
         a2a_saving=column(lambda lt, act, p, r: pair_saving(lt, delay_wgrad=delay_wgrad, sm_share=dispatch_sm_share)
-                          if a2a_overlap else 0.0),
+                          if cfg.moe_a2a_overlap else 0.0),
         mtp=tuple(_kind_costs(model, cfg, kind, **options)[0] for kind in model.mtp_depth_kinds),
         mtp_depths=model.mtp_depths,
         mtp_host=(sum(f for f, _ in mtp_operators), sum(b for _, b in mtp_operators)),

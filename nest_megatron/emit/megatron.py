@@ -210,7 +210,6 @@ def parallel_args(
     layers_per_stage: tuple[int, ...] | None = None,
     tp_comm_overlap: bool = False,
     moe_dispatcher: str = "alltoall",
-    moe_a2a_overlap: bool = False,
     delay_wgrad_compute: bool = False,
 ) -> list[str]:
     """The flags the planner owns: parallel sizes, batch, ZeRO, recompute, layout, the MoE token dispatcher (and
@@ -226,7 +225,7 @@ def parallel_args(
         args += ["--expert-model-parallel-size", str(cfg.ep), "--expert-tensor-parallel-size", str(cfg.etp)]
         # The dispatcher the cost model priced (train.moe_dispatcher); Megatron's default is allgather.
         args += DISPATCHER_FLAGS[moe_dispatcher]
-        if moe_a2a_overlap:  # train.moe_a2a_overlap, as priced (cost/a2a_overlap.py)
+        if cfg.moe_a2a_overlap:  # as priced (cost/a2a_overlap.py)
             args.append("--overlap-moe-expert-parallel-comm")
             if delay_wgrad_compute:
                 args.append("--delay-wgrad-compute")

@@ -472,7 +472,8 @@ def row_of(entry: dict, settings: dict | None = None) -> Row:
              f"train.grad_reduce_in_bf16={str(grad_bf16).lower()}",
              f"train.cross_entropy_fusion={str(fused_loss).lower()}"]
     if opt.get("ep_a2a_overlap_1f1b"):  # the Bridge recipes' moe_a2a_overlap: both flags (BRIDGE_A2A_OVERLAP)
-        train += ["train.moe_a2a_overlap=true", f"train.delay_wgrad_compute={str(bool(opt.get('delay_wgrad_compute'))).lower()}"]
+        plan.append("plan.moe_a2a_overlap=true")
+        train.append(f"train.delay_wgrad_compute={str(bool(opt.get('delay_wgrad_compute'))).lower()}")
     if bridge and fp8_recipe and entry["precision_class"] == "FP8":
         train.append(f"train.fp8_recipe={fp8_recipe}")
     model = ([f"model={shipped}", f"model.seq_length={entry['seq_length']}"] if shipped

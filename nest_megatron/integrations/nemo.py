@@ -28,7 +28,7 @@ NeMo copies optim.config.use_distributed_optimizer into the DDP config itself (M
 of trainer.callbacks (nemo/lightning/pytorch/callbacks/megatron_comm_overlap.py:85), which also initialises
 Transformer Engine's userbuffers (:290); model.config.tp_comm_overlap alone would not. Add that callback for a
 plan whose argv has --tp-comm-overlap; these overrides leave it out.
-The EP all-to-all overlap (--overlap-moe-expert-parallel-comm, train.moe_a2a_overlap) has no NeMo 2 form: megatron-core's
+The EP all-to-all overlap (--overlap-moe-expert-parallel-comm, plan.moe_a2a_overlap) has no NeMo 2 form: megatron-core's
 combined 1F1B schedule calls the forward step with return_schedule_plan=True (megatron/core/pipeline_parallel/
 combined_1f1b.py:342 at 0.16.1), which NeMo 2.7.3's wrapped_forward_step_func(dataloader_iter, model) does not take
 (nemo/lightning/megatron_parallel.py:511), so such a plan is refused rather than set without the overlap it was priced with.
@@ -75,8 +75,8 @@ def trainer_shape(plan: Plan, devices_per_node: int) -> tuple[int, int]:
 
 def nemo_overrides(plan: Plan, devices_per_node: int | None = None) -> Overrides:
     if "--overlap-moe-expert-parallel-comm" in plan.megatron_args:
-        raise NestError("train.moe_a2a_overlap=true has no NeMo 2 form (its training step cannot run megatron-core's "
-                        "combined 1F1B schedule): plan with train.moe_a2a_overlap=false for NeMo 2, or launch it with "
+        raise NestError("plan.moe_a2a_overlap=true has no NeMo 2 form (its training step cannot run megatron-core's "
+                        "combined 1F1B schedule): plan with plan.moe_a2a_overlap=false for NeMo 2, or launch it with "
                         "Megatron-LM or Megatron-Bridge")
     p, rc = plan.parallel, plan.recompute
     s = "trainer.strategy"

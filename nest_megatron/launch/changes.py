@@ -78,7 +78,8 @@ def layout_why(argv: list[str], loaded: Loaded, plan: Plan) -> str:
         given = PlanChoice(**pinned_values(argv, [n for n in PIN_FLAGS if not (layout and n == "vpp")],
                                            model=loaded.config.model),
                            layers_per_stage=list(split) if split is not None else None,
-                           cp_comm_type=s.get("--cp-comm-type", ("p2p",))[0])
+                           cp_comm_type=s.get("--cp-comm-type", ("p2p",))[0],
+                           moe_a2a_overlap=s.present("--overlap-moe-expert-parallel-comm"))
     except NestError as err:
         return f"the given layout is not one the cost model prices: {err}"
     problem, _ = profiled_problem(loaded.problem, loaded.config)

@@ -3,8 +3,8 @@ recompute or the pipeline.
 
 The planner owns the parallel flags (launch/rewrite.py), but some choices of the argv are constraints, since a
 plan that changed them would not run: the checkpoint format and the optimizer sharding it was written with, the
-sharding an optimizer or --fp8-param-gather needs, the recompute CUDA graphs allow, and what activation offloading
-to the host allows.
+sharding an optimizer or --fp8-param-gather needs, the recompute CUDA graphs allow, what activation offloading
+to the host allows, and the EP all-to-all overlap the argv asks for or rules out.
 Each becomes plan.* / solver.* overrides fed to the planner as --pin's are. (--tp-comm-overlap is no
 constraint: it becomes train.tp_comm_overlap=true (config/megatron_argv.train_overrides), under which the
 search has no TP > 1 plan without sequence parallel, and the plan emits the flag with TP > 1 only.) A resume laid out
@@ -207,6 +207,20 @@ def _optimizer_without_fsdp(s: Scanned, user: list[str], fixed: list[Constraint]
                       f"--optimizer {optimizer} (no Megatron-FSDP)")
 
 
+def _a2a_overlap(s: Scanned, user_keys: set[str]) -> Constraint | None:
+    """The EP all-to-all overlap, which the search otherwise tries: the argv's --overlap-moe-expert-parallel-comm keeps
+    it on; --overlap-dispatch-backward-with-experts-wgrad, which megatron-core takes only without it
+    (transformer_config.py:3084-3087), keeps it off."""
+    if user_keys & {"plan.moe_a2a_overlap", "solver.moe_a2a_overlap"}:
+        return None
+    if s.present("--overlap-moe-expert-parallel-comm"):
+        return Constraint(["plan.moe_a2a_overlap=true"], "--overlap-moe-expert-parallel-comm")
+    if s.present("--overlap-dispatch-backward-with-experts-wgrad"):
+        return Constraint(["plan.moe_a2a_overlap=false"], "--overlap-dispatch-backward-with-experts-wgrad (no EP "
+                          "all-to-all overlap with it)")
+    return None
+
+
 def _cuda_graphs(s: Scanned, user: list[str]) -> Constraint | None:
     """CUDA graphs hold the search's recompute kinds: per-layer graphs take no full recompute (transformer_config.py:
     2854-2858), and whole-layer graphs no selective recompute with attention dropout (:2868-2884), since every module
@@ -276,7 +290,8 @@ def argv_constraints(argv: list[str], user: list[str], *, model: ModelConfig, pi
             out.append(Constraint(kept, resume.why))
     sharded = _sharded_optimizer(s, user, resume)  # within the user's own stages already
     exchange = _cp_comm_type(s, user_keys)
-    out += [c for c in (sharded, exchange) if c is not None]
+    overlap = _a2a_overlap(s, user_keys)
+    out += [c for c in (sharded, exchange, overlap) if c is not None]
     optimizer = _optimizer_without_fsdp(s, user, out)
     graphs = _cuda_graphs(s, user)
     out += [c for c in (optimizer, graphs) if c is not None]

@@ -79,7 +79,8 @@ FLAG_OF_FIELD = {
     "plan.recompute_num_layers": "--recompute-num-layers",
     "train.global_batch_size": "--global-batch-size",
     "train.tp_comm_overlap=true": "--tp-comm-overlap",
-    "train.moe_a2a_overlap=true": "--overlap-moe-expert-parallel-comm",
+    "plan.moe_a2a_overlap=true": "--overlap-moe-expert-parallel-comm",
+    "plan.moe_a2a_overlap=false": "no --overlap-moe-expert-parallel-comm",
 }
 # Transformer Engine's context-parallel exchanges (context_parallel.py:4076-4110; Megatron-LM's help text at
 # training/arguments.py:3223 says "allgather", which TE refuses with a ValueError).
@@ -660,13 +661,13 @@ def violations(argv: list[str], *, world_size: int) -> list[str]:
         order="tp-cp-ep-pp-dp" if s.has("--use-tp-pp-dp-mapping") else "tp-cp-ep-dp-pp",
         # a per-layer list of several exchanges is no configuration the planner prices (the rules name it)
         cp_comm_type=comm_types.pop() if len(comm_types) == 1 else " ".join(_cp_comm_types(launch)),
+        moe_a2a_overlap=s.present("--overlap-moe-expert-parallel-comm"),
     )
     # The split's own rules (parallel.rules: layout, account-split, first-last-split, even-split) on the form the
     # flags spell. The FP8 recipe Transformer Engine's shape rules depend on (Megatron's default recipe: delayed).
     numerics = Numerics(fp8_recipe=s.get("--fp8-recipe", "delayed") if s.has("--fp8-format") else None)
     rule = violation(cfg, model=ModelSpec(m, numerics=numerics), num_devices=world_size, global_batch_size=gbs,
                      tp_comm_overlap=s.present("--tp-comm-overlap"), form=launch.form,
-                     moe_a2a_overlap=s.present("--overlap-moe-expert-parallel-comm"),
                      layers_per_stage=argv_segments(s))  # a hybrid pattern's segments: a given split
     if rule and name_flags(rule) not in out:
         out.append(name_flags(rule))

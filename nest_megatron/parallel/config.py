@@ -37,6 +37,9 @@ class ParallelConfig:
     recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES
     order: str = "tp-cp-ep-dp-pp"
     cp_comm_type: str = "p2p"  # --cp-comm-type with CP > 1 (CP_COMM_TYPES)
+    # --overlap-moe-expert-parallel-comm: a MoE layer's EP all-to-alls of one micro-batch beside another's computation
+    # in the schedule's steady state (cost/a2a_overlap.py)
+    moe_a2a_overlap: bool = False
 
     @property
     def selective_modules(self) -> tuple[str, ...]:

@@ -63,7 +63,6 @@ class Case(NamedTuple):
     any_split: bool
     tp_comm_overlap: bool = False  # --tp-comm-overlap: Transformer Engine's userbuffers, with TP > 1 and SP
     form: SplitForm = EVEN  # how Megatron is told the split (plan.account_for_*, plan.decoder_*, plan.pipeline_*)
-    moe_a2a_overlap: bool = False  # --overlap-moe-expert-parallel-comm (train.moe_a2a_overlap)
 
 
 def num_microbatches(cfg: ParallelConfig, global_batch_size: int) -> int:
@@ -354,24 +353,24 @@ def _vpp_pp(c: Case):
 
 def _a2a_overlap_layout(c: Case):
     """The EP all-to-all overlap needs EP > 1, and virtual stages with PP > 1."""
-    if not c.moe_a2a_overlap:
+    if not c.cfg.moe_a2a_overlap:
         return None
     if c.cfg.ep == 1:
-        return ("plan.ep=1 with train.moe_a2a_overlap=true: the overlap hides expert-parallel all-to-alls; "
-                "use plan.ep > 1 or train.moe_a2a_overlap=false")
+        return ("plan.ep=1 with plan.moe_a2a_overlap=true: the overlap hides expert-parallel all-to-alls; "
+                "use plan.ep > 1 or plan.moe_a2a_overlap=false")
     if c.cfg.pp > 1 and c.cfg.vpp == 1:
-        return (f"plan.pp={c.cfg.pp} without virtual stages and train.moe_a2a_overlap=true: the overlap needs "
+        return (f"plan.pp={c.cfg.pp} without virtual stages and plan.moe_a2a_overlap=true: the overlap needs "
                 "plan.vpp > 1 with pp > 1")
 
 
 def _a2a_overlap_recompute(c: Case):
     """The EP all-to-all overlap takes no full recompute and no recomputed MoE layer."""
-    if not c.moe_a2a_overlap:
+    if not c.cfg.moe_a2a_overlap:
         return None
     if c.cfg.recompute == "full":
-        return "plan.recompute=full with train.moe_a2a_overlap=true: the overlap takes none or selective recompute"
+        return "plan.recompute=full with plan.moe_a2a_overlap=true: the overlap takes none or selective recompute"
     if c.cfg.recompute == "selective" and "moe" in c.cfg.recompute_modules:
-        return ("plan.recompute_modules with moe and train.moe_a2a_overlap=true: the overlap does not recompute a "
+        return ("plan.recompute_modules with moe and plan.moe_a2a_overlap=true: the overlap does not recompute a "
                 "whole MoE layer; drop moe (moe_act recomputes its activation)")
 
 
@@ -703,6 +702,18 @@ PIPELINE_RULES = (_split, _split_virtual, _layout, _account_split, _first_last_s
                   _virtual_split_family, _even_split, _vpp_pp, _global_batch, _fill_pipeline, _interleaved_microbatches)
 
 
+# The rules of the EP all-to-all overlap that read nothing of a configuration but pp, vpp, ep and the recompute kind
+# (with Megatron's default recompute modules): the search skips an overlap they refuse before it is judged.
+OVERLAP_RULES = (_a2a_overlap_layout, _a2a_overlap_recompute)
+
+
+def refused_overlap(pp: int, vpp: int, ep: int, recompute: str) -> bool:
+    """Whether a rule of OVERLAP_RULES refuses the EP all-to-all overlap at these sizes, whatever the rest."""
+    cfg = ParallelConfig(pp=pp, vpp=vpp, ep=ep, recompute=recompute, moe_a2a_overlap=True)
+    case = Case(cfg, model=None, num_devices=0, global_batch_size=0, layers_per_stage=None, any_split=False)
+    return any(check(case) is not None for check in OVERLAP_RULES)
+
+
 def refused_by_sizes(cfg: ParallelConfig, model: ModelSpec) -> bool:
     """Whether a rule of SIZE_RULES refuses `cfg` (its other fields at their defaults), whatever the rest."""
     case = Case(cfg, model, num_devices=0, global_batch_size=0, layers_per_stage=None, any_split=False)
@@ -728,17 +739,14 @@ def violation(
     any_split: bool = False,
     tp_comm_overlap: bool = False,
     form: SplitForm = EVEN,
-    moe_a2a_overlap: bool = False,
 ) -> str | None:
     """The first Megatron rule `cfg` breaks, as one line, or None when it can launch.
 
     The layers are split evenly unless `layers_per_stage` (the layers of each pipeline rank or model chunk) or
     `form` (Megatron's flags for a split: parallel.layout) gives the split; `any_split` asks whether some split the
-    planner searches can launch; `tp_comm_overlap`: whether the launch overlaps TP communication (--tp-comm-overlap),
-    `moe_a2a_overlap` the EP all-to-alls (--overlap-moe-expert-parallel-comm).
+    planner searches can launch; `tp_comm_overlap`: whether the launch overlaps TP communication (--tp-comm-overlap).
     """
-    case = Case(cfg, model, num_devices, global_batch_size, layers_per_stage, any_split, tp_comm_overlap, form,
-                moe_a2a_overlap)
+    case = Case(cfg, model, num_devices, global_batch_size, layers_per_stage, any_split, tp_comm_overlap, form)
     for check in _CHECKS:
         line = check(case)
         if line is not None:
@@ -748,23 +756,22 @@ def violation(
 
 _CHECKS = tuple(rule.check for rule in RULES)  # in RULES' order, without a lookup per rule per configuration
 
-# The rules that read a configuration's recompute fields (recompute, recompute_num_layers, recompute_modules), and of
-# the rest only pp and vpp. The others answer the same for every recompute choice of a configuration, so the search
-# judges each half once for all the configurations that share its fields (solver/space.py; tests/test_search_space.py
-# holds this split to the rules).
-RECOMPUTE_RULES = frozenset({"recompute-kind", "recompute-modules", "recompute-layers-full", "recompute-layers-range",
-                             "a2a-overlap-recompute"})
+# The rules that read a configuration's recompute fields (recompute, recompute_num_layers, recompute_modules) or its
+# EP all-to-all overlap, and of the rest only pp, vpp and ep. The others answer the same for every recompute and
+# overlap choice of a configuration (its variants), so the search judges each half once for all the configurations
+# that share its fields (solver/space.py; tests/test_search_space.py holds this split to the rules).
+VARIANT_RULES = frozenset({"recompute-kind", "recompute-modules", "recompute-layers-full", "recompute-layers-range",
+                           "a2a-overlap-layout", "a2a-overlap-recompute"})
 Broken = tuple[int, str]  # a broken rule's position in RULES and its line
 
 
-def broken_apart(cfg: ParallelConfig, *, recompute: bool, model: ModelSpec, num_devices: int, global_batch_size: int,
+def broken_apart(cfg: ParallelConfig, *, variant: bool, model: ModelSpec, num_devices: int, global_batch_size: int,
                  layers_per_stage: tuple[int, ...] | None = None, any_split: bool = False,
-                 tp_comm_overlap: bool = False, form: SplitForm = EVEN, moe_a2a_overlap: bool = False) -> Broken | None:
-    """The first rule `cfg` breaks among the recompute rules (`recompute`) or among the others: with the other half's,
+                 tp_comm_overlap: bool = False, form: SplitForm = EVEN) -> Broken | None:
+    """The first rule `cfg` breaks among VARIANT_RULES (`variant`) or among the others: with the other half's,
     first_of gives violation()'s line."""
-    case = Case(cfg, model, num_devices, global_batch_size, layers_per_stage, any_split, tp_comm_overlap, form,
-                moe_a2a_overlap)
-    for position, check in _RECOMPUTE_CHECKS if recompute else _OTHER_CHECKS:
+    case = Case(cfg, model, num_devices, global_batch_size, layers_per_stage, any_split, tp_comm_overlap, form)
+    for position, check in _VARIANT_CHECKS if variant else _OTHER_CHECKS:
         line = check(case)
         if line is not None:
             return position, line
@@ -777,8 +784,8 @@ def first_of(*broken: Broken | None) -> str | None:
     return min(found)[1] if found else None
 
 
-_RECOMPUTE_CHECKS = tuple((i, rule.check) for i, rule in enumerate(RULES) if rule.id in RECOMPUTE_RULES)
-_OTHER_CHECKS = tuple((i, rule.check) for i, rule in enumerate(RULES) if rule.id not in RECOMPUTE_RULES)
+_VARIANT_CHECKS = tuple((i, rule.check) for i, rule in enumerate(RULES) if rule.id in VARIANT_RULES)
+_OTHER_CHECKS = tuple((i, rule.check) for i, rule in enumerate(RULES) if rule.id not in VARIANT_RULES)
 
 
 # --- rules on the model alone (config/load.py checks them when the model is loaded) ---------------------------

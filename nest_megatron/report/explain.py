@@ -42,7 +42,8 @@ def plan_config(plan: Plan) -> ParallelConfig:
     return ParallelConfig(tp=p["tp"], pp=p["pp"], dp=p["dp"], cp=p["cp"], ep=p["ep"], etp=p["etp"], vpp=p["vpp"],
                           sp=p["sp"], mbs=plan.micro_batch_size, zero=plan.zero_stage, recompute=recompute,
                           recompute_num_layers=r["num_layers"] if r["method"] == "block" else None,
-                          order=plan.rank_order, cp_comm_type=p.get("cp_comm_type", "p2p"))
+                          order=plan.rank_order, cp_comm_type=p.get("cp_comm_type", "p2p"),
+                          moe_a2a_overlap=p.get("moe_a2a_overlap", False))
 
 
 SIZES = ("tp", "pp", "dp", "cp", "ep", "etp", "vpp")

@@ -63,7 +63,8 @@ def render(plan: Plan, console: Console, *, megatron_args: list[str] | None = No
     head.add_column("what", style="bold")
     head.add_column("value")
     cp_exchange = f" ({p['cp_comm_type']})" if p["cp"] > 1 and "cp_comm_type" in p else ""  # --cp-comm-type
-    head.add_row("parallel", f"TP {p['tp']}  PP {p['pp']}  DP {p['dp']}  CP {p['cp']}{cp_exchange}  EP {p['ep']}  "
+    a2a_overlap = " (all-to-alls overlapped)" if p.get("moe_a2a_overlap") else ""  # --overlap-moe-expert-parallel-comm
+    head.add_row("parallel", f"TP {p['tp']}  PP {p['pp']}  DP {p['dp']}  CP {p['cp']}{cp_exchange}  EP {p['ep']}{a2a_overlap}  "
                              f"ETP {p['etp']}  VPP {p['vpp']}  SP {'on' if p['sp'] else 'off'}")
     head.add_row("batch", f"micro {plan.micro_batch_size} x {plan.num_microbatches} micro-batches x DP {p['dp']} "
                           f"= global {plan.global_batch_size}")

@@ -60,8 +60,7 @@ def total_params(problem: Problem) -> int:
 
 def _valid(problem: Problem, cfg: ParallelConfig) -> bool:
     return violation(cfg, model=problem.model, num_devices=problem.num_devices,
-                     global_batch_size=problem.global_batch_size, tp_comm_overlap=problem.tp_comm_overlap,
-                     moe_a2a_overlap=problem.moe_a2a_overlap) is None
+                     global_batch_size=problem.global_batch_size, tp_comm_overlap=problem.tp_comm_overlap) is None
 
 
 def manual_candidates(problem: Problem) -> list[ParallelConfig]:

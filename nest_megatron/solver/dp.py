@@ -31,7 +31,7 @@ import numba
 import numpy as np
 
 from nest_megatron.config.schema import PlanChoice, SolverConfig
-from nest_megatron.cost.a2a_overlap import pair_saving
+from nest_megatron.cost.a2a_overlap import dispatch_sm_share, pair_saving, unpaired_microbatches
 from nest_megatron.cost.evaluate import (
     Context,
     Estimate,
@@ -127,8 +127,7 @@ def memory_tables(ctx: Context, sums=None) -> tuple:
         room.append(np.where(too_short, -np.inf, acc.memory_bytes - states.total + 0 * a * b))
     return (np.stack(room).astype(float), np.asarray(per_chunk + 0 * a * b, dtype=float),
             np.array([distinct.index((s == 0, s == cfg.pp - 1)) for s in range(cfg.pp)], dtype=np.int64),
-            np.array([in_flight_chunks(cfg, stage=s, num_microbatches=ctx.num_microbatches,
-                                       a2a_overlap=problem.moe_a2a_overlap)
+            np.array([in_flight_chunks(cfg, stage=s, num_microbatches=ctx.num_microbatches)
                       for s in range(cfg.pp)], dtype=float))
 
 
@@ -316,12 +315,15 @@ def balanced_split(num_layers: int, stages: int) -> tuple[int, ...]:
     return tuple(base + (i < extra) for i in range(stages))
 
 
-def lower_bound(problem: Problem, cfg: ParallelConfig, *, work: float | None = None) -> float:
+def lower_bound(problem: Problem, cfg: ParallelConfig, *, work: tuple[float, float] | None = None) -> float:
     """A step time no split can beat: the slowest stage is at least the mean of the stages, and a
-    stage is at least its layers' computation, recomputation and communication. `work`: `layers_work(problem,
-    cfg)`, which the virtual stages do not change, when already known."""
-    per_microbatch = layers_work(problem, cfg) if work is None else work
-    return pipeline_factor(problem, cfg, num_microbatches(cfg, problem.global_batch_size)) * per_microbatch / cfg.pp
+    stage is at least its layers' computation, recomputation and communication, less what the EP all-to-all
+    overlap hides in the paired micro-batches (cost/a2a_overlap.py). `work`: `layers_work(problem, cfg)`, which the
+    virtual stages do not change, when already known."""
+    per_microbatch, hidden = layers_work(problem, cfg) if work is None else work
+    m = num_microbatches(cfg, problem.global_batch_size)
+    paired = m - unpaired_microbatches(cfg.pp, cfg.vpp, m) if cfg.moe_a2a_overlap else 0.0
+    return (pipeline_factor(problem, cfg, m) * per_microbatch - paired * hidden) / cfg.pp
 
 
 LayerTimes = list[tuple[LayerKind, int, LayerTime]]  # each layer kind, its count and one such layer's times
@@ -335,20 +337,22 @@ def layer_times(problem: Problem, cfg: ParallelConfig) -> LayerTimes:
             for kind, count in problem.model.kind_counts.items()]
 
 
-def layers_work(problem: Problem, cfg: ParallelConfig, *, times: LayerTimes | None = None) -> float:
-    """Every layer's computation, recomputation and communication of one micro-batch, s. `times`: `layer_times(problem,
-    cfg)` when already known."""
-    per_microbatch = 0.0
+def layers_work(problem: Problem, cfg: ParallelConfig, *, times: LayerTimes | None = None) -> tuple[float, float]:
+    """Every layer's computation, recomputation and communication of one micro-batch, s, and what the EP all-to-all
+    overlap hides of it in a paired micro-batch (0 without the overlap). `times`: `layer_times(problem, cfg)` when
+    already known."""
+    per_microbatch = hidden = 0.0
+    sm_share = dispatch_sm_share(problem.accelerator.sm_count)
     for kind, count, lt in layer_times(problem, cfg) if times is None else times:
         work = lt.fwd_compute + lt.bwd_compute + lt.tp_comm + lt.cp_comm + lt.ep_comm
-        if problem.moe_a2a_overlap:  # at most this much hidden, in every micro-batch (a lower bound stays one)
-            work -= pair_saving(lt, delay_wgrad=problem.delay_wgrad_compute)
+        if cfg.moe_a2a_overlap:
+            hidden += count * pair_saving(lt, delay_wgrad=problem.delay_wgrad_compute, sm_share=sm_share)
         if cfg.recompute == "selective":
             work += recompute_seconds(lt, problem.model, kind, cfg.recompute_modules)
         elif cfg.recompute == "full" and cfg.recompute_num_layers is None:
             work += lt.fwd
         per_microbatch += count * work
-    return per_microbatch
+    return per_microbatch, hidden
 
 
 def context_bound(ctx: Context) -> float:
@@ -356,7 +360,7 @@ def context_bound(ctx: Context) -> float:
     (pipeline transfers, embedding and output layer) join the mean, and the stage with the largest
     fixed part holds at least the lightest layer."""
     c, cfg = ctx.costs, ctx.cfg
-    work = np.diff(c.compute + c.tp_comm + c.cp_comm + c.ep_comm - c.a2a_saving)  # a2a_saving: at most, every micro-batch
+    work = np.diff(c.compute + c.tp_comm + c.cp_comm + c.ep_comm - ctx.a2a_paired_share * c.a2a_saving)
     if cfg.recompute == "selective":
         work = work + np.diff(c.selective)
     elif cfg.recompute == "full" and cfg.recompute_num_layers is None:
@@ -526,14 +530,15 @@ RECOMPUTE_FIELDS = ("recompute", "recompute_num_layers", "recompute_modules")
 
 def visiting_order(problem: Problem, space: list[ParallelConfig]) -> list[tuple[float, ParallelConfig]]:
     """The configurations by increasing lower bound (ties: their order in the space). The layers' times are priced once
-    for the configurations that differ in what a layer does not see (ZeRO but for its stream ordering, the virtual
-    stages, the recompute fields), their work once more for each recompute choice."""
+    for the configurations that differ in what a layer does not see (ZeRO and the EP all-to-all overlap but for the
+    stream ordering they set, the virtual stages, the recompute fields), their work once more for each recompute and
+    overlap choice."""
     times: dict[tuple, LayerTimes] = {}
-    works: dict[tuple, float] = {}
+    works: dict[tuple, tuple[float, float]] = {}
     pending = []
     for i, cfg in enumerate(space):
-        layer_key = (fields_but(cfg, "zero", "vpp", *RECOMPUTE_FIELDS), ordered_streams(cfg))
-        key = (layer_key, cfg.recompute, cfg.recompute_num_layers, cfg.recompute_modules)
+        layer_key = (fields_but(cfg, "zero", "vpp", "moe_a2a_overlap", *RECOMPUTE_FIELDS), ordered_streams(cfg))
+        key = (layer_key, cfg.recompute, cfg.recompute_num_layers, cfg.recompute_modules, cfg.moe_a2a_overlap)
         if key not in works:
             if layer_key not in times:
                 times[layer_key] = layer_times(problem, cfg)

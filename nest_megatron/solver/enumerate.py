@@ -36,7 +36,7 @@ def fits_in_memory(problem: Problem, cfg, split: tuple[int, ...] | None = None) 
     m = num_microbatches(cfg, problem.global_batch_size)
     sums = [stage_sums(costs, cfg, split, i) for i in range(cfg.pp)]
     memory = memory_per_stage(model, cfg, sums, num_microbatches=m, reserved_bytes=acc.reserved_memory_bytes,
-                              act_rebuilt=costs.act_rebuilt, a2a_overlap=problem.moe_a2a_overlap)
+                              act_rebuilt=costs.act_rebuilt)
     return all(stage.total <= acc.memory_bytes for stage in memory)
 
 

@@ -13,7 +13,15 @@ from nest_megatron.cost.recompute import ordered, searched_sets
 from nest_megatron.errors import NestError
 from nest_megatron.parallel.config import CP_COMM_TYPES, DEFAULT_RECOMPUTE_MODULES, ParallelConfig
 from nest_megatron.parallel.layout import EVEN, MIN_STAGE_LAYERS, SplitForm, chunk_layers, form_vpp
-from nest_megatron.parallel.rules import Broken, broken_apart, first_of, refused_by_pipeline, refused_by_sizes, violation
+from nest_megatron.parallel.rules import (
+    Broken,
+    broken_apart,
+    first_of,
+    refused_by_pipeline,
+    refused_by_sizes,
+    refused_overlap,
+    violation,
+)
 
 
 def divisors(n: int) -> list[int]:
@@ -51,6 +59,7 @@ def choice_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | No
                            else DEFAULT_RECOMPUTE_MODULES),
         order=choice.order or "tp-cp-ep-dp-pp",
         cp_comm_type=choice.cp_comm_type or "p2p",
+        moe_a2a_overlap=bool(choice.moe_a2a_overlap),
     )
 
 
@@ -83,7 +92,6 @@ def evaluate_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | 
     cfg = choice_config(problem, choice, default_mbs=default_mbs)
     problem_line = violation(cfg, model=problem.model, num_devices=problem.num_devices, global_batch_size=problem.global_batch_size,
                              layers_per_stage=pinned_split(choice), tp_comm_overlap=problem.tp_comm_overlap,
-                             moe_a2a_overlap=problem.moe_a2a_overlap,
                              form=SplitForm.from_fields(choice))
     if problem_line:
         raise NestError(f"invalid configuration: {problem_line}")
@@ -199,7 +207,7 @@ def empty_space_reason(
         lines = [violation(replace(cfg, cp_comm_type=t), model=problem.model, num_devices=problem.num_devices,
                            global_batch_size=problem.global_batch_size, any_split=any_split,
                            layers_per_stage=pinned_split(pins), tp_comm_overlap=problem.tp_comm_overlap,
-                           moe_a2a_overlap=problem.moe_a2a_overlap, form=SplitForm.from_fields(pins))
+                           form=SplitForm.from_fields(pins))
                  for t in comm_types]
         line = None if None in lines else lines[0]
         if line is None:
@@ -240,6 +248,18 @@ def tensor_parallel_sizes(problem: Problem) -> list[int]:
             if model.heads % t == 0 and model.query_groups % t == 0]
 
 
+def searched_a2a_overlaps(problem: Problem, solver: SolverConfig) -> list[bool]:
+    """The EP all-to-all overlaps searched (--overlap-moe-expert-parallel-comm): solver.moe_a2a_overlap, without true
+    where the run as a whole has none: a model without experts, the allgather dispatcher, more than one
+    multi-token-prediction layer, the shared expert overlapped with the dispatch (transformer_config.py:3002-3046 at
+    d98e8a6), or CUDA graphs (Transformer Engine's graphs of the MoE or MLP scope refuse it, :3062-3071, and the argv's
+    scope is the user's). A pinned plan.moe_a2a_overlap is the user's (config/load.py refuses it where Megatron does)."""
+    model = problem.model
+    possible = (model.is_moe and problem.moe_dispatcher != "allgather" and (model.cfg.mtp_num_layers or 0) <= 1
+                and not model.cfg.moe_shared_expert_overlap and not problem.cuda_graphs)
+    return [value for value in solver.moe_a2a_overlap if possible or not value]
+
+
 def stage_counts(num_layers: int, devices: int, *, any_split: bool) -> list[int]:
     """The pipeline sizes searched: those that leave each stage at least MIN_STAGE_LAYERS layers (PP 37 on
     80 layers: 2 or 3 a stage, never 1), among the divisors of the devices with `any_split`, else among
@@ -257,8 +277,8 @@ def _configurations(
     configurations parallel/rules.py SIZE_RULES refuse by their sizes alone are left out unjudged: four fifths of a
     MoE model's space (712,640 of 900,644 for DeepSeek-V3 on 256 GPUs), none of which `candidates` would yield; so are
     the virtual stages and micro-batch sizes PIPELINE_RULES refuse at a PP and DP (DeepSeek-V3 on 1,152 GB200: 1,178,041
-    configurations judged for 241,060 launchable before, 241,101 after; 8.8 -> 2.3 s)
-    (tests/test_search_space.py holds it to the rules)."""
+    configurations judged for 241,060 launchable before, 241,101 after; 8.8 -> 2.3 s), and the EP all-to-all overlaps
+    OVERLAP_RULES refuse at a PP, VPP, EP and recompute kind (tests/test_search_space.py holds it to the rules)."""
     model, devices = problem.model, world or problem.num_devices
     form = SplitForm.from_fields(pins)  # once: every configuration is judged with it
 
@@ -270,6 +290,7 @@ def _configurations(
     pps = axis(pins.pp, stage_counts(model.cfg.num_layers, devices, any_split=any_split))
     mbss = axis(pins.mbs, [micro_batch_size] if micro_batch_size else list(solver.micro_batch_sizes))
     zeros = axis(pins.zero, list(solver.zero_stages))
+    overlaps = axis(pins.moe_a2a_overlap, searched_a2a_overlaps(problem, solver))
     recomputes = axis(pins.recompute, ["selective"] if pins.recompute_modules is not None else list(solver.recompute))
     recomputed_counts = axis(pins.recompute_num_layers, list(solver.recompute_num_layers))
     # What each recompute kind is searched with: full, the recomputed layer counts; selective, its module sets.
@@ -300,9 +321,19 @@ def _configurations(
         comm_types = axis(pins.cp_comm_type, list(solver.cp_comm_types) if cp > 1 else ["p2p"])
         fallback = [t for t in CP_COMM_TYPES if t not in comm_types] if cp > 1 and pins.cp_comm_type is None else []
         refused: dict[tuple, bool] = {}  # (ep, etp, zero, order) -> whether SIZE_RULES refuse it
+        refused_overlaps: dict[tuple, bool] = {}  # (vpp, ep, recompute) -> whether OVERLAP_RULES refuse the overlap
         pipelines = [(vpp, mbs) for vpp, mbs in itertools.product(vpps, mbss)
                      if not (launchable_only and refused_by_pipeline(pp, vpp, mbs, dp, **pipeline_context))]
-        for ep, etp, sp, (vpp, mbs), zero, recompute, order in itertools.product(eps, etps, sps, pipelines, zeros, recomputes, orders):
+        for ep, etp, sp, (vpp, mbs), zero, recompute, order, overlap in itertools.product(
+                eps, etps, sps, pipelines, zeros, recomputes, orders, overlaps):
+            if overlap and ep == 1 and pins.moe_a2a_overlap is None:
+                continue  # no all-to-all to overlap (a pinned overlap hears the rule's line)
+            if overlap and launchable_only:
+                by_overlap = (vpp, ep, recompute)
+                if by_overlap not in refused_overlaps:
+                    refused_overlaps[by_overlap] = refused_overlap(pp, vpp, ep, recompute)
+                if refused_overlaps[by_overlap]:
+                    continue
             if launchable_only:
                 by_sizes = (ep, etp, zero, order)
                 if by_sizes not in refused:
@@ -310,47 +341,48 @@ def _configurations(
                         ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, zero=zero, order=order), model)
                 if refused[by_sizes]:
                     continue
-            others = (tp, cp, pp, dp, ep, etp, sp, vpp, mbs, zero, order)  # every field but the recompute ones
+            others = (tp, cp, pp, dp, ep, etp, sp, vpp, mbs, zero, order)  # every field but the variants' ones
             for recomputed, modules in variants.get(recompute, [(None, DEFAULT_RECOMPUTE_MODULES)]):
                 sizes = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
                              recompute=recompute, recompute_num_layers=recomputed, recompute_modules=modules,
-                             order=order)
+                             order=order, moe_a2a_overlap=overlap)
                 first = ParallelConfig(**sizes, cp_comm_type=comm_types[0])
                 train_line = train_rule_line(problem, first)  # whatever the exchange
                 if train_line is not None:
                     yield None, train_line
                     continue
-                recomputing = (recompute, recomputed, modules, pp, vpp)
-                found = judge(sizes, comm_types, others, recomputing, first=first)
+                variant = (recompute, recomputed, modules, overlap, pp, vpp, ep)
+                found = judge(sizes, comm_types, others, variant, first=first)
                 if fallback and all(line is not None for _, line in found):
-                    found += judge(sizes, fallback, others, recomputing)
+                    found += judge(sizes, fallback, others, variant)
                 yield from found
 
 
 class _Judge:
     """Each configuration with each CP exchange, and the rule it breaks (None: it launches), as rules.violation says,
-    judged in two halves that are kept: the rules but RECOMPUTE_RULES answer the same for the configurations that
-    differ only in their recompute fields, the recompute rules for those with the same recompute fields, pp and vpp."""
+    judged in two halves that are kept: the rules but VARIANT_RULES answer the same for the configurations that
+    differ only in their recompute fields and EP all-to-all overlap (their variants), VARIANT_RULES for those with
+    the same variant fields, pp, vpp and ep."""
 
     def __init__(self, problem: Problem, pins: PlanChoice, any_split: bool, form: SplitForm):
         self.context = dict(model=problem.model, num_devices=problem.num_devices,
                             global_batch_size=problem.global_batch_size, any_split=any_split,
                             layers_per_stage=pinned_split(pins), tp_comm_overlap=problem.tp_comm_overlap,
-                            moe_a2a_overlap=problem.moe_a2a_overlap, form=form)
-        self.others: dict[tuple, Broken | None] = {}  # (every field but the recompute ones) -> the first rule broken
-        self.recomputing: dict[tuple, Broken | None] = {}  # (the recompute fields, pp, vpp) -> the first rule broken
+                            form=form)
+        self.others: dict[tuple, Broken | None] = {}  # (every field but the variants' ones) -> the first rule broken
+        self.variants: dict[tuple, Broken | None] = {}  # (the variant fields, pp, vpp, ep) -> the first rule broken
 
-    def __call__(self, sizes: dict, comm_types: list[str], others: tuple, recomputing: tuple, *,
+    def __call__(self, sizes: dict, comm_types: list[str], others: tuple, variant: tuple, *,
                  first: ParallelConfig | None = None) -> list[tuple[ParallelConfig, str | None]]:
-        """`others` and `recomputing` are the keys of `sizes`' halves; `first`, when given, the configuration with
+        """`others` and `variant` are the keys of `sizes`' halves; `first`, when given, the configuration with
         comm_types[0], already built."""
         out = []
         for comm_type in comm_types:
             cfg = first if first is not None and comm_type == first.cp_comm_type else ParallelConfig(**sizes, cp_comm_type=comm_type)
             key = (*others, comm_type)
             if key not in self.others:
-                self.others[key] = broken_apart(cfg, recompute=False, **self.context)
-            if recomputing not in self.recomputing:
-                self.recomputing[recomputing] = broken_apart(cfg, recompute=True, **self.context)
-            out.append((cfg, first_of(self.others[key], self.recomputing[recomputing])))
+                self.others[key] = broken_apart(cfg, variant=False, **self.context)
+            if variant not in self.variants:
+                self.variants[variant] = broken_apart(cfg, variant=True, **self.context)
+            out.append((cfg, first_of(self.others[key], self.variants[variant])))
         return out

@@ -35,8 +35,7 @@ def family_fits(ctx: Context, sums: StageSums) -> np.ndarray:
     """Whether every rank of each candidate (`family_sums`) fits in the device: memory.memory_of_rank on arrays."""
     problem, cfg = ctx.problem, ctx.cfg
     ranks = np.arange(cfg.pp)
-    in_flight = np.array([in_flight_chunks(cfg, stage=s, num_microbatches=ctx.num_microbatches,
-                                           a2a_overlap=problem.moe_a2a_overlap) for s in ranks])
+    in_flight = np.array([in_flight_chunks(cfg, stage=s, num_microbatches=ctx.num_microbatches) for s in ranks])
     memory = stage_memory(problem.model, cfg, sums, first=ranks == 0, last=ranks == cfg.pp - 1, in_flight=in_flight,
                           reserved_bytes=problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt)
     return np.all(memory.total <= problem.accelerator.memory_bytes, axis=-1)
