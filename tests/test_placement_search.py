@@ -12,10 +12,11 @@ import pytest
 from nest_megatron import api
 from nest_megatron.config.load import load
 from nest_megatron.cost.evaluate import estimate
+from nest_megatron.cost.placement import Spans
 from nest_megatron.errors import NestError
 from nest_megatron.launch.placement import host_assignments
 from nest_megatron.parallel.config import ParallelConfig
-from nest_megatron.parallel.ranks import host_placements, sizes_inside
+from nest_megatron.parallel.ranks import host_placements, identity_placement, sizes_inside
 from nest_megatron.plan import Plan
 from nest_megatron.solver.dp import placements
 
@@ -91,3 +92,27 @@ def test_shipped_pcie_cluster_has_hosts_of_eight():
     # 2 (pair) x 2 (switch) x 2 (host) devices per host; 32 devices: 4 hosts under the network level.
     assert topology.devices_per_node == 8
     assert [lv.fan_out for lv in topology.levels] == [2, 2, 2, 4]
+
+
+@pytest.mark.parametrize("cluster, devices", [("gb200_nvl72", 1152), ("dgx_h100_superpod", 2048),
+                                              ("h100_spine_leaf", 640)])
+def test_the_shapes_shared_across_configurations_are_each_configuration_s_own(cluster, devices):
+    """Rank r on device r, a group's shapes are looked up by the sizes up to its dimension and the world
+    (cost/placement.py identity_key): equal to the shapes of that configuration's own groups on the identity map,
+    for every kind of group, both rank orders, idle devices and irregular group counts (120 configurations each)."""
+    topology = load([f"cluster={cluster}", f"cluster.num_devices={devices}", "model=tiny_moe"]).problem.topology
+    rng = np.random.default_rng(0)
+    checked = 0
+    while checked < 120:
+        tp, cp, pp = (int(rng.choice(values)) for values in ([1, 2, 4, 8], [1, 2, 4], [1, 2, 3, 4, 8, 16]))
+        if devices % (tp * cp * pp):
+            continue
+        dp = int(rng.integers(1, devices // (tp * cp * pp) + 1))  # some devices idle
+        etp = int(rng.choice([1, tp]))
+        ep = int(rng.choice([e for e in (1, 2, 4, 8, 16, 32, 64) if (tp * cp * dp) % (e * etp) == 0]))
+        cfg = ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp,
+                             order=str(rng.choice(["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"])))
+        shared, own = Spans(cfg, topology, None), Spans(cfg, topology, identity_placement(cfg.world))
+        for kind in ("tp", "cp", "dp", "ep", "etp", "edp", "pp_boundary_level"):
+            assert getattr(shared, kind) == getattr(own, kind), (cfg, kind)
+        checked += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import cached_property, lru_cache
 
 import numpy as np
@@ -22,10 +23,13 @@ class Spans:
     """Per kind of group, its distinct shapes on the topology; per pipeline boundary, its level. Each is worked out
     when first asked for: the search's bounds ask only for a layer's groups (tp, cp, ep) of most configurations."""
 
-    def __init__(self, cfg: ParallelConfig, topology: Topology, rank_to_device: np.ndarray):
+    def __init__(self, cfg: ParallelConfig, topology: Topology, rank_to_device: np.ndarray | None):
+        """`rank_to_device` None: rank r on device r."""
         self._cfg, self._topology, self._rank_to_device = cfg, topology, rank_to_device
 
     def _shapes(self, sizes: dict[str, int], token: str) -> tuple[GroupShape, ...]:
+        if self._rank_to_device is None:
+            return _identity_shapes(self._topology, *identity_key(self._cfg.order, sizes, token))
         groups = rank_groups(self._cfg.order, sizes, token)
         return tuple(group_shapes(groups, self._rank_to_device, self._topology))
 
@@ -56,7 +60,8 @@ class Spans:
     @cached_property
     def pp_boundary_level(self) -> tuple[int, ...]:  # boundary i sits between stage i and i + 1
         pp_groups = rank_groups(self._cfg.order, decoder_sizes(self._cfg), "pp")
-        return boundary_levels(pp_groups, self._rank_to_device, self._topology)
+        devices = identity_placement(self._cfg.world) if self._rank_to_device is None else self._rank_to_device
+        return boundary_levels(pp_groups, devices, self._topology)
 
     def levels_used(self, *, moe: bool) -> dict[str, int]:
         """The highest level each group kind crosses (-1: no communication); the expert groups
@@ -84,7 +89,28 @@ def boundary_levels(pp_groups: np.ndarray, rank_to_device: np.ndarray, topology:
     return tuple(levels)
 
 
-def compute_spans(cfg: ParallelConfig, topology: Topology, rank_to_device: np.ndarray) -> Spans:
+def identity_key(order: str, sizes: dict[str, int], token: str) -> tuple[tuple, int]:
+    """What the shapes of `token`'s groups depend on with rank r on device r: the dimensions of `order` up to the
+    last one the token names (each with its size and whether the token names it), and the world. The dimensions after
+    it vary between groups only, as one outer dimension of world / (the prefix's product) ranks: the same groups."""
+    names = order.split("-") + [n for n in sizes if n not in order.split("-")]
+    masked = token.split("-")
+    prefix = names[:max(names.index(n) for n in masked) + 1]
+    return tuple((n, sizes.get(n, 1), n in masked) for n in prefix), math.prod(sizes.values())
+
+
+@lru_cache(maxsize=4096)
+def _identity_shapes(topology: Topology, prefix: tuple, world: int) -> tuple[GroupShape, ...]:
+    """`Spans._shapes` with rank r on device r, shared by the configurations whose groups are the same (TP groups
+    depend on TP and the world only)."""
+    sizes = {name: size for name, size, _ in prefix}
+    sizes["outer"] = world // math.prod(sizes.values())
+    order = "-".join([*sizes])
+    groups = rank_groups(order, sizes, "-".join(name for name, _, masked in prefix if masked))
+    return tuple(group_shapes(groups, identity_placement(world), topology))
+
+
+def compute_spans(cfg: ParallelConfig, topology: Topology, rank_to_device: np.ndarray | None) -> Spans:
     return Spans(cfg, topology, rank_to_device)
 
 
@@ -92,8 +118,7 @@ def compute_spans(cfg: ParallelConfig, topology: Topology, rank_to_device: np.nd
 def _cached_spans(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, order: str, topology: Topology,
                   mapping: bytes | None) -> Spans:
     cfg = ParallelConfig(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp, order=order)
-    rank_to_device = identity_placement(cfg.world) if mapping is None else np.frombuffer(mapping, dtype=np.int64)
-    return compute_spans(cfg, topology, rank_to_device)
+    return compute_spans(cfg, topology, None if mapping is None else np.frombuffer(mapping, dtype=np.int64))
 
 
 def spans_for(cfg: ParallelConfig, topology: Topology, rank_to_device: np.ndarray | None) -> Spans:

@@ -339,14 +339,13 @@ def layer_times(problem: Problem, cfg: ParallelConfig) -> LayerTimes:
 
 def layers_work(problem: Problem, cfg: ParallelConfig, *, times: LayerTimes | None = None) -> tuple[float, float]:
     """Every layer's computation, recomputation and communication of one micro-batch, s, and what the EP all-to-all
-    overlap hides of it in a paired micro-batch (0 without the overlap). `times`: `layer_times(problem, cfg)` when
-    already known."""
+    overlap would hide of it in a paired micro-batch (the same with the overlap or without: `lower_bound` counts it
+    with). `times`: `layer_times(problem, cfg)` when already known."""
     per_microbatch = hidden = 0.0
     sm_share = dispatch_sm_share(problem.accelerator.sm_count)
     for kind, count, lt in layer_times(problem, cfg) if times is None else times:
         work = lt.fwd_compute + lt.bwd_compute + lt.tp_comm + lt.cp_comm + lt.ep_comm
-        if cfg.moe_a2a_overlap:
-            hidden += count * pair_saving(lt, delay_wgrad=problem.delay_wgrad_compute, sm_share=sm_share)
+        hidden += count * pair_saving(lt, delay_wgrad=problem.delay_wgrad_compute, sm_share=sm_share)
         if cfg.recompute == "selective":
             work += recompute_seconds(lt, problem.model, kind, cfg.recompute_modules)
         elif cfg.recompute == "full" and cfg.recompute_num_layers is None:
@@ -531,14 +530,14 @@ RECOMPUTE_FIELDS = ("recompute", "recompute_num_layers", "recompute_modules")
 def visiting_order(problem: Problem, space: list[ParallelConfig]) -> list[tuple[float, ParallelConfig]]:
     """The configurations by increasing lower bound (ties: their order in the space). The layers' times are priced once
     for the configurations that differ in what a layer does not see (ZeRO and the EP all-to-all overlap but for the
-    stream ordering they set, the virtual stages, the recompute fields), their work once more for each recompute and
-    overlap choice."""
+    stream ordering they set, the virtual stages, the recompute fields), their work once more for each recompute
+    choice."""
     times: dict[tuple, LayerTimes] = {}
     works: dict[tuple, tuple[float, float]] = {}
     pending = []
     for i, cfg in enumerate(space):
         layer_key = (fields_but(cfg, "zero", "vpp", "moe_a2a_overlap", *RECOMPUTE_FIELDS), ordered_streams(cfg))
-        key = (layer_key, cfg.recompute, cfg.recompute_num_layers, cfg.recompute_modules, cfg.moe_a2a_overlap)
+        key = (layer_key, cfg.recompute, cfg.recompute_num_layers, cfg.recompute_modules)
         if key not in works:
             if layer_key not in times:
                 times[layer_key] = layer_times(problem, cfg)
