@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from rich.console import Console
 
 from nest_megatron import api
 from nest_megatron.config.load import load
@@ -26,6 +27,7 @@ from nest_megatron.launch.megatron_rules import violations
 from nest_megatron.launch.prepare import megatron_env
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.plan import key_overrides
+from nest_megatron.report.table import render
 
 BASE = ["model=tiny_moe", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64"]
 OVERLAP = ["plan.moe_a2a_overlap=true", "train.delay_wgrad_compute=true"]
@@ -120,7 +122,10 @@ def test_the_argv_flags_become_constraints_and_train_keys():
 
 
 @pytest.mark.parametrize("extra, line", [
-    (["train.delay_wgrad_compute=true"], "train.delay_wgrad_compute=true needs plan.moe_a2a_overlap=true"),
+    (["train.delay_wgrad_compute=true", "plan.moe_a2a_overlap=false"],
+     "train.delay_wgrad_compute=true with plan.moe_a2a_overlap=false: --delay-wgrad-compute runs only with the EP"),
+    (["train.delay_wgrad_compute=true", "train.moe_dispatcher=allgather"],
+     r"train.delay_wgrad_compute=true \(with the EP all-to-all overlap\) with train.moe_dispatcher=allgather"),
     (["train.moe_dispatcher=allgather", *OVERLAP],
      "plan.moe_a2a_overlap=true with train.moe_dispatcher=allgather: the overlap runs with the alltoall or flex"),
     ([*OVERLAP, "model.mtp_num_layers=2"], "plan.moe_a2a_overlap=true with model.mtp_num_layers=2: the overlap takes "
@@ -211,6 +216,11 @@ def test_the_search_tries_the_overlap_and_keeps_the_faster():
     assert again.predicted["step_time_s"] == pytest.approx(both.predicted["step_time_s"])
     pinned_off = api.plan([*SEARCHED, "plan.moe_a2a_overlap=false"])
     assert pinned_off.predicted["step_time_s"] == without.predicted["step_time_s"]
+    # the plan's table says so, for the plan and for its tied runners-up that overlap
+    console = Console(record=True, width=400)
+    render(both, console)
+    shown = console.export_text()
+    assert f"EP {both.parallel['ep']} (all-to-alls overlapped)" in shown and " overlapped mbs " in shown
 
 
 @pytest.mark.parametrize("overrides", [

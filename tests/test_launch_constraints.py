@@ -345,3 +345,44 @@ def test_sbatch_lists_the_changes_when_it_writes_the_job(tmp_path, capsys):
     assert err[1] == ("--tensor-model-parallel-size: 3 -> 1 (with --tensor-model-parallel-size 3 and the plan's other "
                       "flags, the given layout breaks a Megatron rule: world size 16 is not divisible by tp*pp*cp = 3*1*1)")
     assert script.exists()
+
+
+# -- the EP all-to-all overlap: searched, unless the argv says -------------------------------------------------
+
+MOE = ["model=tiny_moe", "train.global_batch_size=64"]
+
+
+@pytest.mark.parametrize("flags, overlapped", [
+    ([], None),  # the search decides (and the plan lists the flag as a change when it adds it)
+    (["--overlap-moe-expert-parallel-comm"], True),
+    (["--delay-wgrad-compute"], True),  # runs only with the overlap: the plan has both
+    (["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"], True),
+    (["--overlap-dispatch-backward-with-experts-wgrad"], False),  # megatron-core takes it only without the overlap
+])
+def test_the_argv_s_overlap_flags_hold_the_plan(capsys, flags, overlapped):
+    argv, err = dry_run(capsys, *MOE, "--", "pretrain_gpt.py", "--bf16", *flags)
+    if overlapped is not None:
+        assert ("--overlap-moe-expert-parallel-comm" in argv) == overlapped, err
+    assert ("--delay-wgrad-compute" in argv) == ("--delay-wgrad-compute" in flags)
+    if "--overlap-moe-expert-parallel-comm" in argv and "--overlap-moe-expert-parallel-comm" not in flags:
+        assert any(line.startswith("--overlap-moe-expert-parallel-comm: (unset) -> on") for line in err), err
+
+
+def test_the_user_s_overlap_key_beats_the_argv_and_a_conflict_is_one_line(capsys):
+    argv, _ = dry_run(capsys, *MOE, "plan.moe_a2a_overlap=false", "--", "pretrain_gpt.py", "--bf16",
+                      "--overlap-moe-expert-parallel-comm")
+    assert "--overlap-moe-expert-parallel-comm" not in argv
+    status = cli.main(["launch", *NODES, "--dry-run", *MOE, "plan.moe_a2a_overlap=false", "--", "pretrain_gpt.py",
+                       "--bf16", "--delay-wgrad-compute"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status != 0 and len(err) == 1
+    assert "train.delay_wgrad_compute=true with plan.moe_a2a_overlap=false" in err[0]
+
+
+def test_an_overlap_the_plan_adds_is_listed_with_its_gain(capsys):
+    # GPT-OSS 120B's experts over four layers on the 16 GPUs: the overlap pays, and the argv did not ask for it
+    argv, err = dry_run(capsys, "model=gpt_oss_120b", "model.num_layers=4", "train.global_batch_size=64", "plan.pp=1",
+                        "plan.zero=1", "plan.recompute=none", "plan.mbs=1", "--", "pretrain_gpt.py", "--bf16")
+    assert "--overlap-moe-expert-parallel-comm" in argv
+    [line] = [line for line in err if line.startswith("--overlap-moe-expert-parallel-comm:")]
+    assert re.search(r"\(unset\) -> on \(.*the planned layout is \d\.\d\dx faster by the cost model\)", line), line

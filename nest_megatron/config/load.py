@@ -739,24 +739,28 @@ def _check_a2a_overlap(t: TrainConfig, m: ModelConfig, p: PlanChoice) -> None:
     """What a pinned --overlap-moe-expert-parallel-comm asks of the run as a whole, whatever the layout (Megatron-LM
     transformer_config.py:3002-3071 at d98e8a6; what it asks of the layout is parallel/rules.py's a2a-overlap rules;
     the search tries it only where these hold, solver/space.py searched_a2a_overlaps): a MoE model, the alltoall or
-    flex dispatcher, at most one multi-token-prediction depth, no shared-expert overlap; --delay-wgrad-compute only
-    with it (:3074-3077)."""
-    if t.delay_wgrad_compute and not p.moe_a2a_overlap:
-        raise NestError("train.delay_wgrad_compute=true needs plan.moe_a2a_overlap=true "
-                        "(--delay-wgrad-compute only with --overlap-moe-expert-parallel-comm)")
-    if not p.moe_a2a_overlap:
+    flex dispatcher, at most one multi-token-prediction depth, no shared-expert overlap. --delay-wgrad-compute runs
+    only with it (:3074-3077): train.delay_wgrad_compute=true plans with the overlap."""
+    if t.delay_wgrad_compute and p.moe_a2a_overlap is False:
+        raise NestError("train.delay_wgrad_compute=true with plan.moe_a2a_overlap=false: --delay-wgrad-compute runs "
+                        "only with the EP all-to-all overlap (--overlap-moe-expert-parallel-comm); drop one")
+    if p.moe_a2a_overlap:
+        asked = "plan.moe_a2a_overlap=true"
+    elif t.delay_wgrad_compute:
+        asked = "train.delay_wgrad_compute=true (with the EP all-to-all overlap)"
+    else:
         return
     if not m.num_experts:
-        raise NestError(f"plan.moe_a2a_overlap=true: model {m.name} has no experts (model.num_experts); "
+        raise NestError(f"{asked}: model {m.name} has no experts (model.num_experts); "
                         "the overlap hides a MoE layer's expert-parallel all-to-alls")
     if t.moe_dispatcher == "allgather":
-        raise NestError("plan.moe_a2a_overlap=true with train.moe_dispatcher=allgather: the overlap runs with the "
+        raise NestError(f"{asked} with train.moe_dispatcher=allgather: the overlap runs with the "
                         "alltoall or flex (deepep) dispatcher only")
     if (m.mtp_num_layers or 0) > 1:
-        raise NestError(f"plan.moe_a2a_overlap=true with model.mtp_num_layers={m.mtp_num_layers}: the overlap takes "
+        raise NestError(f"{asked} with model.mtp_num_layers={m.mtp_num_layers}: the overlap takes "
                         "at most 1 multi-token-prediction layer")
     if m.moe_shared_expert_overlap:
-        raise NestError("plan.moe_a2a_overlap=true with model.moe_shared_expert_overlap=true: megatron-core takes one "
+        raise NestError(f"{asked} with model.moe_shared_expert_overlap=true: megatron-core takes one "
                         "of the two (--overlap-moe-expert-parallel-comm, --moe-shared-expert-overlap)")
 
 

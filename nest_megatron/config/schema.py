@@ -231,8 +231,8 @@ class TrainConfig:
     # --external-cuda-graph): each layer's pass is one graph replay for the host (cost/host.py). Read from the argv;
     # the plan does not emit the flag (its other requirements are the user's: Megatron-LM arguments.py:1953-1971)
     cuda_graphs: bool = False
-    # --delay-wgrad-compute, with the EP all-to-all overlap (plan.moe_a2a_overlap=true): the experts' weight gradient
-    # after the backward's dispatch (cost/a2a_overlap.py).
+    # --delay-wgrad-compute: the experts' weight gradient after the backward's dispatch (cost/a2a_overlap.py); it runs
+    # only with the EP all-to-all overlap, so plans have the overlap (plan.moe_a2a_overlap=true) with it.
     delay_wgrad_compute: bool = False
 
 

@@ -97,6 +97,7 @@ def plan_context(problem: Problem, plan: Plan) -> Context:
 def describe(cfg: ParallelConfig) -> str:
     text = f"TP {cfg.tp} · PP {cfg.pp} · DP {cfg.dp}"
     text += "".join(f" · {k.upper()} {v}" for k, v in (("cp", cfg.cp), ("ep", cfg.ep), ("vpp", cfg.vpp)) if v > 1)
+    text += " · all-to-alls overlapped" if cfg.moe_a2a_overlap else ""  # --overlap-moe-expert-parallel-comm
     return text + f" · mbs {cfg.mbs} · ZeRO {cfg.zero} · recompute {cfg.recompute}"
 
 

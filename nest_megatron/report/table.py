@@ -53,6 +53,13 @@ def calibration_line(plan: Plan) -> str:
     return f"predicted {step_time(plan)} a step; {plan.calibration['summary']}"
 
 
+def expert_parallel(row: dict) -> str:
+    """A runner-up's EP and whether it overlaps the EP all-to-alls, as the tied line shows them ('' at EP 1)."""
+    if row["ep"] == 1:
+        return ""
+    return f"EP {row['ep']}{' overlapped' if row['plan'].get('moe_a2a_overlap') else ''} "
+
+
 def render(plan: Plan, console: Console, *, megatron_args: list[str] | None = None) -> None:
     """The plan's tables and its Megatron arguments: `megatron_args` where a launch ran them through the user's argv
     (launch/prepare.py Prepared.script_args, the argv every node's command runs), else the plan's own."""
@@ -86,8 +93,8 @@ def render(plan: Plan, console: Console, *, megatron_args: list[str] | None = No
     tied = [r for r in plan.runners_up if r.get("tied_within_error")]
     if tied:
         head.add_row("tied", f"{len(tied)} runner(s)-up within the model's error: "
-                             + "; ".join(f"TP {r['tp']} PP {r['pp']} DP {r['dp']} mbs {r['mbs']} ZeRO {r['zero']} "
-                                         f"{r['recompute']}, {r['step_time_s']:.3f} s" for r in tied[:3])
+                             + "; ".join(f"TP {r['tp']} PP {r['pp']} DP {r['dp']} {expert_parallel(r)}mbs {r['mbs']} "
+                                         f"ZeRO {r['zero']} {r['recompute']}, {r['step_time_s']:.3f} s" for r in tied[:3])
                              + ("; ..." if len(tied) > 3 else ""))
     if plan.idle_devices:
         head.add_row("idle devices", str(plan.idle_devices))

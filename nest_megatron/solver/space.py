@@ -59,7 +59,8 @@ def choice_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | No
                            else DEFAULT_RECOMPUTE_MODULES),
         order=choice.order or "tp-cp-ep-dp-pp",
         cp_comm_type=choice.cp_comm_type or "p2p",
-        moe_a2a_overlap=bool(choice.moe_a2a_overlap),
+        # --delay-wgrad-compute runs only with the overlap (config/load.py)
+        moe_a2a_overlap=problem.delay_wgrad_compute if choice.moe_a2a_overlap is None else choice.moe_a2a_overlap,
     )
 
 
@@ -290,7 +291,7 @@ def _configurations(
     pps = axis(pins.pp, stage_counts(model.cfg.num_layers, devices, any_split=any_split))
     mbss = axis(pins.mbs, [micro_batch_size] if micro_batch_size else list(solver.micro_batch_sizes))
     zeros = axis(pins.zero, list(solver.zero_stages))
-    overlaps = axis(pins.moe_a2a_overlap, searched_a2a_overlaps(problem, solver))
+    overlaps = axis(pins.moe_a2a_overlap, [True] if problem.delay_wgrad_compute else searched_a2a_overlaps(problem, solver))
     recomputes = axis(pins.recompute, ["selective"] if pins.recompute_modules is not None else list(solver.recompute))
     recomputed_counts = axis(pins.recompute_num_layers, list(solver.recompute_num_layers))
     # What each recompute kind is searched with: full, the recomputed layer counts; selective, its module sets.
