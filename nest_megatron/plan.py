@@ -166,6 +166,7 @@ def megatron_args(problem: Problem, est: Estimate) -> list[str]:
         tp_comm_overlap=problem.tp_comm_overlap,
         moe_dispatcher=problem.moe_dispatcher,
         delay_wgrad_compute=problem.delay_wgrad_compute,
+        defer_embedding_wgrad=problem.defer_embedding_wgrad,
     )
 
 

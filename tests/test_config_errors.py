@@ -137,7 +137,8 @@ TRAIN_KEYS = {
     "tp_comm_overlap": ("true", True), "grad_reduce_in_bf16": ("true", True), "cross_entropy_fusion": ("true", True),
     "precision_aware_optimizer": ("true", True), "main_params_dtype": ("fp16", "fp16"), "exp_avg_dtype": ("bf16", "bf16"),
     "exp_avg_sq_dtype": ("fp8", "fp8"), "moe_dispatcher": ("deepep", "deepep"), "cuda_graphs": ("true", True),
-    "delay_wgrad_compute": ("false", False),  # true needs plan.moe_a2a_overlap=true (tests/test_a2a_overlap.py)
+    "delay_wgrad_compute": ("false", False),  # true needs a MoE model (tests/test_a2a_overlap.py)
+    "defer_embedding_wgrad_compute": ("true", True),
 }
 SOLVER_KEYS = {
     "name": ("enumerate", "enumerate"), "micro_batch_sizes": ("[1,2]", [1, 2]), "zero_stages": ("[1]", [1]),

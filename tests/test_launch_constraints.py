@@ -386,3 +386,20 @@ def test_an_overlap_the_plan_adds_is_listed_with_its_gain(capsys):
     assert "--overlap-moe-expert-parallel-comm" in argv
     [line] = [line for line in err if line.startswith("--overlap-moe-expert-parallel-comm:")]
     assert re.search(r"\(unset\) -> on \(.*the planned layout is \d\.\d\dx faster by the cost model\)", line), line
+
+
+# -- --defer-embedding-wgrad-compute: megatron-core takes it only with pipeline parallelism --------------------
+
+def test_a_deferred_embedding_wgrad_keeps_the_plan_pipelined(capsys):
+    """The 7B-like model plans without pipeline stages on 16 GPUs (TP 2, DP 8); with the flag the plan keeps pp > 1
+    and launches the flag, and a pinned pp 1 is one line."""
+    plain, _ = dry_run(capsys, "--", "pretrain_gpt.py", *MODEL)
+    assert value(plain, "--pipeline-model-parallel-size") == "1"
+    argv, _ = dry_run(capsys, "--", "pretrain_gpt.py", *MODEL, "--defer-embedding-wgrad-compute")
+    assert int(value(argv, "--pipeline-model-parallel-size")) > 1
+    assert argv.count("--defer-embedding-wgrad-compute") == 1
+    plan = api.plan([*PROBLEM, "train.defer_embedding_wgrad_compute=true"])
+    assert plan.parallel["pp"] > 1 and "--defer-embedding-wgrad-compute" in plan.megatron_args
+    with pytest.raises(NestError, match=r"^invalid configuration: plan.pp=1 with train.defer_embedding_wgrad_compute=true: "
+                                        "megatron-core defers the output layer's weight gradient only with pipeline"):
+        api.evaluate([*PROBLEM, "train.defer_embedding_wgrad_compute=true", "plan.pp=1"])

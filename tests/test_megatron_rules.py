@@ -205,6 +205,16 @@ CASES = [
      ("--cpu-offloading-num-layers 2", 8),
      ("--cpu-offloading-num-layers 2 --external-cuda-graph", 8),
      "--cpu-offloading-num-layers with per-layer CUDA graphs: megatron-core refuses them together"),
+    ("the output layer's weight gradient deferred only with pipeline parallelism (model_parallel_config.py:545-548)",
+     ("--defer-embedding-wgrad-compute --pipeline-model-parallel-size 2", 8),
+     ("--defer-embedding-wgrad-compute", 8),
+     "--defer-embedding-wgrad-compute with --pipeline-model-parallel-size 1: megatron-core defers the output layer's "
+     "weight gradient only with pipeline parallelism"),
+    ("... and only with gradient accumulation fusion (model_parallel_config.py:550-553)",
+     ("--defer-embedding-wgrad-compute --pipeline-model-parallel-size 2", 8),
+     ("--defer-embedding-wgrad-compute --pipeline-model-parallel-size 2 --no-gradient-accumulation-fusion", 8),
+     "--defer-embedding-wgrad-compute with --no-gradient-accumulation-fusion: megatron-core defers the output layer's "
+     "weight gradient only with gradient accumulation fusion"),
     ("the shared expert overlapped only with the alltoall or flex dispatcher (transformer_config.py:1820-1826)",
      ("--num-experts 8 --moe-shared-expert-intermediate-size 128 --moe-shared-expert-overlap "
       "--moe-token-dispatcher-type alltoall", 8),
@@ -585,3 +595,30 @@ def test_shared_experts_recompute_with_the_overlap_as_megatron_core_decides(over
         TransformerConfig(**fields)
         assert module_problem(model, ("shared_experts",)) is None
         assert any("shared_experts" in modules for modules in searched_sets(model))
+
+
+@pytest.mark.parametrize("fields, megatron_says", [
+    ({"pipeline_model_parallel_size": 2, "pipeline_dtype": torch.bfloat16}, None),
+    ({}, "Cannot defer embedding wgrad compute when pipeline model parallel is not used"),
+    ({"pipeline_model_parallel_size": 2, "pipeline_dtype": torch.bfloat16, "gradient_accumulation_fusion": False},
+     "Cannot defer embedding wgrad compute when gradient accumulation fusion is not used"),
+])
+def test_defer_embedding_wgrad_rules_as_megatron_core_decides(fields, megatron_says):
+    """megatron-core 0.16.1's own TransformerConfig (on CPU) refuses what the defer-embedding-wgrad rules refuse."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "defer_embedding_wgrad_compute": True,
+            "gradient_accumulation_fusion": True}
+    flags = {"pipeline_model_parallel_size": "--pipeline-model-parallel-size 2",
+             "gradient_accumulation_fusion": "--no-gradient-accumulation-fusion"}
+    argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--vocab-size", "128", "--micro-batch-size", "1", "--global-batch-size",
+            "8", "--defer-embedding-wgrad-compute", *" ".join(flags[k] for k in fields if k in flags).split()]
+    ours = [line for line in violations(argv, world_size=8) if line.startswith("--defer-embedding-wgrad-compute")]
+    if megatron_says is None:
+        TransformerConfig(**{**base, **fields})
+        assert ours == []
+        return
+    with pytest.raises(ValueError, match=megatron_says):
+        TransformerConfig(**{**base, **fields})
+    assert len(ours) == 1

@@ -867,5 +867,6 @@ def _problem(root: RootConfig, tracer=None) -> Problem:
         tp_comm_overlap=t.tp_comm_overlap,
         moe_dispatcher=t.moe_dispatcher,
         cuda_graphs=t.cuda_graphs,
+        defer_embedding_wgrad=t.defer_embedding_wgrad_compute,
         delay_wgrad_compute=t.delay_wgrad_compute,
     )

@@ -187,6 +187,9 @@ PLANNER_FLAGS: dict[str, str] = {
     # train.tp_comm_overlap, which the argv's own --tp-comm-overlap sets (train_overrides); Megatron-LM asserts
     # sequence parallel with it (arguments.py:1441-1442), and turns that off at TP 1 (:1433)
     "--tp-comm-overlap": "true",
+    # the output layer's deferred weight gradient: emitted when train.defer_embedding_wgrad_compute, which the argv's
+    # own flag sets (train_overrides); the plan then has pp > 1, which megatron-core needs with it
+    "--defer-embedding-wgrad-compute": "true",
     # The EP all-to-all overlap and its delayed weight gradient: the plan emits them when its configuration overlaps
     # (plan.moe_a2a_overlap, searched; the argv's flag pins it: launch/constraints.py) / train.delay_wgrad_compute,
     # which the argv's own flag sets (train_overrides); priced in cost/a2a_overlap.py
@@ -242,7 +245,8 @@ FLAG_OF_KEY |= {"train.precision": "--fp8-format", "train.fp8_recipe": "--fp8-re
                 "train.precision_aware_optimizer": "--use-precision-aware-optimizer",
                 "train.main_params_dtype": "--main-params-dtype", "train.exp_avg_dtype": "--exp-avg-dtype",
                 "train.exp_avg_sq_dtype": "--exp-avg-sq-dtype", "train.moe_dispatcher": "--moe-token-dispatcher-type",
-                "train.delay_wgrad_compute": "--delay-wgrad-compute"}
+                "train.delay_wgrad_compute": "--delay-wgrad-compute",
+                "train.defer_embedding_wgrad_compute": "--defer-embedding-wgrad-compute"}
 FP8_FORMATS = ("e4m3", "hybrid")  # transformer_config.py:587
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")  # transformer_config.py:1075  # :594, less custom (a quantizer of the user's code)
@@ -606,6 +610,7 @@ def train_overrides(argv: list[str] | Scanned) -> list[str]:
     out.append(f"train.fp8_recipe={s.get('--fp8-recipe', 'delayed')}")
     out.append(f"train.tp_comm_overlap={_hydra(s.has('--tp-comm-overlap'))}")
     out.append(f"train.delay_wgrad_compute={_hydra(s.has('--delay-wgrad-compute'))}")
+    out.append(f"train.defer_embedding_wgrad_compute={_hydra(s.has('--defer-embedding-wgrad-compute'))}")
     out.append(f"train.grad_reduce_in_bf16={_hydra(s.has('--grad-reduce-in-bf16'))}")
     out.append(f"train.cross_entropy_fusion={_hydra(s.has('--cross-entropy-loss-fusion'))}")
     impl = s.get("--cuda-graph-impl", "none")

@@ -231,6 +231,10 @@ class TrainConfig:
     # --external-cuda-graph): each layer's pass is one graph replay for the host (cost/host.py). Read from the argv;
     # the plan does not emit the flag (its other requirements are the user's: Megatron-LM arguments.py:1953-1971)
     cuda_graphs: bool = False
+    # --defer-embedding-wgrad-compute: the output layer's weight gradient deferred into the pipeline's cool-down
+    # (megatron-core takes it only with pipeline parallelism: plans keep pp > 1). Read from the argv and emitted; its
+    # time is not priced.
+    defer_embedding_wgrad_compute: bool = False
     # --delay-wgrad-compute: the experts' weight gradient after the backward's dispatch (cost/a2a_overlap.py); it runs
     # only with the EP all-to-all overlap, so plans have the overlap (plan.moe_a2a_overlap=true) with it.
     delay_wgrad_compute: bool = False

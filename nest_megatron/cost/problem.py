@@ -27,6 +27,7 @@ class Problem:
     moe_router: str = "learned"
     moe_permute_fusion: bool = False  # --moe-permute-fusion: Transformer Engine's fused (un)permutation
     cuda_graphs: bool = False  # train.cuda_graphs: each layer's pass one graph replay for the host (cost/host.py)
+    defer_embedding_wgrad: bool = False  # train.defer_embedding_wgrad_compute: needs pp > 1 (solver/space.py), not priced
     # --delay-wgrad-compute: the experts' weight gradient after the backward's dispatch, with a configuration's EP
     # all-to-all overlap (ParallelConfig.moe_a2a_overlap; cost/a2a_overlap.py)
     delay_wgrad_compute: bool = False

@@ -211,6 +211,7 @@ def parallel_args(
     tp_comm_overlap: bool = False,
     moe_dispatcher: str = "alltoall",
     delay_wgrad_compute: bool = False,
+    defer_embedding_wgrad: bool = False,
 ) -> list[str]:
     """The flags the planner owns: parallel sizes, batch, ZeRO, recompute, layout, the MoE token dispatcher (and
     its all-to-all overlap) and Transformer Engine's context-parallel exchange."""
@@ -243,6 +244,8 @@ def parallel_args(
     args += split_args(cfg, num_layers=model.cfg.num_layers, layers_per_stage=layers_per_stage,
                        mtp_num_layers=model.cfg.mtp_num_layers or 0, hybrid_pattern=model.cfg.hybrid_layer_pattern,
                        mtp_hybrid_pattern=model.cfg.mtp_hybrid_pattern)
+    if defer_embedding_wgrad:  # train.defer_embedding_wgrad_compute (the plan has pp > 1: solver/space.py)
+        args.append("--defer-embedding-wgrad-compute")
     if cfg.cp > 1 or cfg.cp_comm_type != "p2p":  # the exchange the cost model priced (Megatron's default: p2p)
         args += ["--cp-comm-type", cfg.cp_comm_type]
     if cfg.order == "tp-cp-ep-pp-dp":

@@ -455,6 +455,20 @@ def _first_last_bf16_delayed(launch: Launch):
                 "not support it; use --fp8-recipe tensorwise, blockwise or mxfp8")
 
 
+def _defer_embedding_wgrad_pp(launch: Launch):
+    """The output layer's weight gradient deferred only with pipeline parallelism."""
+    if launch.s.present("--defer-embedding-wgrad-compute") and launch.pp == 1:
+        return ("--defer-embedding-wgrad-compute with --pipeline-model-parallel-size 1: megatron-core defers the output "
+                "layer's weight gradient only with pipeline parallelism; use pp > 1 or drop it")
+
+
+def _defer_embedding_wgrad_fusion(launch: Launch):
+    """The output layer's weight gradient deferred only with gradient accumulation fusion."""
+    if launch.s.present("--defer-embedding-wgrad-compute") and launch.s.present("--no-gradient-accumulation-fusion"):
+        return ("--defer-embedding-wgrad-compute with --no-gradient-accumulation-fusion: megatron-core defers the "
+                "output layer's weight gradient only with gradient accumulation fusion; drop one")
+
+
 def _offload_expert_fc1_delayed(launch: Launch):
     """Offloading the grouped experts' FC1 input not with FP8 delayed scaling."""
     s = launch.s
@@ -628,6 +642,9 @@ ARGV_RULES = (
          _cuda_graphs_full_recompute),
     Rule("cuda-graphs-dropout-recompute", "megatron/core/transformer/transformer_config.py:2868-2899",
          _cuda_graphs_dropout_recompute),
+    Rule("defer-embedding-wgrad-pp", "megatron/core/model_parallel_config.py:545-548", _defer_embedding_wgrad_pp),
+    Rule("defer-embedding-wgrad-fusion", f"megatron/core/model_parallel_config.py:550-553; {ARGS}:2944-2948",
+         _defer_embedding_wgrad_fusion),
     Rule("offload-expert-fc1-delayed", f"{TE}pytorch/module/grouped_linear.py:107-108 (Float8Quantizer: delayed "
          "scaling); megatron/core/transformer/moe/experts.py:254-257, 278-284 (TEGroupedMLP's linear_fc1 saves its "
          "original input unless MXFP8 or NVFP4; megatron-core 0.16.1 experts.py:598-601 with every recipe)",

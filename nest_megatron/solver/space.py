@@ -118,6 +118,10 @@ PRECISION_AWARE_LINE = ("plan.zero={zero} and train.precision_aware_optimizer=tr
 # token_dispatcher.py:1836, MoEFlexTokenDispatcher.__init__, at run time; its tp_size is the expert TP group's, :89).
 DEEPEP_LINE = ("plan.etp=1 and plan.ep=1 with train.moe_dispatcher=deepep: Megatron's DeepEP dispatcher needs expert "
                "TP x EP > 1; give plan.ep > 1, or another dispatcher")
+# megatron/core/model_parallel_config.py:545-548 at d98e8a6 (ValueError in __post_init__)
+DEFER_EMBEDDING_WGRAD_LINE = ("plan.pp=1 with train.defer_embedding_wgrad_compute=true: megatron-core defers the output "
+                              "layer's weight gradient only with pipeline parallelism; give plan.pp > 1 or drop "
+                              "--defer-embedding-wgrad-compute")
 
 
 def train_rule_line(problem: Problem, cfg: ParallelConfig) -> str | None:
@@ -129,6 +133,8 @@ def train_rule_line(problem: Problem, cfg: ParallelConfig) -> str | None:
         return PRECISION_AWARE_LINE.format(zero=cfg.zero)
     if problem.moe_dispatcher == "deepep" and problem.model.is_moe and cfg.etp * cfg.ep == 1:
         return DEEPEP_LINE
+    if problem.defer_embedding_wgrad and cfg.pp == 1:
+        return DEFER_EMBEDDING_WGRAD_LINE
     return None
 
 
