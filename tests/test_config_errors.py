@@ -160,6 +160,7 @@ PLAN_KEYS = {
     "recompute_num_layers": ("1", 1), "order": ("tp-cp-ep-pp-dp", "tp-cp-ep-pp-dp"),
     "layers_per_stage": ("[1,3]", [1, 3]), "cp_comm_type": ("a2a", "a2a"), "pick": ("0", 0),
     "moe_a2a_overlap": ("false", False),  # true needs a MoE model (tests/test_a2a_overlap.py); the tiny model is dense
+    "distributed_optimizer_instances": ("2", 2),
 }
 
 

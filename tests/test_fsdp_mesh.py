@@ -122,3 +122,45 @@ def test_rule_fsdp_pp_agrees_with_megatron_fsdp(name):
     # both kinds are there: single-stage configurations build, pipelined ones do not
     assert {builds for _, builds in verdicts.values()} == {True, False}
     assert {f"{c.tp}/{c.pp}/{c.cp}/{c.dp}/{c.ep}/{c.etp}": v for c, v in verdicts.items() if v[0] != v[1]} == {}
+
+
+def model_parallel_error(cfg: ParallelConfig, *, moe: bool) -> str | None:
+    """What megatron-core's initialize_model_parallel raises for `cfg` with its distributed-optimizer instances, this
+    process posing as rank 0 on the fake backend, or None."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from nest_megatron.trace.cpu_megatron import prepare_cpu_megatron
+
+    prepare_cpu_megatron()
+    teardown_distributed()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg.world)
+    try:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp, context_parallel_size=cfg.cp,
+            expert_model_parallel_size=cfg.ep, expert_tensor_parallel_size=cfg.etp if moe else cfg.tp,
+            order=cfg.order, create_gloo_process_groups=False,
+            num_distributed_optimizer_instances=cfg.distributed_optimizer_instances)
+        return None
+    except AssertionError as e:
+        return str(e)
+    finally:
+        teardown_distributed()
+
+
+@pytest.mark.parametrize("name", ["tiny_gpt", "tiny_moe"])
+def test_rule_optimizer_instances_agrees_with_megatron_core(name):
+    """megatron-core builds the partial data-parallel groups of 2 or 4 distributed-optimizer instances exactly where
+    rule optimizer-instances accepts them (dp x cp, and the expert data-parallel size, divisible by them)."""
+    model = ModelSpec(load_model_config(name))
+    verdicts = {}
+    for cfg in small_configs(model):
+        for n in (2, 4):
+            cfg_n = replace(cfg, distributed_optimizer_instances=n)
+            line = violation(cfg_n, model=model, num_devices=cfg_n.world, global_batch_size=64)
+            ours = line is None or not line.startswith("plan.distributed_optimizer_instances")
+            verdicts[cfg_n] = (ours, model_parallel_error(cfg_n, moe=model.is_moe) is None)
+    assert {builds for _, builds in verdicts.values()} == {True, False}
+    assert {f"{c.tp}/{c.pp}/{c.cp}/{c.dp}/{c.ep}/{c.etp} x{c.distributed_optimizer_instances}": v
+            for c, v in verdicts.items() if v[0] != v[1]} == {}

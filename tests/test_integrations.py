@@ -454,3 +454,14 @@ def test_real_llama3_8b_recipe(moe_plan):
     assert recipe.model.config.init_model_with_meta_device is False  # a GPTConfig (TransformerConfig) field; ZeRO-1
     assert recipe.optim.config.use_distributed_optimizer is True
     assert (recipe.trainer.num_nodes, recipe.trainer.devices) == (2, 8)
+
+
+def test_both_overrides_carry_the_optimizer_instances():
+    """The memory is priced with 2 replicas of the sharded state: NeMo's and Bridge's DDP config get 2 (a recipe's
+    own value replaced), and 1 for a plan without."""
+    plan = api.evaluate(["model=tiny_gpt", *BASE, "plan.tp=1", "plan.dp=16", "plan.zero=1",
+                         "plan.distributed_optimizer_instances=2"])
+    assert nemo_overrides(plan, 8)["trainer.strategy.ddp.num_distributed_optimizer_instances"] == 2
+    assert apply_to_config(bridge_container_stand_in(), plan).ddp.num_distributed_optimizer_instances == 2
+    plain = api.evaluate(["model=tiny_gpt", *BASE, "plan.tp=1", "plan.dp=16", "plan.zero=1"])
+    assert bridge_overrides(plain)["ddp.num_distributed_optimizer_instances"] == 1

@@ -403,3 +403,25 @@ def test_a_deferred_embedding_wgrad_keeps_the_plan_pipelined(capsys):
     with pytest.raises(NestError, match=r"^invalid configuration: plan.pp=1 with train.defer_embedding_wgrad_compute=true: "
                                         "megatron-core defers the output layer's weight gradient only with pipeline"):
         api.evaluate([*PROBLEM, "train.defer_embedding_wgrad_compute=true", "plan.pp=1"])
+
+
+# -- --num-distributed-optimizer-instances: the sharded state's replicas ---------------------------------------
+
+def test_optimizer_instances_are_kept_priced_and_refused_where_they_cannot_split(capsys):
+    """The argv's instances are the plan's (emitted once); ZeRO-1's optimizer state, sharded over dp*cp / N ranks
+    instead of dp*cp, is N times the memory; N that divides no dp*cp of 16 GPUs is one line."""
+    argv, _ = dry_run(capsys, "--", "pretrain_gpt.py", *MODEL, "--use-distributed-optimizer",
+                      "--num-distributed-optimizer-instances", "2")
+    assert argv.count("--num-distributed-optimizer-instances") == 1
+    assert value(argv, "--num-distributed-optimizer-instances") == "2"
+    pins = ["plan.tp=1", "plan.pp=1", "plan.dp=16", "plan.zero=1", "plan.mbs=1"]
+    one = api.evaluate([*PROBLEM, *pins])
+    four = api.evaluate([*PROBLEM, *pins, "plan.distributed_optimizer_instances=4"])
+    optimizer = [plan.predicted["memory_breakdown_gib"][0]["optimizer"] for plan in (one, four)]
+    assert optimizer[1] == pytest.approx(4 * optimizer[0])  # 12 B a parameter over 4 ranks, not 16
+    assert "--num-distributed-optimizer-instances" in four.megatron_args
+    status = cli.main(["launch", *NODES, "--dry-run", "--", "pretrain_gpt.py", *MODEL, "--use-distributed-optimizer",
+                       "--num-distributed-optimizer-instances", "3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status != 0 and len(err) == 1
+    assert "plan.distributed_optimizer_instances=3: must divide dp*cp" in err[0], err

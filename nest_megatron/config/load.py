@@ -776,7 +776,7 @@ def _has_fp8(name: str, key: str = "peak_fp8_tflops") -> bool:
 
 def _check_plan(p: PlanChoice, *, devices: int, layers: int, batch: int, mtp_num_layers: int | None = None) -> None:
     """Pinned values, each within what can ever launch; 0 is a bad value here, never "unset"."""
-    for key in ("tp", "pp", "dp", "cp", "ep", "etp"):
+    for key in ("tp", "pp", "dp", "cp", "ep", "etp", "distributed_optimizer_instances"):
         _integer(f"plan.{key}", getattr(p, key), 1, devices, "the cluster's devices")
     _integer("plan.vpp", p.vpp, 1, layers, "model.num_layers")
     _integer("plan.recompute_num_layers", p.recompute_num_layers, 1, layers, "model.num_layers")

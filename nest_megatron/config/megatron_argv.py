@@ -190,6 +190,9 @@ PLANNER_FLAGS: dict[str, str] = {
     # the output layer's deferred weight gradient: emitted when train.defer_embedding_wgrad_compute, which the argv's
     # own flag sets (train_overrides); the plan then has pp > 1, which megatron-core needs with it
     "--defer-embedding-wgrad-compute": "true",
+    # the distributed optimizer's partial instances: the argv's is a constraint (launch/constraints.py), so the plan's,
+    # which it emits with more than one, equals it
+    "--num-distributed-optimizer-instances": "int",
     # The EP all-to-all overlap and its delayed weight gradient: the plan emits them when its configuration overlaps
     # (plan.moe_a2a_overlap, searched; the argv's flag pins it: launch/constraints.py) / train.delay_wgrad_compute,
     # which the argv's own flag sets (train_overrides); priced in cost/a2a_overlap.py

@@ -297,6 +297,10 @@ class PlanChoice:
     # computation in the schedule's steady state (cost/a2a_overlap.py); it needs EP > 1, virtual stages with PP > 1,
     # no full recompute and no recomputed moe module (parallel/rules.py)
     moe_a2a_overlap: Optional[bool] = None
+    # --num-distributed-optimizer-instances: the data-parallel ranks as this many replicas of the sharded state, each
+    # sharding it over dp x cp / instances ranks (memory priced so; their gradient and weight traffic is priced over
+    # the whole data-parallel group). Not searched: 1 unless given.
+    distributed_optimizer_instances: Optional[int] = None
     # The layer split, given one of five ways (at most one; none: `evaluate` splits evenly, `plan` chooses). The
     # plan emits the simplest Megatron flags for the split it has, whichever way it was given.
     # layers_per_stage (needs plan.pp): pp entries, the layers of each pipeline rank (with vpp > 1 each a multiple

@@ -416,7 +416,7 @@ def after_pipeline(ctx: Context, sums: StageSums, *, first: bool, last: bool) ->
         mtp = model.mtp_physical_depths * sum(model.tp_replicated_params(kind, cfg.tp) for kind in model.mtp_depth_kinds)
         params = sums.tp_replicated_params + (mtp if last else 0)
         replicated = worst(all_reduce_time, spans.tp, grad_bytes * params, net)
-    shards = cfg.dp * cfg.cp if cfg.zero >= 1 else 1
-    expert_shards = cfg.expert_dp if cfg.zero >= 1 else 1
+    shards = cfg.dense_shards if cfg.zero >= 1 else 1
+    expert_shards = cfg.expert_shards if cfg.zero >= 1 else 1
     optimizer = ctx.compute.memory_time(adam_step_bytes(problem.model.numerics.optimizer_state_bytes) * (dense / shards + expert / expert_shards))
     return {"dp_grad_sync": grad + tied + replicated, "dp_param_gather": param, "optimizer": optimizer}

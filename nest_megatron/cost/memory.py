@@ -15,7 +15,8 @@ model's `numerics.optimizer_state_bytes`, which the precision-aware optimizer lo
 its fp32 master kept as the 16 low bits beside the bf16 weight, moments in the dtypes given).
 
 D is the width of the group the state is sharded over: dp x cp for dense parameters, the
-expert-data-parallel width for expert parameters. With fp8 GEMMs each local layer's linears also
+expert-data-parallel width for expert parameters, each divided by --num-distributed-optimizer-instances
+(ParallelConfig.dense_shards, expert_shards). With fp8 GEMMs each local layer's linears also
 keep fp8 copies of their weight for the step (cost/fp8.py: 2 B per parameter on Hopper, its rowwise copy and the
 transpose; 1 B on Blackwell with a per-tensor recipe; 2 + 2/32 B with MXFP8).
 
@@ -149,9 +150,9 @@ def stage_memory(
     expert = sums.expert_params + mtp_expert * last
     grad_bytes = model.numerics.grad_bytes
     optimizer_bytes = model.numerics.optimizer_state_bytes
-    w, g, o = model_state_bytes(dense, zero=cfg.zero, shards=cfg.dp * cfg.cp, grad_bytes=grad_bytes,
+    w, g, o = model_state_bytes(dense, zero=cfg.zero, shards=cfg.dense_shards, grad_bytes=grad_bytes,
                                 optimizer_bytes=optimizer_bytes)
-    ew, eg, eo = model_state_bytes(expert, zero=cfg.zero, shards=cfg.expert_dp, grad_bytes=grad_bytes,
+    ew, eg, eo = model_state_bytes(expert, zero=cfg.zero, shards=cfg.expert_shards, grad_bytes=grad_bytes,
                                    optimizer_bytes=optimizer_bytes)
     weights, grads, optimizer = w + ew, g + eg, o + eo
     # ZeRO-3 gathers the weights of the layer being computed and of the one prefetched.

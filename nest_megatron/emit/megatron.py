@@ -251,6 +251,8 @@ def parallel_args(
     if cfg.order == "tp-cp-ep-pp-dp":
         args.append("--use-tp-pp-dp-mapping")
     args += ZERO_FLAGS[cfg.zero]
+    if cfg.distributed_optimizer_instances > 1:
+        args += ["--num-distributed-optimizer-instances", str(cfg.distributed_optimizer_instances)]
     if overlap_grad_reduce and cfg.zero in (0, 1):
         args.append("--overlap-grad-reduce")
     if overlap_param_gather and cfg.zero == 1:

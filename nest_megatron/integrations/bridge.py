@@ -93,6 +93,8 @@ def bridge_overrides(plan: Plan) -> Overrides:
     # the datatypes the plan is priced in: DistributedDataParallelConfig.grad_reduce_in_fp32 and
     # TransformerConfig.cross_entropy_loss_fusion (megatron-core)
     out["ddp.grad_reduce_in_fp32"] = "--grad-reduce-in-bf16" not in plan.megatron_args
+    # the sharded state's replicas the memory is priced with (DistributedDataParallelConfig), a recipe's own replaced
+    out["ddp.num_distributed_optimizer_instances"] = plan.parallel.get("distributed_optimizer_instances", 1)
     out["model.cross_entropy_loss_fusion"] = "--cross-entropy-loss-fusion" in plan.megatron_args
     if fp8_recipe(plan):
         out["mixed_precision"] = BRIDGE_FP8[fp8_recipe(plan)]

@@ -128,6 +128,8 @@ def nemo_overrides(plan: Plan, devices_per_node: int | None = None) -> Overrides
     out["model.config.init_model_with_meta_device"] = meta_device_init(plan)
     # the datatypes the plan is priced in (megatron-core's DistributedDataParallelConfig and TransformerConfig)
     out[f"{s}.ddp.grad_reduce_in_fp32"] = "--grad-reduce-in-bf16" not in plan.megatron_args
+    # the sharded state's replicas the memory is priced with (DistributedDataParallelConfig), a recipe's own replaced
+    out[f"{s}.ddp.num_distributed_optimizer_instances"] = plan.parallel.get("distributed_optimizer_instances", 1)
     out["model.config.cross_entropy_loss_fusion"] = "--cross-entropy-loss-fusion" in plan.megatron_args
     recipe = fp8_recipe(plan)
     out["trainer.plugins.fp8"] = flag_value(plan, "--fp8-format") if recipe else None  # as the plan's argv, priced

@@ -34,6 +34,7 @@ DEFAULTS = {
     DISPATCHER: "allgather",
     "--moe-flex-dispatcher-backend": "deepep",  # megatron-core transformer_config.py moe_flex_dispatcher_backend
     "--cp-comm-type": ("p2p",),  # training/arguments.py:3221
+    "--num-distributed-optimizer-instances": 1,  # training/arguments.py:3216
 }
 
 
@@ -79,7 +80,8 @@ def layout_why(argv: list[str], loaded: Loaded, plan: Plan) -> str:
                                            model=loaded.config.model),
                            layers_per_stage=list(split) if split is not None else None,
                            cp_comm_type=s.get("--cp-comm-type", ("p2p",))[0],
-                           moe_a2a_overlap=s.present("--overlap-moe-expert-parallel-comm"))
+                           moe_a2a_overlap=s.present("--overlap-moe-expert-parallel-comm"),
+                           distributed_optimizer_instances=s.get("--num-distributed-optimizer-instances"))
     except NestError as err:
         return f"the given layout is not one the cost model prices: {err}"
     problem, _ = profiled_problem(loaded.problem, loaded.config)

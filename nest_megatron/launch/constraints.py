@@ -4,7 +4,8 @@ recompute or the pipeline.
 The planner owns the parallel flags (launch/rewrite.py), but some choices of the argv are constraints, since a
 plan that changed them would not run: the checkpoint format and the optimizer sharding it was written with, the
 sharding an optimizer or --fp8-param-gather needs, the recompute CUDA graphs allow, what activation offloading
-to the host allows, and the EP all-to-all overlap the argv asks for or rules out.
+to the host allows, the EP all-to-all overlap the argv asks for or rules out, and the distributed optimizer's
+instances.
 Each becomes plan.* / solver.* overrides fed to the planner as --pin's are. (--tp-comm-overlap is no
 constraint: it becomes train.tp_comm_overlap=true (config/megatron_argv.train_overrides), under which the
 search has no TP > 1 plan without sequence parallel, and the plan emits the flag with TP > 1 only.) A resume laid out
@@ -221,6 +222,15 @@ def _a2a_overlap(s: Scanned, user_keys: set[str]) -> Constraint | None:
     return None
 
 
+def _optimizer_instances(s: Scanned, user_keys: set[str]) -> Constraint | None:
+    """--num-distributed-optimizer-instances N: the plan keeps N (its memory is priced with it; the rules hold the
+    ZeRO stage and the data-parallel sizes to it)."""
+    n = s.get("--num-distributed-optimizer-instances", 1)
+    if n == 1 or "plan.distributed_optimizer_instances" in user_keys:
+        return None
+    return Constraint([f"plan.distributed_optimizer_instances={n}"], f"--num-distributed-optimizer-instances {n}")
+
+
 def _cuda_graphs(s: Scanned, user: list[str]) -> Constraint | None:
     """CUDA graphs hold the search's recompute kinds: per-layer graphs take no full recompute (transformer_config.py:
     2854-2858), and whole-layer graphs no selective recompute with attention dropout (:2868-2884), since every module
@@ -291,7 +301,8 @@ def argv_constraints(argv: list[str], user: list[str], *, model: ModelConfig, pi
     sharded = _sharded_optimizer(s, user, resume)  # within the user's own stages already
     exchange = _cp_comm_type(s, user_keys)
     overlap = _a2a_overlap(s, user_keys)
-    out += [c for c in (sharded, exchange, overlap) if c is not None]
+    instances = _optimizer_instances(s, user_keys)
+    out += [c for c in (sharded, exchange, overlap, instances) if c is not None]
     optimizer = _optimizer_without_fsdp(s, user, out)
     graphs = _cuda_graphs(s, user)
     out += [c for c in (optimizer, graphs) if c is not None]

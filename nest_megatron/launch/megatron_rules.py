@@ -79,6 +79,7 @@ FLAG_OF_FIELD = {
     "plan.recompute_num_layers": "--recompute-num-layers",
     "train.global_batch_size": "--global-batch-size",
     "train.tp_comm_overlap=true": "--tp-comm-overlap",
+    "plan.distributed_optimizer_instances": "--num-distributed-optimizer-instances",
     "plan.moe_a2a_overlap=true": "--overlap-moe-expert-parallel-comm",
     "plan.moe_a2a_overlap=false": "no --overlap-moe-expert-parallel-comm",
 }
@@ -679,6 +680,7 @@ def violations(argv: list[str], *, world_size: int) -> list[str]:
         # a per-layer list of several exchanges is no configuration the planner prices (the rules name it)
         cp_comm_type=comm_types.pop() if len(comm_types) == 1 else " ".join(_cp_comm_types(launch)),
         moe_a2a_overlap=s.present("--overlap-moe-expert-parallel-comm"),
+        distributed_optimizer_instances=s.get("--num-distributed-optimizer-instances", 1),
     )
     # The split's own rules (parallel.rules: layout, account-split, first-last-split, even-split) on the form the
     # flags spell. The FP8 recipe Transformer Engine's shape rules depend on (Megatron's default recipe: delayed).

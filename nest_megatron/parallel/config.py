@@ -40,6 +40,10 @@ class ParallelConfig:
     # --overlap-moe-expert-parallel-comm: a MoE layer's EP all-to-alls of one micro-batch beside another's computation
     # in the schedule's steady state (cost/a2a_overlap.py)
     moe_a2a_overlap: bool = False
+    # --num-distributed-optimizer-instances: the data-parallel ranks split into this many replicas of the sharded
+    # state (the distributed optimizer's partial instances; Megatron-FSDP's hybrid sharding), each sharding it over
+    # dp x cp / instances ranks
+    distributed_optimizer_instances: int = 1
 
     @property
     def selective_modules(self) -> tuple[str, ...]:
@@ -49,6 +53,16 @@ class ParallelConfig:
     @property
     def world(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def dense_shards(self) -> int:
+        """The ranks ZeRO shards a dense parameter's state over: dp x cp, within one optimizer instance."""
+        return self.dp * self.cp // self.distributed_optimizer_instances
+
+    @property
+    def expert_shards(self) -> int:
+        """The ranks ZeRO shards an expert parameter's state over: the expert DP, within one optimizer instance."""
+        return self.expert_dp // self.distributed_optimizer_instances
 
     @property
     def expert_dp(self) -> int:

@@ -137,6 +137,23 @@ def _fsdp_pp(c: Case):
                 "no pipeline dimension; use plan.pp=1 or plan.zero=0|1")
 
 
+def _optimizer_instances(c: Case):
+    """More than one distributed-optimizer instance only with a sharded optimizer, each instance an equal share of the
+    data-parallel ranks (dp x cp) and of the expert data-parallel ranks."""
+    cfg, n = c.cfg, c.cfg.distributed_optimizer_instances
+    if n == 1:
+        return None
+    if cfg.zero == 0:
+        return (f"plan.distributed_optimizer_instances={n} with plan.zero=0: the instances shard the distributed "
+                "optimizer (or Megatron-FSDP's state); use plan.zero=1|2|3")
+    if (cfg.dp * cfg.cp) % n:
+        return (f"plan.distributed_optimizer_instances={n}: must divide dp*cp = {cfg.dp * cfg.cp} (each instance an "
+                "equal share of the data-parallel ranks)")
+    if c.model.is_moe and cfg.expert_dp % n:
+        return (f"plan.distributed_optimizer_instances={n}: must divide the expert data-parallel size "
+                f"tp*cp*dp/(etp*ep) = {cfg.expert_dp}")
+
+
 def _world(c: Case):
     """The ranks fit on the cluster."""
     cfg = c.cfg
@@ -639,6 +656,9 @@ RULES = (
          "(assert not use_tp_pp_dp_mapping with Megatron FSDP)", _fsdp_order),
     Rule("fsdp-pp", f"{MC}distributed/fsdp/mcore_fsdp_adapter.py:820 (_get_dp_tp_mesh); "
          "Megatron-LM issue #1455, PR #6081", _fsdp_pp),
+    Rule("optimizer-instances", f"{MC}distributed/distributed_data_parallel.py:357-360; {MC}parallel_state.py:922-926, "
+         f"1447-1449; {MC}distributed/fsdp/mcore_fsdp_adapter.py:346 (Megatron-FSDP: hybrid sharding)",
+         _optimizer_instances),
     Rule("world", "nest: the plan's ranks run on the cluster's devices", _world),
     Rule("tp-heads", f"{TC}:1446", _tp_heads),
     Rule("tp-query-groups", f"{TC}:1462 (stricter: Megatron also takes tp a multiple of the groups, replicating "

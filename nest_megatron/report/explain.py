@@ -43,7 +43,8 @@ def plan_config(plan: Plan) -> ParallelConfig:
                           sp=p["sp"], mbs=plan.micro_batch_size, zero=plan.zero_stage, recompute=recompute,
                           recompute_num_layers=r["num_layers"] if r["method"] == "block" else None,
                           order=plan.rank_order, cp_comm_type=p.get("cp_comm_type", "p2p"),
-                          moe_a2a_overlap=p.get("moe_a2a_overlap", False))
+                          moe_a2a_overlap=p.get("moe_a2a_overlap", False),
+                          distributed_optimizer_instances=p.get("distributed_optimizer_instances", 1))
 
 
 SIZES = ("tp", "pp", "dp", "cp", "ep", "etp", "vpp")

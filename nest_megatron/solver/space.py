@@ -61,6 +61,7 @@ def choice_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | No
         cp_comm_type=choice.cp_comm_type or "p2p",
         # --delay-wgrad-compute runs only with the overlap (config/load.py)
         moe_a2a_overlap=problem.delay_wgrad_compute if choice.moe_a2a_overlap is None else choice.moe_a2a_overlap,
+        distributed_optimizer_instances=choice.distributed_optimizer_instances or 1,
     )
 
 
@@ -297,6 +298,7 @@ def _configurations(
     pps = axis(pins.pp, stage_counts(model.cfg.num_layers, devices, any_split=any_split))
     mbss = axis(pins.mbs, [micro_batch_size] if micro_batch_size else list(solver.micro_batch_sizes))
     zeros = axis(pins.zero, list(solver.zero_stages))
+    instances = pins.distributed_optimizer_instances or 1  # not searched
     overlaps = axis(pins.moe_a2a_overlap, [True] if problem.delay_wgrad_compute else searched_a2a_overlaps(problem, solver))
     recomputes = axis(pins.recompute, ["selective"] if pins.recompute_modules is not None else list(solver.recompute))
     recomputed_counts = axis(pins.recompute_num_layers, list(solver.recompute_num_layers))
@@ -348,11 +350,11 @@ def _configurations(
                         ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, zero=zero, order=order), model)
                 if refused[by_sizes]:
                     continue
-            others = (tp, cp, pp, dp, ep, etp, sp, vpp, mbs, zero, order)  # every field but the variants' ones
+            others = (tp, cp, pp, dp, ep, etp, sp, vpp, mbs, zero, order, instances)  # every field but the variants' ones
             for recomputed, modules in variants.get(recompute, [(None, DEFAULT_RECOMPUTE_MODULES)]):
                 sizes = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
                              recompute=recompute, recompute_num_layers=recomputed, recompute_modules=modules,
-                             order=order, moe_a2a_overlap=overlap)
+                             order=order, moe_a2a_overlap=overlap, distributed_optimizer_instances=instances)
                 first = ParallelConfig(**sizes, cp_comm_type=comm_types[0])
                 train_line = train_rule_line(problem, first)  # whatever the exchange
                 if train_line is not None:
