@@ -164,3 +164,24 @@ def test_rule_optimizer_instances_agrees_with_megatron_core(name):
     assert {builds for _, builds in verdicts.values()} == {True, False}
     assert {f"{c.tp}/{c.pp}/{c.cp}/{c.dp}/{c.ep}/{c.etp} x{c.distributed_optimizer_instances}": v
             for c, v in verdicts.items() if v[0] != v[1]} == {}
+
+
+def test_megatron_core_splits_the_data_parallel_group_into_contiguous_instances():
+    """The layout cost/placement.py Spans._partial assumes: with tp 1, dp 16 and 2 instances, rank 0's instance is
+    ranks 0-7 (one DGX node) and its shard's replica is rank 8 (the next node), as megatron-core groups them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from nest_megatron.trace.cpu_megatron import prepare_cpu_megatron
+
+    prepare_cpu_megatron()
+    teardown_distributed()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=16)
+    try:
+        ps.initialize_model_parallel(create_gloo_process_groups=False, num_distributed_optimizer_instances=2)
+        within = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+        assert dist.get_process_group_ranks(within) == list(range(8))
+        assert dist.get_process_group_ranks(ps.get_inter_distributed_optimizer_instance_group()) == [0, 8]
+    finally:
+        teardown_distributed()

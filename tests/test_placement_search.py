@@ -116,3 +116,22 @@ def test_the_shapes_shared_across_configurations_are_each_configuration_s_own(cl
         for kind in ("tp", "cp", "dp", "ep", "etp", "edp", "pp_boundary_level"):
             assert getattr(shared, kind) == getattr(own, kind), (cfg, kind)
         checked += 1
+
+
+def test_optimizer_instances_shard_inside_a_node_and_replicate_across():
+    """tp 1, dp 16 on two DGX H100 nodes with 2 optimizer instances: each instance is one node's 8 GPUs (its group
+    stays on NVLink, level 0) and a shard's two replicas sit on the two nodes (level 1); with one instance the whole
+    group crosses the nodes and there is no replica to reach. ZeRO-1's weight all-gather, within an instance, then
+    stays on NVLink: the same bytes in less time (the gradients pay an all-reduce across the nodes instead)."""
+    loaded = load(["model=llama3_8b", "cluster=dgx_h100_superpod", "cluster.num_devices=16"])
+    topology = loaded.problem.topology
+    two = Spans(ParallelConfig(dp=16, zero=1, distributed_optimizer_instances=2), topology, None)
+    one = Spans(ParallelConfig(dp=16, zero=1), topology, None)
+    assert [s.top_level for s in two.dp_instance] == [0] and [s.top_level for s in two.dp_across] == [1]
+    assert [s.size for s in two.dp_instance] == [8] and [s.size for s in two.dp_across] == [2]
+    assert [s.top_level for s in one.dp_instance] == [1] and [s.top_level for s in one.dp_across] == [-1]
+    pins = ["model=llama3_8b", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "plan.tp=1", "plan.dp=16",
+            "plan.zero=1", "plan.mbs=1", "plan.recompute=full", "train.overlap_grad_reduce=false",
+            "train.overlap_param_gather=false"]
+    sync = [api.evaluate([*pins, f"plan.distributed_optimizer_instances={n}"]).predicted["breakdown"] for n in (1, 2)]
+    assert sync[1]["dp_param_gather"] < sync[0]["dp_param_gather"]

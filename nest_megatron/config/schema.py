@@ -298,8 +298,8 @@ class PlanChoice:
     # no full recompute and no recomputed moe module (parallel/rules.py)
     moe_a2a_overlap: Optional[bool] = None
     # --num-distributed-optimizer-instances: the data-parallel ranks as this many replicas of the sharded state, each
-    # sharding it over dp x cp / instances ranks (memory priced so; their gradient and weight traffic is priced over
-    # the whole data-parallel group). Not searched: 1 unless given.
+    # sharding it over dp x cp / instances ranks (its gradients reduce-scattered and weights gathered there, each
+    # gradient shard all-reduced across the instances). Not searched: 1 unless given.
     distributed_optimizer_instances: Optional[int] = None
     # The layer split, given one of five ways (at most one; none: `evaluate` splits evenly, `plan` chooses). The
     # plan emits the simplest Megatron flags for the split it has, whichever way it was given.

@@ -346,12 +346,24 @@ def _stage_params(ctx: Context, sums: StageSums, *, first: bool, last: bool):
 
 def _sharded_dp_traffic(ctx: Context, sums: StageSums, *, first: bool, last: bool):
     """(reduce-scatter of the gradients, all-gather of the weights) of a rank's parameters over
-    their data-parallel groups, s."""
+    their data-parallel groups within one optimizer instance, s."""
     spans, net, grad = ctx.spans, ctx.net, ctx.problem.model.numerics.grad_bytes
     dense, expert = _stage_params(ctx, sums, first=first, last=last)
-    scatter = worst(reduce_scatter_time, spans.dp, grad * dense, net) + worst(reduce_scatter_time, spans.edp, grad * expert, net)
-    gather = worst(all_gather_time, spans.dp, BF16 * dense, net) + worst(all_gather_time, spans.edp, BF16 * expert, net)
+    scatter = (worst(reduce_scatter_time, spans.dp_instance, grad * dense, net)
+               + worst(reduce_scatter_time, spans.edp_instance, grad * expert, net))
+    gather = (worst(all_gather_time, spans.dp_instance, BF16 * dense, net)
+              + worst(all_gather_time, spans.edp_instance, BF16 * expert, net))
     return scatter, gather
+
+
+def _across_instances(ctx: Context, dense, expert):
+    """The all-reduce of each gradient shard over the optimizer instances (--num-distributed-optimizer-instances;
+    0 with one), once a step, s."""
+    cfg, spans, net, grad = ctx.cfg, ctx.spans, ctx.net, ctx.problem.model.numerics.grad_bytes
+    if cfg.distributed_optimizer_instances == 1:
+        return 0.0
+    return (worst(all_reduce_time, spans.dp_across, grad * dense / cfg.dense_shards, net)
+            + worst(all_reduce_time, spans.edp_across, grad * expert / cfg.expert_shards, net))
 
 
 def _sharded_dp_per_microbatch(ctx: Context, sums: StageSums, *, first: bool, last: bool):
@@ -386,9 +398,12 @@ def after_pipeline(ctx: Context, sums: StageSums, *, first: bool, last: bool) ->
     if cfg.zero == 0:
         grad = worst(all_reduce_time, spans.dp, grad_bytes * dense, net) + worst(all_reduce_time, spans.edp, grad_bytes * expert, net)
     elif cfg.zero == 1:
-        grad = worst(reduce_scatter_time, spans.dp, grad_bytes * dense, net) + worst(reduce_scatter_time, spans.edp, grad_bytes * expert, net)
+        grad = (worst(reduce_scatter_time, spans.dp_instance, grad_bytes * dense, net)
+                + worst(reduce_scatter_time, spans.edp_instance, grad_bytes * expert, net))
     if cfg.zero in (1, 2):
-        param = worst(all_gather_time, spans.dp, BF16 * dense, net) + worst(all_gather_time, spans.edp, BF16 * expert, net)
+        param = (worst(all_gather_time, spans.dp_instance, BF16 * dense, net)
+                 + worst(all_gather_time, spans.edp_instance, BF16 * expert, net))
+    grad = grad + _across_instances(ctx, dense, expert)
     # The last bucket is only ready when the backward ends, the first is needed when the
     # forward starts: at least its share stays exposed; the rest hides behind the pass.
     bucket = np.minimum(1.0, max(DDP_BUCKET_PARAMS, 1_000_000 * cfg.dp) / np.maximum(dense + expert, 1.0))

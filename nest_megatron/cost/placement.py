@@ -58,6 +58,34 @@ class Spans:
         return self._shapes(expert_sizes(self._cfg), "dp")
 
     @cached_property
+    def dp_instance(self) -> tuple[GroupShape, ...]:  # the dense-gradient group within one optimizer instance
+        return self.dp if self._cfg.distributed_optimizer_instances == 1 else self._partial("dp", across=False)
+
+    @cached_property
+    def dp_across(self) -> tuple[GroupShape, ...]:  # the same shard's ranks of every optimizer instance
+        return self._partial("dp", across=True)
+
+    @cached_property
+    def edp_instance(self) -> tuple[GroupShape, ...]:
+        return self.edp if self._cfg.distributed_optimizer_instances == 1 else self._partial("edp", across=False)
+
+    @cached_property
+    def edp_across(self) -> tuple[GroupShape, ...]:
+        return self._partial("edp", across=True)
+
+    def _partial(self, kind: str, *, across: bool) -> tuple[GroupShape, ...]:
+        """The `kind` ("dp" or "edp") groups split over the distributed-optimizer instances as megatron-core splits
+        them: an instance holds a contiguous chunk of each group's ranks, the ranks of one shard in every instance
+        are strided (parallel_state.py:984-1000, 1474-1490 create_hierarchical_groups, at d98e8a6)."""
+        sizes, token = (decoder_sizes(self._cfg), "dp-cp") if kind == "dp" else (expert_sizes(self._cfg), "dp")
+        groups = rank_groups(self._cfg.order, sizes, token)
+        instances = self._cfg.distributed_optimizer_instances
+        parts = groups.reshape(len(groups), instances, groups.shape[1] // instances)
+        parts = parts.transpose(0, 2, 1) if across else parts
+        devices = identity_placement(self._cfg.world) if self._rank_to_device is None else self._rank_to_device
+        return tuple(group_shapes(parts.reshape(-1, parts.shape[-1]), devices, self._topology))
+
+    @cached_property
     def pp_boundary_level(self) -> tuple[int, ...]:  # boundary i sits between stage i and i + 1
         pp_groups = rank_groups(self._cfg.order, decoder_sizes(self._cfg), "pp")
         devices = identity_placement(self._cfg.world) if self._rank_to_device is None else self._rank_to_device
@@ -115,9 +143,9 @@ def compute_spans(cfg: ParallelConfig, topology: Topology, rank_to_device: np.nd
 
 
 @lru_cache(maxsize=8192)
-def _cached_spans(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, order: str, topology: Topology,
+def _cached_spans(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, order: str, instances: int, topology: Topology,
                   mapping: bytes | None) -> Spans:
-    cfg = ParallelConfig(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp, order=order)
+    cfg = ParallelConfig(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp, order=order, distributed_optimizer_instances=instances)
     return compute_spans(cfg, topology, None if mapping is None else np.frombuffer(mapping, dtype=np.int64))
 
 
@@ -125,4 +153,5 @@ def spans_for(cfg: ParallelConfig, topology: Topology, rank_to_device: np.ndarra
     """Spans of `cfg` under `rank_to_device` (None: rank r on device r), shared by every
     configuration with the same group sizes and map: ZeRO, recompute, micro-batch do not move them."""
     mapping = None if rank_to_device is None else np.asarray(rank_to_device, dtype=np.int64).tobytes()
-    return _cached_spans(cfg.tp, cfg.cp, cfg.dp, cfg.pp, cfg.ep, cfg.etp, cfg.order, topology, mapping)
+    return _cached_spans(cfg.tp, cfg.cp, cfg.dp, cfg.pp, cfg.ep, cfg.etp, cfg.order, cfg.distributed_optimizer_instances,
+                         topology, mapping)
