@@ -28,6 +28,7 @@ from nest_megatron.launch.prepare import megatron_env
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.plan import key_overrides
 from nest_megatron.report.table import render
+from nest_megatron.solver.space import searched_a2a_overlaps
 
 BASE = ["model=tiny_moe", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64"]
 OVERLAP = ["plan.moe_a2a_overlap=true", "train.delay_wgrad_compute=true"]
@@ -136,6 +137,19 @@ def test_the_argv_flags_become_constraints_and_train_keys():
 def test_what_the_overlap_asks_of_the_run_is_one_line(extra, line):
     with pytest.raises(NestError, match="^" + line):
         load([*BASE, *extra])
+
+
+def test_only_a_gpt_model_runs_the_overlap():
+    """megatron-core's combined 1F1B schedule asks the model for its schedule plan, which only GPTModel builds
+    (models/gpt/gpt_model.py:843 at d98e8a6): a hybrid Mamba MoE stack is never searched with it, and asking is one
+    line."""
+    loaded = load(["model=nemotron3_super", "cluster=dgx_h100_superpod", "cluster.num_devices=64"])
+    assert searched_a2a_overlaps(loaded.problem, loaded.config.solver) == [False]
+    moe_gpt = load(["model=deepseek_v3", "cluster=dgx_h100_superpod", "cluster.num_devices=64"])
+    assert searched_a2a_overlaps(moe_gpt.problem, moe_gpt.config.solver) == [False, True]
+    with pytest.raises(NestError, match="^plan.moe_a2a_overlap=true: model nemotron3_super is a hybrid Mamba stack; "
+                                        "megatron-core's combined schedule runs the overlap for a GPT model only"):
+        load(["model=nemotron3_super", "plan.moe_a2a_overlap=true"])
 
 
 def test_a_dense_model_has_nothing_to_overlap():

@@ -53,6 +53,7 @@ from nest_megatron.model.spec import (
     ModelSpec,
     Numerics,
     OptimizerDtypes,
+    gpt_model,
 )
 from nest_megatron.parallel.config import CP_COMM_TYPES, RANK_ORDERS, RECOMPUTE_KINDS, RECOMPUTE_MODULES, ZERO_STAGES
 from nest_megatron.parallel.layout import EXCLUSIONS, SplitForm, excluded_pair, form_vpp, layout_problem, pattern_chunks
@@ -738,7 +739,7 @@ def _check_precision(t: TrainConfig, a: AcceleratorConfig) -> None:
 def _check_a2a_overlap(t: TrainConfig, m: ModelConfig, p: PlanChoice) -> None:
     """What a pinned --overlap-moe-expert-parallel-comm asks of the run as a whole, whatever the layout (Megatron-LM
     transformer_config.py:3002-3071 at d98e8a6; what it asks of the layout is parallel/rules.py's a2a-overlap rules;
-    the search tries it only where these hold, solver/space.py searched_a2a_overlaps): a MoE model, the alltoall or
+    the search tries it only where these hold, solver/space.py searched_a2a_overlaps): a MoE GPT model, the alltoall or
     flex dispatcher, at most one multi-token-prediction depth, no shared-expert overlap. --delay-wgrad-compute runs
     only with it (:3074-3077): train.delay_wgrad_compute=true plans with the overlap."""
     if t.delay_wgrad_compute and p.moe_a2a_overlap is False:
@@ -753,6 +754,10 @@ def _check_a2a_overlap(t: TrainConfig, m: ModelConfig, p: PlanChoice) -> None:
     if not m.num_experts:
         raise NestError(f"{asked}: model {m.name} has no experts (model.num_experts); "
                         "the overlap hides a MoE layer's expert-parallel all-to-alls")
+    if not gpt_model(m):
+        kind = "a hybrid Mamba stack" if m.family == "gpt" else f"a {m.family} model"
+        raise NestError(f"{asked}: model {m.name} is {kind}; megatron-core's combined schedule runs the overlap for "
+                        "a GPT model only (GPTModel.build_schedule_plan)")
     if t.moe_dispatcher == "allgather":
         raise NestError(f"{asked} with train.moe_dispatcher=allgather: the overlap runs with the "
                         "alltoall or flex (deepep) dispatcher only")

@@ -172,6 +172,11 @@ class ModelSpec:
         return bool(self.cfg.num_experts)
 
     @property
+    def is_gpt_model(self) -> bool:
+        """Whether Megatron builds it as a GPTModel (not a hybrid Mamba stack, not BERT)."""
+        return gpt_model(self.cfg)
+
+    @property
     def mixer(self) -> str:
         """The decoder's mixer: mla with --multi-latent-attention, attention otherwise."""
         return "mla" if self.cfg.multi_latent_attention else "attention"
@@ -635,6 +640,11 @@ MEGATRON_GEMM_ROLES = {"self_attention.linear_qkv": "qkv", "self_attention.linea
                        "self_attention.linear_kv_down_proj": "kv_down", "self_attention.linear_kv_up_proj": "kv_up",
                        "eh_proj": "eh_proj", "mlp.fc1_latent_proj": "latent_fc1", "mlp.fc2_latent_proj": "latent_fc2"}
 MTP_LAYER_PREFIX = "transformer_layer."  # a multi-token-prediction depth's layer (MultiTokenPredictionLayer)
+
+
+def gpt_model(cfg: ModelConfig) -> bool:
+    """Whether Megatron builds the model as a GPTModel (not a hybrid Mamba stack, not BERT)."""
+    return cfg.family == "gpt" and cfg.hybrid_layer_pattern is None
 
 
 def gemm_role(traced_name: str) -> str:

@@ -258,13 +258,16 @@ def tensor_parallel_sizes(problem: Problem) -> list[int]:
 
 def searched_a2a_overlaps(problem: Problem, solver: SolverConfig) -> list[bool]:
     """The EP all-to-all overlaps searched (--overlap-moe-expert-parallel-comm): solver.moe_a2a_overlap, without true
-    where the run as a whole has none: a model without experts, the allgather dispatcher, more than one
-    multi-token-prediction layer, the shared expert overlapped with the dispatch (transformer_config.py:3002-3046 at
-    d98e8a6), or CUDA graphs (Transformer Engine's graphs of the MoE or MLP scope refuse it, :3062-3071, and the argv's
-    scope is the user's). A pinned plan.moe_a2a_overlap is the user's (config/load.py refuses it where Megatron does)."""
+    where the run as a whole has none: a model without experts, not a GPT model (only GPTModel builds the combined
+    schedule's plan, models/gpt/gpt_model.py:843 at d98e8a6: a hybrid Mamba stack or BERT has none), the allgather
+    dispatcher, more than one multi-token-prediction layer, the shared expert overlapped with the dispatch
+    (transformer_config.py:3002-3046), or CUDA graphs (Transformer Engine's graphs of the MoE or MLP scope refuse
+    it, :3062-3071, and the argv's scope is the user's). A pinned plan.moe_a2a_overlap is the user's (config/load.py
+    refuses it where Megatron does)."""
     model = problem.model
-    possible = (model.is_moe and problem.moe_dispatcher != "allgather" and (model.cfg.mtp_num_layers or 0) <= 1
-                and not model.cfg.moe_shared_expert_overlap and not problem.cuda_graphs)
+    possible = (model.is_moe and model.is_gpt_model and problem.moe_dispatcher != "allgather"
+                and (model.cfg.mtp_num_layers or 0) <= 1 and not model.cfg.moe_shared_expert_overlap
+                and not problem.cuda_graphs)
     return [value for value in solver.moe_a2a_overlap if possible or not value]
 
 
