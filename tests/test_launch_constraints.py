@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from nest_megatron import api, cli
 from nest_megatron.commands.launch import torchrun_main
@@ -18,6 +19,7 @@ from nest_megatron.config.load import load
 from nest_megatron.errors import InfeasibleError, NestError
 from nest_megatron.launch.constraints import argv_constraints
 from nest_megatron.launch.prepare import problem_overrides
+from nest_megatron.report.table import render
 
 # A 7B-like dense model: 32 layers of 4096, 32 heads; planned on 2 DGX H100 nodes (16 GPUs) in about a second.
 MODEL = ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 --max-position-embeddings 4096 "
@@ -420,6 +422,9 @@ def test_optimizer_instances_are_kept_priced_and_refused_where_they_cannot_split
     optimizer = [plan.predicted["memory_breakdown_gib"][0]["optimizer"] for plan in (one, four)]
     assert optimizer[1] == pytest.approx(4 * optimizer[0])  # 12 B a parameter over 4 ranks, not 16
     assert "--num-distributed-optimizer-instances" in four.megatron_args
+    console = Console(record=True, width=300)
+    render(four, console)
+    assert "stage 1 in 4 instances" in console.export_text()
     status = cli.main(["launch", *NODES, "--dry-run", "--", "pretrain_gpt.py", *MODEL, "--use-distributed-optimizer",
                        "--num-distributed-optimizer-instances", "3"])
     err = capsys.readouterr().err.strip().splitlines()

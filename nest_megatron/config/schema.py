@@ -258,7 +258,7 @@ class SolverConfig:
     # Transformer Engine runs none of them for a configuration (sliding-window attention refuses p2p, an off-by-one or
     # learnable softmax all but a2a: parallel/rules.py), the others it runs are tried instead; [p2p, a2a, all_gather] tries all (a slower search).
     cp_comm_types: list[str] = field(default_factory=lambda: ["p2p"])
-    # --overlap-moe-expert-parallel-comm tried off and on, for a MoE model with EP > 1 where the run allows it (the
+    # --overlap-moe-expert-parallel-comm tried off and on, for a MoE GPT model with EP > 1 where the run allows it (the
     # alltoall or flex dispatcher, at most one MTP layer, no shared-expert overlap, no CUDA graphs: solver/space.py)
     moe_a2a_overlap: list[bool] = field(default_factory=lambda: [False, True])
     top_k: int = 10  # how many runners-up the Plan keeps

@@ -27,6 +27,11 @@ class Spans:
         """`rank_to_device` None: rank r on device r."""
         self._cfg, self._topology, self._rank_to_device = cfg, topology, rank_to_device
 
+    @property
+    def _devices(self) -> np.ndarray:
+        """The rank -> device map, Megatron's own (rank r on device r) when none was given."""
+        return identity_placement(self._cfg.world) if self._rank_to_device is None else self._rank_to_device
+
     def _shapes(self, sizes: dict[str, int], token: str) -> tuple[GroupShape, ...]:
         if self._rank_to_device is None:
             return _identity_shapes(self._topology, *identity_key(self._cfg.order, sizes, token))
@@ -82,14 +87,12 @@ class Spans:
         instances = self._cfg.distributed_optimizer_instances
         parts = groups.reshape(len(groups), instances, groups.shape[1] // instances)
         parts = parts.transpose(0, 2, 1) if across else parts
-        devices = identity_placement(self._cfg.world) if self._rank_to_device is None else self._rank_to_device
-        return tuple(group_shapes(parts.reshape(-1, parts.shape[-1]), devices, self._topology))
+        return tuple(group_shapes(parts.reshape(-1, parts.shape[-1]), self._devices, self._topology))
 
     @cached_property
     def pp_boundary_level(self) -> tuple[int, ...]:  # boundary i sits between stage i and i + 1
         pp_groups = rank_groups(self._cfg.order, decoder_sizes(self._cfg), "pp")
-        devices = identity_placement(self._cfg.world) if self._rank_to_device is None else self._rank_to_device
-        return boundary_levels(pp_groups, devices, self._topology)
+        return boundary_levels(pp_groups, self._devices, self._topology)
 
     def levels_used(self, *, moe: bool) -> dict[str, int]:
         """The highest level each group kind crosses (-1: no communication); the expert groups

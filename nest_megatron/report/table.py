@@ -75,7 +75,9 @@ def render(plan: Plan, console: Console, *, megatron_args: list[str] | None = No
                              f"ETP {p['etp']}  VPP {p['vpp']}  SP {'on' if p['sp'] else 'off'}")
     head.add_row("batch", f"micro {plan.micro_batch_size} x {plan.num_microbatches} micro-batches x DP {p['dp']} "
                           f"= global {plan.global_batch_size}")
-    head.add_row("ZeRO / recompute", f"stage {plan.zero_stage}  /  {plan.recompute['granularity'] or 'none'}"
+    instances = p.get("distributed_optimizer_instances", 1)  # --num-distributed-optimizer-instances
+    head.add_row("ZeRO / recompute", f"stage {plan.zero_stage}" + (f" in {instances} instances" if instances > 1 else "")
+                 + f"  /  {plan.recompute['granularity'] or 'none'}"
                  + (f" ({plan.recompute['method']}, {plan.recompute['num_layers']} layers)" if plan.recompute['method'] else ""))
     head.add_row("layers per stage", " ".join(map(str, plan.layers_per_stage)))
     if plan.vocabulary:
