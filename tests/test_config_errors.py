@@ -232,6 +232,8 @@ BAD = {
                      ["model.num_layers=4"]),
     "misspelt section": (["trian.global_batch_size=8"], r"trian\.global_batch_size: no such key.*train",
                          ["train.global_batch_size=8"]),
+    "moved key": (["train.moe_a2a_overlap=false"], r"^train\.moe_a2a_overlap: moved to plan\.moe_a2a_overlap",
+                  ["plan.moe_a2a_overlap=false"]),
     "unknown group option": (["model=tiny_gtp"], r"model=tiny_gtp: unknown model; choose one of: .*tiny_gpt",
                              ["model=tiny_gpt"]),
     "wrong type": (["model.num_layers=abc"], r"model\.num_layers=abc: expected", ["model.num_layers=12"]),

@@ -313,7 +313,14 @@ def _composition_message(err: Exception, overrides: list[str]) -> str:
     return f"bad override ({' '.join(overrides)}): {text}"
 
 
+# Keys an earlier release took, and where their setting lives now.
+MOVED_KEYS = {"train.moe_a2a_overlap": "plan.moe_a2a_overlap (a configuration's choice, which the search also tries: "
+                                       "solver.moe_a2a_overlap)"}
+
+
 def _unknown_key_message(dotted: str) -> str:
+    if dotted in MOVED_KEYS:
+        return f"{dotted}: moved to {MOVED_KEYS[dotted]}"
     level = re.match(r"cluster\.levels\.\d+\.(\w+)$", dotted)
     if level:
         allowed = [f.name for f in fields(LevelConfig)]
