@@ -145,6 +145,13 @@ class Launch:
         return max(self.world_size // (self.tp * self.pp * self.cp), 1)
 
     @property
+    def gtp(self) -> int:
+        """Megatron-LM's GTP weight-remat size: --tensor-parallel-num-weight-shards / tp (1 without the flag, or where
+        it is no multiple of tp: rule weight-shards says so; megatron/core/model_parallel_config.py:28-41)."""
+        shards = self.s.get("--tensor-parallel-num-weight-shards")
+        return shards // self.tp if shards and shards % self.tp == 0 else 1
+
+    @property
     def form(self) -> SplitForm:
         """How the argv gives the layer split (parallel.layout: the flags of each form)."""
         return argv_form(self.s)
@@ -244,6 +251,59 @@ def _world_divisible(launch: Launch):
         return f"world size {launch.world_size} is not divisible by tp*pp*cp = {launch.tp}*{launch.pp}*{launch.cp}"
 
 
+SHARD_FLAGS = ("--tensor-parallel-num-weight-shards", "--expert-tensor-parallel-num-weight-shards")
+GTP = "GTP weight sharding (--tensor-parallel-num-weight-shards or --expert-tensor-parallel-num-weight-shards above TP)"
+
+
+def _etp(launch: Launch) -> int:
+    return launch.s.get("--expert-tensor-parallel-size", launch.tp)  # Megatron-LM's default (arguments.py:588)
+
+
+def _expert_gtp(launch: Launch) -> int:
+    """The experts' GTP weight-remat size, --expert-tensor-parallel-num-weight-shards / etp (1 as for Launch.gtp)."""
+    shards = launch.s.get(SHARD_FLAGS[1])
+    return shards // _etp(launch) if shards and shards % _etp(launch) == 0 else 1
+
+
+def _weight_shards(launch: Launch):
+    """GTP weight shards are a multiple of TP (the experts' of expert TP)."""
+    for flag, tp_flag, tp in zip(SHARD_FLAGS, ("--tensor-model-parallel-size", "--expert-tensor-parallel-size"),
+                                 (launch.tp, _etp(launch))):
+        shards = launch.s.get(flag)
+        if shards is not None and (shards < tp or shards % tp):
+            return f"{flag} {shards}: must be a multiple of {tp_flag} {tp}, at least it (shards = tp x GTP ranks)"
+
+
+def _weight_shards_world(launch: Launch):
+    """GTP's ranks are a factor of the world: tp*pp*cp*gtp divides it (the experts' etp*ep*pp*egtp)."""
+    w, pp, gtp, expert_gtp = launch.world_size, launch.pp, launch.gtp, _expert_gtp(launch)
+    if gtp > 1 and w % (launch.tp * pp * launch.cp * gtp):  # gtp 1: rule world-divisible
+        return (f"world size {w} with {SHARD_FLAGS[0]} {launch.s.get(SHARD_FLAGS[0])}: must be divisible by "
+                f"tp*pp*cp*(shards/tp) = {launch.tp}*{pp}*{launch.cp}*{gtp}")
+    etp, ep = _etp(launch), launch.s.get("--expert-model-parallel-size", 1)
+    if expert_gtp > 1 and w % (etp * ep * pp * expert_gtp):
+        return (f"world size {w} with {SHARD_FLAGS[1]} {launch.s.get(SHARD_FLAGS[1])}: must be divisible by "
+                f"etp*ep*pp*(shards/etp) = {etp}*{ep}*{pp}*{expert_gtp}")
+
+
+def _gtp_on(launch: Launch) -> bool:
+    return launch.gtp > 1 or _expert_gtp(launch) > 1
+
+
+def _weight_shards_instances(launch: Launch):
+    """GTP weight sharding only with one distributed-optimizer instance."""
+    instances = launch.s.get("--num-distributed-optimizer-instances", 1)
+    if _gtp_on(launch) and instances > 1:
+        return f"{GTP} with --num-distributed-optimizer-instances {instances}: megatron-core takes 1 instance; drop one"
+
+
+def _weight_shards_checkpoint(launch: Launch):
+    """GTP weight sharding checkpoints as torch or torch_dist."""
+    ckpt = launch.s.get("--ckpt-format", "torch_dist")
+    if _gtp_on(launch) and ckpt not in ("torch", "torch_dist"):
+        return f"{GTP} with --ckpt-format {ckpt}: Megatron-LM takes torch or torch_dist only; drop one"
+
+
 def _virtual_flags(launch: Launch):
     """At most one of the three ways to set virtual stages."""
     given = [f for f in VIRTUAL_FLAGS if launch.s.has(f)]
@@ -290,6 +350,45 @@ def _vpp_p2p_overlap(launch: Launch):
         return "virtual pipeline stages with --no-overlap-p2p-communication need --pipeline-model-parallel-size > 2"
 
 
+def _p2p_warmup_flush(launch: Launch):
+    """--overlap-p2p-communication-warmup-flush needs virtual stages and p2p overlap."""
+    s = launch.s
+    # Megatron-LM turns p2p overlap off without virtual stages (arguments.py:1010-1012) and batches p2p without it
+    # (argument_utils.py:307); ModelParallelConfig then refuses the warm-up / flush overlap.
+    if s.present("--overlap-p2p-communication-warmup-flush") and (
+            _vpp(launch) == 1 or s.has("--no-overlap-p2p-communication")):
+        return ("--overlap-p2p-communication-warmup-flush needs virtual pipeline stages and p2p overlap (no "
+                "--no-overlap-p2p-communication): it overlaps the interleaved schedule's warm-up / flush only")
+
+
+GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
+
+
+def _group_problem(microbatches: int, group: int, pp: int) -> str | None:
+    """What the interleaved schedule says of `microbatches` run `group` at a time per virtual stage (None: fine)."""
+    if not pp <= group <= microbatches:
+        return f"must be from pp={pp} to the {microbatches} micro-batches"
+    if 0 < microbatches % group < pp:
+        return f"leaves a last group of {microbatches % group} micro-batches, fewer than pp={pp} (0 or >= pp allowed)"
+    return None
+
+
+def _microbatches(launch: Launch, gbs: int, mbs: int) -> int:
+    return gbs // (mbs * launch.dp)
+
+
+def _microbatch_group(launch: Launch):
+    """Micro-batch groups per virtual stage hold pp to all micro-batches; the last holds none or at least pp."""
+    s, group = launch.s, launch.s.get(GROUP_FLAG)
+    if group is None or _vpp(launch) == 1:  # without virtual stages the flag is not read
+        return None
+    mbs = s.get("--micro-batch-size", 1)
+    microbatches = _microbatches(launch, s.get("--global-batch-size", mbs * launch.dp), mbs)
+    problem = _group_problem(microbatches, group, launch.pp)
+    if problem:
+        return f"{GROUP_FLAG} {group} with {microbatches} micro-batches per iteration: {problem}"
+
+
 def _moe_act_grouped_gemm(launch: Launch):
     """The moe_act recompute module only with --moe-grouped-gemm (the grouped experts' activation)."""
     s = launch.s
@@ -307,6 +406,40 @@ def _micro_batch(launch: Launch):
     """--micro-batch-size is given."""
     if not launch.s.has("--micro-batch-size"):
         return "--micro-batch-size: Megatron requires it"
+
+
+def _eval_sizes(launch: Launch) -> tuple[int, int] | None:
+    """(eval global batch, eval micro-batch) when the argv gives either (each defaults to the training one,
+    arguments.py:708-711); None without them: evaluation then runs the training batch."""
+    s = launch.s
+    if not (s.has("--eval-global-batch-size") or s.has("--eval-micro-batch-size")):
+        return None
+    mbs = s.get("--micro-batch-size", 1)
+    gbs = s.get("--global-batch-size", mbs * launch.dp)
+    return s.get("--eval-global-batch-size", gbs), s.get("--eval-micro-batch-size", mbs)
+
+
+def _eval_batch(launch: Launch):
+    """The eval batch is a multiple of the eval micro-batch x DP."""
+    sizes = _eval_sizes(launch)
+    if sizes and sizes[0] % (sizes[1] * launch.dp):
+        return (f"--eval-global-batch-size {sizes[0]}: must be a multiple of --eval-micro-batch-size x dp = "
+                f"{sizes[1]}*{launch.dp} (each defaults to the training one)")
+
+
+def _eval_microbatch_group(launch: Launch):
+    """Under the interleaved schedule the eval micro-batches fill the micro-batch groups as the training ones do."""
+    s, sizes = launch.s, _eval_sizes(launch)
+    # Megatron-LM evaluates with --eval-iters > 0 (its default 100) or --full-validation (training.py:5539)
+    evaluates = s.get("--eval-iters", 100) > 0 or s.present("--full-validation")
+    if not sizes or _vpp(launch) == 1 or not evaluates or sizes[0] % (sizes[1] * launch.dp):  # the last: eval-batch
+        return None
+    microbatches, group = _microbatches(launch, *sizes), s.get(GROUP_FLAG, launch.pp)
+    problem = _group_problem(microbatches, group, launch.pp)
+    if problem:
+        return (f"{microbatches} eval micro-batches (--eval-global-batch-size / --eval-micro-batch-size / dp) in "
+                f"groups of {group} under the interleaved schedule: {problem}; the first evaluation dies (or give "
+                "--eval-iters 0)")
 
 
 def _param_gather_optimizer(launch: Launch):
@@ -399,6 +532,47 @@ def _precision_aware_optimizer(launch: Launch):
                 "which turns it on)")
 
 
+def _param_gather_with_step(launch: Launch):
+    """The param gather overlapped with the optimizer step: distributed optimizer, virtual stages, torch checkpoints."""
+    s = launch.s
+    if not s.present("--overlap-param-gather-with-optimizer-step"):
+        return None
+    # Megatron-FSDP turns the distributed optimizer on only later (arguments.py:1135): it does not count here
+    needs = (("--use-distributed-optimizer", s.has("--use-distributed-optimizer")),
+             ("--overlap-param-gather", s.has("--overlap-param-gather")),
+             ("virtual pipeline stages", _vpp(launch) > 1),
+             ("--ckpt-format torch", s.get("--ckpt-format", "torch_dist") == "torch"))  # not a distributed checkpoint
+    missing = [need for need, ok in needs if not ok]
+    if missing:
+        return f"--overlap-param-gather-with-optimizer-step needs {', '.join(missing)}"
+
+
+def _fsdp_single_grouped(launch: Launch):
+    """Megatron-FSDP not with single grouped MoE parameters."""
+    s = launch.s
+    given = [flag for flag in ("--moe-single-grouped-weight", "--moe-single-grouped-bias") if s.present(flag)]
+    if s.has("--use-megatron-fsdp") and given:
+        return (f"{given[0]} with --use-megatron-fsdp: Megatron-FSDP does not remap grouped-tensor parameters; drop "
+                f"{given[0]} or use --use-distributed-optimizer")
+
+
+def _fsdp_weight_hash(launch: Launch):
+    """Megatron-FSDP's optim_grads_params strategy checks no weight hash across DP replicas."""
+    s = launch.s
+    if (s.has("--use-megatron-fsdp") and s.get("--data-parallel-sharding-strategy", "optim_grads_params")
+            == "optim_grads_params" and s.present("--check-weight-hash-across-dp-replicas-interval")):
+        return ("--check-weight-hash-across-dp-replicas-interval with --data-parallel-sharding-strategy "
+                "optim_grads_params (Megatron-FSDP's default): the replicas hold no whole weights; drop it")
+
+
+def _save_params_param_gather(launch: Launch):
+    """Saving the parameters on their own interval not with --overlap-param-gather."""
+    s = launch.s
+    if s.present("--save") and s.present("--save-params-interval") and s.has("--overlap-param-gather"):
+        return ("--save-params-interval (with --save) and --overlap-param-gather: Megatron-LM refuses them together; "
+                "drop one")
+
+
 def _deepep_needs_flex(launch: Launch):
     """--moe-enable-deepep needs the flex dispatcher."""
     s = launch.s
@@ -448,12 +622,82 @@ def _cp_hierarchical(launch: Launch):
                     f"--context-parallel-size {launch.cp}")
 
 
+def _dsa_cp(launch: Launch):
+    """DeepSeek sparse attention with CP > 1 only through the all-gather exchange."""
+    exchanges = _cp_comm_types(launch)
+    if (launch.s.get("--experimental-attention-variant") == "dsa" and launch.cp > 1
+            and any(t.replace("_", "").lower() != "allgather" for t in exchanges)):
+        return (f"--experimental-attention-variant dsa with --context-parallel-size {launch.cp} and --cp-comm-type "
+                f"{' '.join(exchanges)} (p2p when not given): DSAttention takes context parallelism only through "
+                "all_gather; give --cp-comm-type all_gather")
+
+
+GDN_VARIANTS = ("gdn", "gdn2", "gated_delta_net")  # gated_delta_net: the deprecated spelling of gdn
+
+
+def _gdn_heads(launch: Launch):
+    """Gated DeltaNet's key and value heads are multiples of tp*cp."""
+    s, tp_cp = launch.s, launch.tp * launch.cp
+    variant = s.get("--experimental-attention-variant")
+    if variant not in GDN_VARIANTS:
+        return None
+    # megatron-core's defaults: 16 key and 32 value heads (transformer_config.py:379, 382)
+    for flag, default in (("--linear-num-key-heads", 16), ("--linear-num-value-heads", 32)):
+        heads = s.get(flag, default)
+        if heads % tp_cp:
+            return (f"{flag} {heads} with --experimental-attention-variant {variant}: must be a multiple of "
+                    f"tp*cp = {launch.tp}*{launch.cp} (each rank takes whole linear-attention heads)")
+
+
+def _hybrid_cp_layout(launch: Launch):
+    """Hybrid context parallelism not with pipeline parallelism or Megatron-FSDP."""
+    s = launch.s
+    given = [flag for flag, on in ((f"--pipeline-model-parallel-size {launch.pp}", launch.pp > 1),
+                                   ("--use-megatron-fsdp", s.has("--use-megatron-fsdp"))) if on]
+    if s.present("--hybrid-context-parallel") and given:
+        return (f"--hybrid-context-parallel with {' and '.join(given)}: Megatron-LM takes hybrid context parallelism "
+                "only at pp 1 and without Megatron-FSDP; drop one")
+
+
+def _hybrid_cp_even(launch: Launch):
+    """Hybrid context parallelism pairs the data x context-parallel ranks: an even number of them."""
+    dp = launch.dp // launch.gtp  # Megatron's data-parallel size leaves out GTP's ranks (arguments.py:441-448)
+    if launch.s.present("--hybrid-context-parallel") and (dp * launch.cp) % 2:
+        return (f"--hybrid-context-parallel with dp x cp = {dp}*{launch.cp} ranks: megatron-core needs an even number "
+                "of them")
+
+
+def _hybrid_cp_loss(launch: Launch):
+    """Hybrid context parallelism needs --calculate-per-token-loss."""
+    if launch.s.present("--hybrid-context-parallel") and not launch.s.present("--calculate-per-token-loss"):
+        return "--hybrid-context-parallel needs --calculate-per-token-loss"
+
+
+def _batch_invariant_cp(launch: Launch):
+    """Batch-invariant mode not with context parallelism."""
+    if launch.s.present("--batch-invariant-mode") and launch.cp > 1:
+        return (f"--batch-invariant-mode with --context-parallel-size {launch.cp}: context parallelism runs "
+                "Transformer Engine's own FlashAttention-2 kernels, not the batch-invariant ones; use cp 1")
+
+
 def _first_last_bf16_delayed(launch: Launch):
     """FP8 with the first / last layers in bf16 not under the delayed recipe."""
     s = launch.s
     if s.has("--fp8-format") and s.present("--first-last-layers-bf16") and s.get("--fp8-recipe", "delayed") == "delayed":
         return ("--first-last-layers-bf16 with --fp8-recipe delayed (Megatron's default recipe): delayed scaling does "
                 "not support it; use --fp8-recipe tensorwise, blockwise or mxfp8")
+
+
+def _first_last_bf16_layers(launch: Launch):
+    """FP8's bf16 first / last layers fit in a pipeline stage (num_layers // pp)."""
+    s, most = launch.s, launch.model.num_layers // launch.pp
+    if not (s.has("--fp8-format") and s.present("--first-last-layers-bf16")):
+        return None
+    for flag in ("--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"):
+        layers = s.get(flag, 1)
+        if not 0 <= layers <= most:
+            return (f"{flag} {layers} with --pipeline-model-parallel-size {launch.pp}: allowed 0 to the "
+                    f"num_layers // pp = {most} layers of a stage")
 
 
 def _defer_embedding_wgrad_pp(launch: Launch):
@@ -544,6 +788,35 @@ def _cpu_offloading_recompute(launch: Launch):
                 "recompute activations together; drop one")
 
 
+def _distribute_saved_activations(launch: Launch):
+    """--distribute-saved-activations needs TP > 1 and full recompute."""
+    if launch.s.present("--distribute-saved-activations") and (launch.tp == 1 or _recompute(launch.s)[0] != "full"):
+        return ("--distribute-saved-activations needs --tensor-model-parallel-size > 1 and --recompute-granularity "
+                "full with a --recompute-method: it splits the recomputed layers' saved inputs over TP")
+
+
+def _distribute_saved_activations_sp(launch: Launch):
+    """--distribute-saved-activations not with sequence parallel."""
+    # at TP 1 Megatron-LM turns sequence parallel off (arguments.py:1433); the rule above names that case
+    if launch.s.present("--distribute-saved-activations") and launch.s.has("--sequence-parallel") and launch.tp > 1:
+        return ("--distribute-saved-activations with --sequence-parallel: megatron-core refuses them together (the "
+                "saved inputs are already split over TP); drop one")
+
+
+def _mhc_pp(launch: Launch):
+    """Hyper-connections (mHC) not with pipeline parallelism."""
+    if launch.s.present("--enable-mhc-connections") and launch.pp > 1:
+        return (f"--enable-mhc-connections with --pipeline-model-parallel-size {launch.pp}: megatron-core has no "
+                "pipeline support for mHC's n-stream activations yet; use pp 1")
+
+
+def _mhc_full_recompute(launch: Launch):
+    """Hyper-connections (mHC) not with full recompute."""
+    if launch.s.present("--enable-mhc-connections") and _recompute(launch.s)[0] == "full":
+        return ("--enable-mhc-connections with --recompute-granularity full: megatron-core recomputes mHC only "
+                "selectively (--recompute-modules mhc); drop full recompute")
+
+
 def whole_layer_graphs(s: Scanned) -> bool:
     """Whether the argv's CUDA graphs capture whole layers: full_iteration, or a per-layer graph without
     --cuda-graph-modules (or megatron-core 0.16.1's --cuda-graph-scope) naming its parts (transformer_config.py:
@@ -588,6 +861,12 @@ ARGS = "megatron/training/arguments.py"
 # the configuration.
 ARGV_RULES = (
     Rule("world-divisible", f"{ARGS}:432", _world_divisible),
+    Rule("weight-shards", f"megatron/core/model_parallel_config.py:28-41 (from {ARGS}:416-421, 1496-1513)",
+         _weight_shards),
+    Rule("weight-shards-world", f"{ARGS}:424-434; megatron/core/parallel_state.py:815-823, 874-884",
+         _weight_shards_world),
+    Rule("weight-shards-instances", "megatron/core/parallel_state.py:808-811", _weight_shards_instances),
+    Rule("weight-shards-checkpoint", f"{ARGS}:1515, 1558-1561", _weight_shards_checkpoint),
     Rule("virtual-flags", f"{ARGS}:928-939", _virtual_flags),
     *(Rule(rule_id, source, _exclusion(rule_id, one, other)) for rule_id, one, other, source in EXCLUSIONS),
     Rule("hybrid-split-flags", f"{ARGS}:814-838", _hybrid_split_flags),
@@ -597,17 +876,29 @@ ARGV_RULES = (
     Rule("per-virtual-uneven", f"{ARGS}:954-956", _per_virtual_uneven),
     Rule("per-virtual-divides", f"{ARGS}:957-975", _per_virtual_divides),
     Rule("vpp-p2p-overlap", f"{ARGS}:1006", _vpp_p2p_overlap),
+    Rule("p2p-warmup-flush", f"megatron/core/model_parallel_config.py:570-575 ({ARGS}:1010-1012 turns p2p overlap off "
+         "without virtual stages; megatron/training/argument_utils.py:307 batches p2p without it)", _p2p_warmup_flush),
+    Rule("microbatch-group", "megatron/core/pipeline_parallel/schedules.py:1160-1180", _microbatch_group),
     Rule("recompute-flags", f"{ARGS}:1426; megatron/core/transformer/transformer_config.py:1901-1931", _recompute_flags),
     Rule("recompute-moe-act-grouped-gemm", "megatron/core/transformer/transformer_config.py:1964-1967",
          _moe_act_grouped_gemm),
     Rule("micro-batch", f"{ARGS}:693", _micro_batch),
+    Rule("eval-batch", f"{ARGS}:707-720", _eval_batch),
+    Rule("eval-microbatch-group", "megatron/core/pipeline_parallel/schedules.py:1160-1180 (megatron/training/"
+         "training.py:5131-5133, 5193: the eval micro-batches; :5539 evaluates with --eval-iters > 0)",
+         _eval_microbatch_group),
     Rule("param-gather-optimizer", f"{ARGS}:1025", _param_gather_optimizer),
     Rule("param-gather-grad-reduce", f"{ARGS}:1028", _param_gather_grad_reduce),
+    Rule("param-gather-with-optimizer-step", f"{ARGS}:1066-1074 (use_dist_ckpt: any --ckpt-format but torch, "
+         "megatron/training/utils/common_utils.py:581)", _param_gather_with_step),
+    Rule("save-params-param-gather", f"{ARGS}:1361, 1367-1368", _save_params_param_gather),
     Rule("fsdp-checkpoint", f"{ARGS}:1169", _fsdp_checkpoint),
     Rule("dtensor-needs-fsdp", f"{ARGS}:1676", _dtensor_needs_fsdp),
     Rule("sharding-needs-fsdp", "nest: Megatron-LM reads --data-parallel-sharding-strategy only with Megatron-FSDP",
          _sharding_needs_fsdp),
     Rule("meta-device-no-shard", f"{ARGS}:1183", _meta_device_no_shard),
+    Rule("fsdp-single-grouped", f"{ARGS}:1138-1148", _fsdp_single_grouped),
+    Rule("fsdp-weight-hash", f"{ARGS}:1162-1164 (the strategy's default: :3190)", _fsdp_weight_hash),
     Rule("torch-fsdp2", f"{ARGS}:1034-1039", _torch_fsdp2),
     Rule("sequence-parallel-tp", f"nest: {ARGS}:1433 turns it off silently", _sequence_parallel_tp),
     Rule("tp-comm-overlap", f"{ARGS}:1441-1442 (after :1433 turns sequence parallel off at tp 1)", _tp_comm_overlap),
@@ -629,14 +920,28 @@ ARGV_RULES = (
          _a2a_shared_expert_overlap),
     Rule("first-last-bf16-delayed", "megatron/core/transformer/transformer_config.py:1527-1530",
          _first_last_bf16_delayed),
+    Rule("first-last-bf16-layers", "megatron/core/transformer/transformer_config.py:1532-1556",
+         _first_last_bf16_layers),
     Rule("cp-comm-type-layers", "megatron/core/transformer/transformer_config.py:3103-3113", _cp_comm_type_layers),
     Rule("cp-hierarchical", f"{ARGS}:580-585", _cp_hierarchical),
     Rule("cp-comm-type-known", f"{DPA}context_parallel.py:4076-4110", _cp_comm_type_known),
+    Rule("dsa-cp", "megatron/core/transformer/transformer_config.py:3162-3176 (the default --cp-comm-type p2p: "
+         f"{ARGS}:3221; one value: megatron/training/argument_utils.py:343-344)", _dsa_cp),
+    Rule("gdn-heads", "megatron/core/transformer/transformer_config.py:1470, 1500-1508", _gdn_heads),
+    Rule("hybrid-cp-layout", f"{ARGS}:1444-1445, 1447", _hybrid_cp_layout),
+    Rule("hybrid-cp-even", "megatron/core/parallel_state.py:1040-1044", _hybrid_cp_even),
+    Rule("hybrid-cp-loss", f"{ARGS}:1444, 1449", _hybrid_cp_loss),
+    Rule("batch-invariant-cp", "megatron/core/transformer/transformer_config.py:3200, 3230-3232", _batch_invariant_cp),
     Rule("cpu-offloading-layers", f"megatron/core/transformer/transformer_config.py:1884-1889; {ARGS}:1950-1951",
          _cpu_offloading_layers),
     Rule("cpu-offloading-pp", "megatron/core/transformer/transformer_config.py:1891-1894", _cpu_offloading_pp),
     Rule("cpu-offloading-recompute", "megatron/core/transformer/transformer_config.py:1896-1899",
          _cpu_offloading_recompute),
+    Rule("distribute-saved-activations", f"{ARGS}:1410-1419", _distribute_saved_activations),
+    Rule("distribute-saved-activations-sp", "megatron/core/transformer/transformer_config.py:1934-1938",
+         _distribute_saved_activations_sp),
+    Rule("mhc-pp", "megatron/core/transformer/transformer_config.py:2087, 2092-2098", _mhc_pp),
+    Rule("mhc-full-recompute", "megatron/core/transformer/transformer_config.py:2069-2074", _mhc_full_recompute),
     Rule("cpu-offloading-cuda-graphs", f"megatron/core/transformer/transformer_config.py:2798-2801; {ARGS}:619-630 (the "
          "deprecated CUDA-graph flags)", _cpu_offloading_cuda_graphs),
     Rule("cuda-graphs-full-recompute", "megatron/core/transformer/transformer_config.py:2854-2858",
@@ -681,6 +986,7 @@ def violations(argv: list[str], *, world_size: int) -> list[str]:
         cp_comm_type=comm_types.pop() if len(comm_types) == 1 else " ".join(_cp_comm_types(launch)),
         moe_a2a_overlap=s.present("--overlap-moe-expert-parallel-comm"),
         distributed_optimizer_instances=s.get("--num-distributed-optimizer-instances", 1),
+        cpu_offloading_num_layers=s.get("--cpu-offloading-num-layers", 0),
     )
     # The split's own rules (parallel.rules: layout, account-split, first-last-split, even-split) on the form the
     # flags spell. The FP8 recipe Transformer Engine's shape rules depend on (Megatron's default recipe: delayed).
