@@ -33,7 +33,9 @@ class Plan:
     accelerator: str
     num_devices: int
     idle_devices: int
-    parallel: dict  # tp, pp, dp, cp, ep, etp, vpp, sp, cp_comm_type, moe_a2a_overlap, distributed_optimizer_instances
+    # tp, pp, dp, cp, ep, etp, vpp, sp, cp_comm_type, moe_a2a_overlap, distributed_optimizer_instances,
+    # cpu_offloading_num_layers
+    parallel: dict
     micro_batch_size: int
     global_batch_size: int
     num_microbatches: int
@@ -183,7 +185,8 @@ def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name
         idle_devices=est.idle_devices,
         parallel={"tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep, "etp": c.etp, "vpp": c.vpp, "sp": c.sp,
                   "cp_comm_type": c.cp_comm_type, "moe_a2a_overlap": c.moe_a2a_overlap,
-                  "distributed_optimizer_instances": c.distributed_optimizer_instances},
+                  "distributed_optimizer_instances": c.distributed_optimizer_instances,
+                  "cpu_offloading_num_layers": c.cpu_offloading_num_layers},
         micro_batch_size=c.mbs,
         global_batch_size=problem.global_batch_size,
         num_microbatches=est.num_microbatches,

@@ -47,7 +47,8 @@ def test_plan_writes_a_complete_plan(planned):
     plan = json.loads(path.read_text())
     assert plan["schema_version"] == 1
     assert set(plan["parallel"]) == {"tp", "pp", "dp", "cp", "ep", "etp", "vpp", "sp", "cp_comm_type",
-                                     "moe_a2a_overlap", "distributed_optimizer_instances"}
+                                     "moe_a2a_overlap", "distributed_optimizer_instances",
+                                     "cpu_offloading_num_layers"}
     for key in ("micro_batch_size", "global_batch_size", "num_microbatches", "zero_stage", "layers_per_stage",
                 "rank_order", "rank_to_device", "megatron_args"):
         assert key in plan, key
@@ -107,7 +108,7 @@ def test_evaluate_valid_pins(tmp_path):
     # sp defaults to on with tp > 1; etp and ep to 1 for a dense model; the CP exchange to Megatron's p2p
     assert plan["parallel"] == {"tp": 2, "pp": 2, "dp": 4, "cp": 1, "ep": 1, "etp": 1, "vpp": 2, "sp": True,
                                 "cp_comm_type": "p2p", "moe_a2a_overlap": False,
-                                "distributed_optimizer_instances": 1}
+                                "distributed_optimizer_instances": 1, "cpu_offloading_num_layers": 0}
     assert plan["micro_batch_size"] == 2
     # 64 / (2 * 4) = 8 micro-batches; 4 layers over 2 stages
     assert plan["num_microbatches"] == 8

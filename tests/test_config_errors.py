@@ -117,7 +117,7 @@ ACCELERATOR_KEYS = {
     "memory_bound_efficiency": ("0.7", 0.7), "reserved_memory_gib": ("2", 2.0),
     "peak_fp8_tflops": ("1000", 1000.0), "mxfp8": ("true", True), "gemm_fp8_efficiency": ("0.5", 0.5),
     "sm_count": ("108", 108), "kernel_overhead_us": ("10", 10.0), "host_overhead_us": ("5", 5.0),
-    "fp8_gemm_any_layout": ("true", True),
+    "fp8_gemm_any_layout": ("true", True), "host_link_gb_per_s": ("64", 64.0),
 }
 CLUSTER_KEYS = {
     "name": ("c", "c"), "topology": ("hierarchical", "hierarchical"), "num_devices": ("64", 64),
@@ -161,6 +161,7 @@ PLAN_KEYS = {
     "layers_per_stage": ("[1,3]", [1, 3]), "cp_comm_type": ("a2a", "a2a"), "pick": ("0", 0),
     "moe_a2a_overlap": ("false", False),  # true needs a MoE model (tests/test_a2a_overlap.py); the tiny model is dense
     "distributed_optimizer_instances": ("2", 2),
+    "cpu_offloading_num_layers": ("2", 2),  # with pp 1 and no recompute only: tests/test_cpu_offloading.py
 }
 
 

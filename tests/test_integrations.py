@@ -334,6 +334,24 @@ def test_bridge_overrides_carry_the_a2a_overlap():
     assert m.overlap_moe_expert_parallel_comm is True and m.delay_wgrad_compute is True
 
 
+def test_both_targets_offload_the_activations_priced():
+    # the first 2 of tiny_gpt's 4 layers' activations in host memory, as megatron-core's TransformerConfig fields
+    # Megatron-LM sets from --cpu-offloading-num-layers 2 (arguments.py:1950-1951); the weights stay on the device
+    plan = api.evaluate(["model=tiny_gpt", *BASE, "plan.tp=2", "plan.pp=1", "plan.recompute=none",
+                         "plan.cpu_offloading_num_layers=2"])
+    for m in (apply_to_recipe(nemo_recipe_stand_in(), plan).model.config,
+              apply_to_config(bridge_container_stand_in(), plan).model):
+        assert (m.cpu_offloading, m.cpu_offloading_num_layers) == (True, 2)
+        assert (m.cpu_offloading_activations, m.cpu_offloading_weights) == (True, False)
+
+
+def test_a_plan_without_offloading_turns_a_recipes_off(plain_plan):
+    recipe = nemo_recipe_stand_in()
+    recipe.model.config.cpu_offloading, recipe.model.config.cpu_offloading_num_layers = True, 3
+    m = apply_to_recipe(recipe, plain_plan).model.config
+    assert (m.cpu_offloading, m.cpu_offloading_num_layers) == (False, 0)
+
+
 def test_nemo_overrides_refuse_the_a2a_overlap_bridge_takes_it():
     plan = api.evaluate(["model=tiny_moe", *BASE, "plan.tp=1", "plan.ep=2", "plan.moe_a2a_overlap=true"])
     with pytest.raises(NestError, match="no NeMo 2 form"):

@@ -138,8 +138,9 @@ def model():
     (["--cuda-graph-impl", "local", "--attention-dropout", "0"], ["solver.recompute=[selective,full]"],
      [["solver.recompute=[selective]"]]),
     # CPU offloading: megatron-core has none under pipeline parallelism or recompute (transformer_config.py:1891-1899)
-    (["--cpu-offloading-num-layers", "4"], [], [["plan.pp=1", "plan.recompute=none"]]),
-    (["--cpu-offloading-num-layers", "4"], ["plan.recompute=none"], [["plan.pp=1"]]),
+    (["--cpu-offloading-num-layers", "4"], [],
+     [["plan.cpu_offloading_num_layers=4", "plan.pp=1", "plan.recompute=none"]]),
+    (["--cpu-offloading-num-layers", "4"], ["plan.recompute=none"], [["plan.cpu_offloading_num_layers=4", "plan.pp=1"]]),
     (["--cpu-offloading-num-layers", "0"], [], []),
 ])
 def test_what_the_argv_fixes(model, argv, user, expected):

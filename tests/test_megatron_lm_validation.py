@@ -128,8 +128,10 @@ def test_megatron_lm_accepts_each_new_shipped_model_s_launch(tmp_path):
     overlap = ["plan.moe_a2a_overlap=true", "train.delay_wgrad_compute=true"]
     runs = [(model, [], machine) for model in NEW_MODELS for machine in MACHINES]
     runs += [("deepseek_v3", overlap, MACHINES[0]), ("qwen3_235b_a22b", overlap, MACHINES[0])]
+    # and activation offloading (its rule: parallel/rules.py cpu-offloading): 40 of Llama 3 70B's 80 layers
+    runs += [("llama3_70b", ["plan.cpu_offloading_num_layers=40"], MACHINES[2])]
     for model, extra, (cluster, devices, per_node) in runs:
-        name = f"{model}/{cluster}/{devices}" + (" with the a2a overlap" if extra else "")
+        name = f"{model}/{cluster}/{devices}" + (f" with {' '.join(extra)}" if extra else "")
         try:
             prepared = prepare(overrides=[f"model={model}", f"cluster={cluster}", *extra], script="pretrain_gpt.py",
                                script_args=list(DATA),

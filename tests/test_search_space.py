@@ -116,7 +116,7 @@ def test_the_variant_rules_are_the_ones_reading_the_recompute_fields_and_the_ove
                   dict(recompute="none", recompute_num_layers=1), dict(recompute="selective", recompute_modules=("x",)),
                   dict(recompute="selective", recompute_modules=("moe",))]
     variants = [dict(v, moe_a2a_overlap=overlap) for v in recomputes for overlap in (False, True)]
-    assert len(configurations) > 100 and len([r for r in RULES if r.id in VARIANT_RULES]) == 6
+    assert len(configurations) > 100 and len([r for r in RULES if r.id in VARIANT_RULES]) == 7
     assert {c.ep for c in configurations} > {1} and {(c.pp > 1, c.vpp > 1) for c in configurations} >= {(True, False),
                                                                                                       (True, True)}
 

@@ -404,6 +404,7 @@ def _check(root: RootConfig) -> None:
     _check_train_and_solver(root.train, root.solver)
     _check_precision(root.train, root.accelerator)
     _check_a2a_overlap(root.train, root.model, root.plan)
+    _check_cpu_offloading(root.plan, root.accelerator, root.train)
     _check_plan(root.plan, devices=devices, layers=root.model.num_layers, batch=root.train.global_batch_size,
                 mtp_num_layers=root.model.mtp_num_layers)
     p = root.profile
@@ -541,6 +542,7 @@ def _check_accelerator(a: AcceleratorConfig, device_memory_gib: float | None) ->
     _integer("accelerator.sm_count", a.sm_count, 1, MAX_SMS)
     _real("accelerator.kernel_overhead_us", a.kernel_overhead_us, 0)
     _real("accelerator.host_overhead_us", a.host_overhead_us, 0)
+    _real("accelerator.host_link_gb_per_s", a.host_link_gb_per_s, 0, above=True)
     _real("accelerator.reserved_memory_gib", a.reserved_memory_gib, 0)
     memory = device_memory_gib or a.memory_gib  # what the cluster models a device to hold (checked before)
     if a.reserved_memory_gib >= memory:
@@ -743,6 +745,20 @@ def _check_precision(t: TrainConfig, a: AcceleratorConfig) -> None:
                         f"MXFP8 accelerators: {', '.join(with_mx) or 'none'}; use delayed, tensorwise or blockwise")
 
 
+def _check_cpu_offloading(p: PlanChoice, a: AcceleratorConfig, t: TrainConfig) -> None:
+    """What a pinned --cpu-offloading-num-layers asks of the machine and the run: a known link to host memory, over
+    which the copies are priced (cost/offload.py), and no per-layer CUDA graphs (megatron-core refuses them together:
+    transformer_config.py:2798-2801 at d98e8a6)."""
+    if not p.cpu_offloading_num_layers:
+        return
+    if a.host_link_gb_per_s is None:
+        raise NestError(f"plan.cpu_offloading_num_layers={p.cpu_offloading_num_layers}: accelerator {a.name} gives no "
+                        "accelerator.host_link_gb_per_s, the bandwidth the offloaded activations are copied at")
+    if t.cuda_graphs:
+        raise NestError(f"plan.cpu_offloading_num_layers={p.cpu_offloading_num_layers} with train.cuda_graphs=true: "
+                        "megatron-core refuses activation offloading under per-layer CUDA graphs; drop one")
+
+
 def _check_a2a_overlap(t: TrainConfig, m: ModelConfig, p: PlanChoice) -> None:
     """What a pinned --overlap-moe-expert-parallel-comm asks of the run as a whole, whatever the layout (Megatron-LM
     transformer_config.py:3002-3071 at d98e8a6; what it asks of the layout is parallel/rules.py's a2a-overlap rules;
@@ -792,6 +808,9 @@ def _check_plan(p: PlanChoice, *, devices: int, layers: int, batch: int, mtp_num
         _integer(f"plan.{key}", getattr(p, key), 1, devices, "the cluster's devices")
     _integer("plan.vpp", p.vpp, 1, layers, "model.num_layers")
     _integer("plan.recompute_num_layers", p.recompute_num_layers, 1, layers, "model.num_layers")
+    # 0: none (what a plan JSON without offloading reads back as); Transformer Engine offloads at most all layers but
+    # the last (cpu_offload.py: num_layers <= model_layers - 1)
+    _integer("plan.cpu_offloading_num_layers", p.cpu_offloading_num_layers, 0, layers - 1, "model.num_layers - 1")
     _integer("plan.mbs", p.mbs, 1, batch, "train.global_batch_size")
     _one_of("plan.zero", p.zero, ZERO_STAGES)
     _one_of("plan.recompute", p.recompute, RECOMPUTE_KINDS)

@@ -116,9 +116,6 @@ HINT_FLAGS: dict[str, str] = {
     "--moe-use-legacy-grouped-gemm": "true",
     "--fine-grained-activation-offloading": "true",
     "--offload-modules": "list",
-    # layer-level activation offloading to the host: Megatron-LM's flag for it (cpu_offloading itself is no flag,
-    # arguments.py:2320; :1950-1951 turn it on for N > 0), which the launch rules and constraints read
-    "--cpu-offloading-num-layers": "int",
     "--optimizer": "str",  # adam or sgd, or one Megatron-FSDP does not take (launch/constraints.py)
     # FP8 (train_overrides): TransformerConfig.fp8 is the flag --fp8-format {e4m3,hybrid}, default None (no FP8), and
     # fp8_recipe --fp8-recipe {tensorwise,delayed,mxfp8,blockwise,custom}, default delayed (Megatron-LM d98e8a6
@@ -140,6 +137,21 @@ HINT_FLAGS: dict[str, str] = {
     # the parts of a layer a per-layer graph captures (none named: the whole layer), which the launch rules read
     "--cuda-graph-modules": "list",
     "--cuda-graph-scope": "list",  # megatron-core 0.16.1's name of it
+    # values launch/megatron_rules.py holds against the plan's sizes (d98e8a6): the interleaved schedule's micro-batch
+    # groups (model_parallel_config.py:431-434), the eval batch and iterations (training/config/training_config.py:
+    # 115, 130, 135), the attention variant (transformer_config.py:301) and Gated DeltaNet's heads (:379, 382), GTP
+    # weight sharding (model_parallel_config.py:58, 135) and the bf16 end layers of FP8 (transformer_config.py:652, 656)
+    "--microbatch-group-size-per-virtual-pipeline-stage": "int",
+    "--eval-micro-batch-size": "int",
+    "--eval-global-batch-size": "int",
+    "--eval-iters": "int",
+    "--experimental-attention-variant": "str",
+    "--linear-num-key-heads": "int",
+    "--linear-num-value-heads": "int",
+    "--tensor-parallel-num-weight-shards": "int",
+    "--expert-tensor-parallel-num-weight-shards": "int",
+    "--num-layers-at-start-in-bf16": "int",
+    "--num-layers-at-end-in-bf16": "int",
 }
 
 # Flags the planner decides (launch/rewrite.py removes them and inserts the plan's), with their arity.
@@ -193,6 +205,10 @@ PLANNER_FLAGS: dict[str, str] = {
     # the distributed optimizer's partial instances: the argv's is a constraint (launch/constraints.py), so the plan's,
     # which it emits with more than one, equals it
     "--num-distributed-optimizer-instances": "int",
+    # layer-level activation offloading to the host: Megatron-LM's flag for it (cpu_offloading itself is no flag,
+    # arguments.py:2320; :1950-1951 turn it on for N > 0). The argv's is a constraint (launch/constraints.py), so the
+    # plan's, which it emits and prices (cost/offload.py), equals it
+    "--cpu-offloading-num-layers": "int",
     # The EP all-to-all overlap and its delayed weight gradient: the plan emits them when its configuration overlaps
     # (plan.moe_a2a_overlap, searched; the argv's flag pins it: launch/constraints.py) / train.delay_wgrad_compute,
     # which the argv's own flag sets (train_overrides); priced in cost/a2a_overlap.py

@@ -144,6 +144,10 @@ class AcceleratorConfig:
     sm_count: int = 132  # streaming multiprocessors: a GEMM's output tiles run in waves of this many
     kernel_overhead_us: float = 0.0  # launch and tail time of one GEMM or attention kernel, microseconds
     host_overhead_us: float = 0.0  # host (CPU) time eager PyTorch spends issuing one operator, microseconds
+    # Bandwidth of one device's copies to and from host memory, per direction, while every device of the host copies
+    # at once, 1e9 B/s: what activation offloading (--cpu-offloading-num-layers) moves over. None: not known, and
+    # offloading is refused.
+    host_link_gb_per_s: Optional[float] = None
     # CUDA context, NCCL buffers, cuBLAS workspace and allocator fragmentation, GiB.
     reserved_memory_gib: float = 3.0
 
@@ -301,6 +305,10 @@ class PlanChoice:
     # sharding it over dp x cp / instances ranks (its gradients reduce-scattered and weights gathered there, each
     # gradient shard all-reduced across the instances). Not searched: 1 unless given.
     distributed_optimizer_instances: Optional[int] = None
+    # --cpu-offloading-num-layers: the activations the first n decoder layers save for backward are copied to host
+    # memory during the forward and back before their backward (Transformer Engine's CPU offload; megatron-core takes it
+    # with pp 1 and no recompute only). Memory and copy time priced (cost/offload.py). Not searched: 0 unless given.
+    cpu_offloading_num_layers: Optional[int] = None
     # The layer split, given one of five ways (at most one; none: `evaluate` splits evenly, `plan` chooses). The
     # plan emits the simplest Megatron flags for the split it has, whichever way it was given.
     # layers_per_stage (needs plan.pp): pp entries, the layers of each pipeline rank (with vpp > 1 each a multiple

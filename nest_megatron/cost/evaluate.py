@@ -26,6 +26,7 @@ from nest_megatron.cost.compute import BF16, ComputeModel
 from nest_megatron.cost.flops import megatron_model_flops
 from nest_megatron.cost.host import exposed_host_time, head_operators
 from nest_megatron.cost.memory import StageMemory, memory_of_rank, memory_per_stage, mtp_memory
+from nest_megatron.cost.offload import offload_waits
 from nest_megatron.cost.placement import Spans, spans_for
 from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.recompute import recompute_seconds
@@ -319,7 +320,17 @@ def stage_body(ctx: Context, sums: StageSums, *, first: bool, last: bool) -> dic
         "ep_comm": ep_comm,
         "zero_comm": _sharded_dp_per_microbatch(ctx, sums, first=first, last=last),
         "host": host,
+        "offload": sum(offload_parts(ctx)),
     }
+
+
+def offload_parts(ctx: Context) -> tuple[float, float]:
+    """(forward, backward) seconds a micro-batch waits for its activations' copies to and from host memory
+    (cost/offload.py); none without --cpu-offloading-num-layers."""
+    n = ctx.cfg.cpu_offloading_num_layers
+    if not n:
+        return 0.0, 0.0
+    return offload_waits(ctx.costs, n, ctx.problem.accelerator.host_link_bandwidth)
 
 
 def _layer_operators(ctx: Context, sums: StageSums) -> tuple:

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nest_megatron.cost.evaluate import Context, after_pipeline, pipeline_sends, stage_parts
+from nest_megatron.cost.evaluate import Context, after_pipeline, offload_parts, pipeline_sends, stage_parts
 from nest_megatron.cost.tables import stage_sums
 
 # The kinds of work a rank's timeline holds, in drawing order; idle gaps are the bubbles.
-KINDS = ("forward", "backward", "recompute", "p2p", "zero_comm", "host", "imbalance",
+KINDS = ("forward", "backward", "recompute", "p2p", "zero_comm", "host", "offload", "imbalance",
          "dp_grad_sync", "dp_param_gather", "optimizer")
 
 
@@ -104,9 +104,12 @@ def _pieces(ctx: Context, split: tuple[int, ...], stage: int, pace: float) -> tu
     layer_time = float(sums.fwd + sums.bwd)
     forward_share = float(sums.fwd) / layer_time if layer_time > 0 else 0.5  # a rank of empty stages has no layer work
     # the GPU's wait for the host (host.py), shared out like the layer work
-    forward = [("forward", forward_share * layer_work), ("host", forward_share * parts["host"]), ("p2p", send_forward)]
+    offload_forward, offload_backward = offload_parts(ctx)  # waits for the activations' copies to and from the host
+    forward = [("forward", forward_share * layer_work), ("host", forward_share * parts["host"]),
+               ("offload", offload_forward), ("p2p", send_forward)]
     backward = [("recompute", parts["recompute"]), ("backward", (1 - forward_share) * layer_work),
-                ("host", (1 - forward_share) * parts["host"]), ("zero_comm", parts["zero_comm"]), ("p2p", send_backward)]
+                ("host", (1 - forward_share) * parts["host"]), ("offload", offload_backward),
+                ("zero_comm", parts["zero_comm"]), ("p2p", send_backward)]
     busy = float(sum(parts.values()))
     stretch = pace - busy
     forward.append(("imbalance", stretch * sum(d for _, d in forward) / busy))

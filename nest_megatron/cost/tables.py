@@ -158,6 +158,7 @@ class StageSums(NamedTuple):
     host_bwd: object = 0.0
     host_recompute: object = 0.0
     a2a_saving: object = 0.0  # LayerCosts.a2a_saving
+    offloaded: object = 0.0  # bytes of the stage's layers' activations kept in host memory (cost/offload.py)
 
 
 def range_sums(c: LayerCosts, cfg: ParallelConfig, a, b) -> StageSums:
@@ -165,7 +166,9 @@ def range_sums(c: LayerCosts, cfg: ParallelConfig, a, b) -> StageSums:
     be index arrays that broadcast (every candidate stage of the DP at once).
 
     Full recompute rebuilds the first n layers of the stage (Megatron's block method, n =
-    recompute_num_layers) or all of them (uniform method with one layer per group).
+    recompute_num_layers) or all of them (uniform method with one layer per group). Activation offloading
+    keeps the first cpu_offloading_num_layers layers' activations in host memory (Transformer Engine's
+    offload of layers 0 .. n - 1: cost/offload.py), not on the device.
     """
     if cfg.recompute == "full":
         n = cfg.recompute_num_layers
@@ -175,7 +178,9 @@ def range_sums(c: LayerCosts, cfg: ParallelConfig, a, b) -> StageSums:
     recompute = c.fwd[r_end] - c.fwd[a]
     if cfg.recompute == "selective":
         recompute = c.selective[b] - c.selective[a]
-    act = (c.act_checkpoint[r_end] - c.act_checkpoint[a]) + (c.act_kept[b] - c.act_kept[r_end])
+    o_end = np.minimum(a + cfg.cpu_offloading_num_layers, b)  # offloading runs without recompute (a rule)
+    offloaded = c.act_kept[o_end] - c.act_kept[a]
+    act = (c.act_checkpoint[r_end] - c.act_checkpoint[a]) + (c.act_kept[b] - c.act_kept[r_end]) - offloaded
     return StageSums(
         layers=b - a,
         compute=c.compute[b] - c.compute[a],
@@ -195,6 +200,7 @@ def range_sums(c: LayerCosts, cfg: ParallelConfig, a, b) -> StageSums:
         host_bwd=c.host_bwd[b] - c.host_bwd[a],
         host_recompute=c.host_fwd[r_end] - c.host_fwd[a],  # r_end = a unless fully recomputed
         a2a_saving=c.a2a_saving[b] - c.a2a_saving[a],
+        offloaded=offloaded,
     )
 
 
@@ -235,12 +241,14 @@ def chunk_sums(c: LayerCosts, cfg: ParallelConfig, starts, ends) -> StageSums:
 def stage_sums(c: LayerCosts, cfg: ParallelConfig, layers_per_stage: tuple[int, ...], stage: int) -> StageSums:
     """Sums over every chunk of pipeline rank `stage`; the activations of its largest chunk.
     Memoised: the configurations that differ in ZeRO stage share their LayerCosts and their sums."""
-    return _stage_sums(c, cfg.pp, cfg.vpp, cfg.recompute, cfg.recompute_num_layers, tuple(layers_per_stage), stage)
+    return _stage_sums(c, cfg.pp, cfg.vpp, cfg.recompute, cfg.recompute_num_layers, cfg.cpu_offloading_num_layers,
+                       tuple(layers_per_stage), stage)
 
 
 @lru_cache(maxsize=65536)
-def _stage_sums(c: LayerCosts, pp: int, vpp: int, recompute: str, recompute_num_layers: int | None,
+def _stage_sums(c: LayerCosts, pp: int, vpp: int, recompute: str, recompute_num_layers: int | None, offloaded: int,
                 layers_per_stage: tuple[int, ...], stage: int) -> StageSums:
-    cfg = ParallelConfig(pp=pp, vpp=vpp, recompute=recompute, recompute_num_layers=recompute_num_layers)
+    cfg = ParallelConfig(pp=pp, vpp=vpp, recompute=recompute, recompute_num_layers=recompute_num_layers,
+                         cpu_offloading_num_layers=offloaded)
     starts, ends = chunk_bounds(cfg, chunk_split(cfg, layers_per_stage))
     return chunk_sums(c, cfg, starts[stage], ends[stage])

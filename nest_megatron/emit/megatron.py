@@ -253,6 +253,8 @@ def parallel_args(
     args += ZERO_FLAGS[cfg.zero]
     if cfg.distributed_optimizer_instances > 1:
         args += ["--num-distributed-optimizer-instances", str(cfg.distributed_optimizer_instances)]
+    if cfg.cpu_offloading_num_layers:
+        args += ["--cpu-offloading-num-layers", str(cfg.cpu_offloading_num_layers)]  # turns cpu_offloading on (:1950)
     if overlap_grad_reduce and cfg.zero in (0, 1):
         args.append("--overlap-grad-reduce")
     if overlap_param_gather and cfg.zero == 1:

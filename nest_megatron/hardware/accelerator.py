@@ -25,6 +25,8 @@ class Accelerator:
     host_overhead_s: float = 0.0  # host time to issue one operator, s (cost/host.py)
     peak_fp8_flops: float | None = None  # dense fp8 tensor-core peak, FLOP/s; None: no fp8 tensor cores
     mxfp8: bool = False  # block-scaled MXFP8 in hardware (Blackwell)
+    # one device's copies to or from host memory, per direction, with the host's devices all copying, B/s; None: unknown
+    host_link_bandwidth: float | None = None
 
 
 def accelerator_from_config(cfg: AcceleratorConfig, *, memory_gib: float | None = None) -> Accelerator:
@@ -44,4 +46,5 @@ def accelerator_from_config(cfg: AcceleratorConfig, *, memory_gib: float | None 
         host_overhead_s=cfg.host_overhead_us * 1e-6,
         peak_fp8_flops=cfg.peak_fp8_tflops * 1e12 if cfg.peak_fp8_tflops is not None else None,
         mxfp8=cfg.mxfp8,
+        host_link_bandwidth=cfg.host_link_gb_per_s * 1e9 if cfg.host_link_gb_per_s is not None else None,
     )

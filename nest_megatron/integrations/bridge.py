@@ -41,6 +41,7 @@ from nest_megatron.integrations.overrides import (
     flag_value,
     fp8_recipe,
     is_moe,
+    offloading_overrides,
     precision_aware_optimizer,
     uneven_layout,
 )
@@ -95,6 +96,7 @@ def bridge_overrides(plan: Plan) -> Overrides:
     out["ddp.grad_reduce_in_fp32"] = "--grad-reduce-in-bf16" not in plan.megatron_args
     # the sharded state's replicas the memory is priced with (DistributedDataParallelConfig), a recipe's own replaced
     out["ddp.num_distributed_optimizer_instances"] = plan.parallel.get("distributed_optimizer_instances", 1)
+    out.update(offloading_overrides(plan, "model"))
     out["model.cross_entropy_loss_fusion"] = "--cross-entropy-loss-fusion" in plan.megatron_args
     if fp8_recipe(plan):
         out["mixed_precision"] = BRIDGE_FP8[fp8_recipe(plan)]

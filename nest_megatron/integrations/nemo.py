@@ -47,6 +47,7 @@ from nest_megatron.integrations.overrides import (
     flag_value,
     fp8_recipe,
     is_moe,
+    offloading_overrides,
     precision_aware_optimizer,
     uneven_layout,
 )
@@ -130,6 +131,7 @@ def nemo_overrides(plan: Plan, devices_per_node: int | None = None) -> Overrides
     out[f"{s}.ddp.grad_reduce_in_fp32"] = "--grad-reduce-in-bf16" not in plan.megatron_args
     # the sharded state's replicas the memory is priced with (DistributedDataParallelConfig), a recipe's own replaced
     out[f"{s}.ddp.num_distributed_optimizer_instances"] = plan.parallel.get("distributed_optimizer_instances", 1)
+    out.update(offloading_overrides(plan, "model.config"))
     out["model.config.cross_entropy_loss_fusion"] = "--cross-entropy-loss-fusion" in plan.megatron_args
     recipe = fp8_recipe(plan)
     out["trainer.plugins.fp8"] = flag_value(plan, "--fp8-format") if recipe else None  # as the plan's argv, priced

@@ -63,6 +63,15 @@ def precision_aware_optimizer(plan: Plan) -> bool:
     return True
 
 
+def offloading_overrides(plan: Plan, model_path: str) -> Overrides:
+    """The activation offloading the plan is priced with, as megatron-core's TransformerConfig fields under
+    `model_path` (Megatron-LM sets cpu_offloading from --cpu-offloading-num-layers, arguments.py:1950-1951; the
+    weights stay: their offload is deprecated in Transformer Engine). A recipe's own offloading is replaced."""
+    n = plan.parallel.get("cpu_offloading_num_layers", 0)
+    return {f"{model_path}.cpu_offloading": bool(n), f"{model_path}.cpu_offloading_num_layers": n,
+            f"{model_path}.cpu_offloading_activations": True, f"{model_path}.cpu_offloading_weights": False}
+
+
 def apply_overrides(root: Any, overrides: Overrides, *, root_name: str = "recipe") -> Any:
     """Set every path on root; raise NestError naming the first path root does not have. Checks all paths
     before setting any, so a recipe is never left half-changed."""

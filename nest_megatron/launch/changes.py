@@ -35,6 +35,7 @@ DEFAULTS = {
     "--moe-flex-dispatcher-backend": "deepep",  # megatron-core transformer_config.py moe_flex_dispatcher_backend
     "--cp-comm-type": ("p2p",),  # training/arguments.py:3221
     "--num-distributed-optimizer-instances": 1,  # training/arguments.py:3216
+    "--cpu-offloading-num-layers": 0,  # megatron-core transformer_config.py cpu_offloading_num_layers: off
 }
 
 
@@ -81,7 +82,8 @@ def layout_why(argv: list[str], loaded: Loaded, plan: Plan) -> str:
                            layers_per_stage=list(split) if split is not None else None,
                            cp_comm_type=s.get("--cp-comm-type", ("p2p",))[0],
                            moe_a2a_overlap=s.present("--overlap-moe-expert-parallel-comm"),
-                           distributed_optimizer_instances=s.get("--num-distributed-optimizer-instances"))
+                           distributed_optimizer_instances=s.get("--num-distributed-optimizer-instances"),
+                           cpu_offloading_num_layers=s.get("--cpu-offloading-num-layers") or None)
     except NestError as err:
         return f"the given layout is not one the cost model prices: {err}"
     problem, _ = profiled_problem(loaded.problem, loaded.config)

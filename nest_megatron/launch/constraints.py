@@ -260,10 +260,10 @@ def _cuda_graphs(s: Scanned, user: list[str]) -> Constraint | None:
 
 def _cpu_offloading(argv: list[str], s: Scanned, *, model: ModelConfig, user: list[str], pinned: list[str],
                     fixed: list[Constraint]) -> Constraint | None:
-    """--cpu-offloading-num-layers: megatron-core offloads no activations under pipeline parallelism or recompute
-    (transformer_config.py:1891-1899), so the plan keeps pp 1 and no recompute; a pp or recompute that the user's
-    overrides, a pin or another constraint holds otherwise is one line. The offload itself is not priced: the memory
-    model keeps those activations on the device, and their copies to the host are not timed."""
+    """--cpu-offloading-num-layers: the plan offloads as many layers (priced: cost/offload.py); megatron-core
+    offloads no activations under pipeline parallelism or recompute (transformer_config.py:1891-1899), so the plan
+    keeps pp 1 and no recompute; a pp or recompute that the user's overrides, a pin or another constraint holds
+    otherwise is one line."""
     n = cpu_offloaded_layers(s)
     if not n:
         return None
@@ -278,7 +278,8 @@ def _cpu_offloading(argv: list[str], s: Scanned, *, model: ModelConfig, user: li
             raise NestError(f"{why} needs pp 1 and no recompute (megatron-core has neither with CPU offloading), but "
                             f"{item} is fixed by {source}")
     decided = _keys([item for item, _ in held])
-    kept = [item for item in ("plan.pp=1", "plan.recompute=none") if not _theirs(item, decided)]
+    kept = [item for item in (f"plan.cpu_offloading_num_layers={n}", "plan.pp=1", "plan.recompute=none")
+            if not _theirs(item, decided)]
     return Constraint(kept, f"{why} (no pipeline parallelism or recompute with it)") if kept else None
 
 

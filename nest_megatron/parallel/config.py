@@ -44,6 +44,9 @@ class ParallelConfig:
     # state (the distributed optimizer's partial instances; Megatron-FSDP's hybrid sharding), each sharding it over
     # dp x cp / instances ranks
     distributed_optimizer_instances: int = 1
+    # --cpu-offloading-num-layers: the first n decoder layers' saved activations live in host memory between their
+    # forward and backward (cost/offload.py)
+    cpu_offloading_num_layers: int = 0
 
     @property
     def selective_modules(self) -> tuple[str, ...]:

@@ -423,6 +423,23 @@ def _mla_local_tp(c: Case):
                     "local spec splits the down projections over TP; Transformer Engine's duplicates them)")
 
 
+def _cpu_offloading(c: Case):
+    """Activation offloading to the host of fewer layers than the model has, with pp 1 and no recompute."""
+    cfg, n = c.cfg, c.cfg.cpu_offloading_num_layers
+    if not n:
+        return None
+    layers = c.model.cfg.num_layers
+    if n >= layers:
+        return (f"plan.cpu_offloading_num_layers={n}: allowed 1..{layers - 1} (the last layer's activations stay on the "
+                "device)")
+    if cfg.pp > 1:
+        return (f"plan.cpu_offloading_num_layers={n} with plan.pp={cfg.pp}: megatron-core offloads no activations under "
+                "pipeline parallelism; use plan.pp=1")
+    if cfg.recompute != "none":
+        return (f"plan.cpu_offloading_num_layers={n} with plan.recompute={cfg.recompute}: megatron-core offloads no "
+                "activations under recompute; use plan.recompute=none")
+
+
 def _recompute_layers_full(c: Case):
     """A number of recomputed layers only with full recompute."""
     if c.cfg.recompute_num_layers is not None and c.cfg.recompute != "full":
@@ -709,6 +726,8 @@ RULES = (
     Rule("recompute-layers-full", f"{TC}:1931", _recompute_layers_full),
     Rule("recompute-layers-range", f"{TC}:1922 (per virtual stage: nest)", _recompute_layers_range),
     Rule("a2a-overlap-recompute", f"{TC}:3021-3032", _a2a_overlap_recompute),
+    Rule("cpu-offloading", f"{TC}:1884-1899; {TE}pytorch/cpu_offload.py:827-829 (num_layers <= model_layers - 1)",
+         _cpu_offloading),
     *TE_RULES,
 )
 
@@ -777,11 +796,12 @@ def violation(
 _CHECKS = tuple(rule.check for rule in RULES)  # in RULES' order, without a lookup per rule per configuration
 
 # The rules that read a configuration's recompute fields (recompute, recompute_num_layers, recompute_modules) or its
-# EP all-to-all overlap, and of the rest only pp, vpp and ep. The others answer the same for every recompute and
-# overlap choice of a configuration (its variants), so the search judges each half once for all the configurations
-# that share its fields (solver/space.py; tests/test_search_space.py holds this split to the rules).
+# EP all-to-all overlap, and of the rest only pp, vpp, ep and the offloaded layers (one value in a whole search). The
+# others answer the same for every recompute and overlap choice of a configuration (its variants), so the search
+# judges each half once for all the configurations that share its fields (solver/space.py; tests/test_search_space.py
+# holds this split to the rules).
 VARIANT_RULES = frozenset({"recompute-kind", "recompute-modules", "recompute-layers-full", "recompute-layers-range",
-                           "a2a-overlap-layout", "a2a-overlap-recompute"})
+                           "a2a-overlap-layout", "a2a-overlap-recompute", "cpu-offloading"})
 Broken = tuple[int, str]  # a broken rule's position in RULES and its line
 
 

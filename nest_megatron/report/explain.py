@@ -44,7 +44,8 @@ def plan_config(plan: Plan) -> ParallelConfig:
                           recompute_num_layers=r["num_layers"] if r["method"] == "block" else None,
                           order=plan.rank_order, cp_comm_type=p.get("cp_comm_type", "p2p"),
                           moe_a2a_overlap=p.get("moe_a2a_overlap", False),
-                          distributed_optimizer_instances=p.get("distributed_optimizer_instances", 1))
+                          distributed_optimizer_instances=p.get("distributed_optimizer_instances", 1),
+                          cpu_offloading_num_layers=p.get("cpu_offloading_num_layers", 0))
 
 
 SIZES = ("tp", "pp", "dp", "cp", "ep", "etp", "vpp")

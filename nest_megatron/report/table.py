@@ -76,9 +76,11 @@ def render(plan: Plan, console: Console, *, megatron_args: list[str] | None = No
     head.add_row("batch", f"micro {plan.micro_batch_size} x {plan.num_microbatches} micro-batches x DP {p['dp']} "
                           f"= global {plan.global_batch_size}")
     instances = p.get("distributed_optimizer_instances", 1)  # --num-distributed-optimizer-instances
+    offloaded = p.get("cpu_offloading_num_layers", 0)  # --cpu-offloading-num-layers
     head.add_row("ZeRO / recompute", f"stage {plan.zero_stage}" + (f" in {instances} instances" if instances > 1 else "")
                  + f"  /  {plan.recompute['granularity'] or 'none'}"
-                 + (f" ({plan.recompute['method']}, {plan.recompute['num_layers']} layers)" if plan.recompute['method'] else ""))
+                 + (f" ({plan.recompute['method']}, {plan.recompute['num_layers']} layers)" if plan.recompute['method'] else "")
+                 + (f"  /  {offloaded} layers' activations in host memory" if offloaded else ""))
     head.add_row("layers per stage", " ".join(map(str, plan.layers_per_stage)))
     if plan.vocabulary:
         v = plan.vocabulary

@@ -28,7 +28,8 @@ class MemoryFloors:
 
     def floor(self, cfg: ParallelConfig) -> StageMemory:
         key = (cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.etp, cfg.sp, cfg.mbs, cfg.zero, cfg.recompute,
-               cfg.recompute_num_layers, cfg.selective_modules, cfg.distributed_optimizer_instances)
+               cfg.recompute_num_layers, cfg.selective_modules, cfg.distributed_optimizer_instances,
+               cfg.cpu_offloading_num_layers)
         # neither the rank order nor virtual stages move memory here
         found = self._floors.get(key)
         if found is None:

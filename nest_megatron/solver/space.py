@@ -62,6 +62,7 @@ def choice_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | No
         # --delay-wgrad-compute runs only with the overlap (config/load.py)
         moe_a2a_overlap=problem.delay_wgrad_compute if choice.moe_a2a_overlap is None else choice.moe_a2a_overlap,
         distributed_optimizer_instances=choice.distributed_optimizer_instances or 1,
+        cpu_offloading_num_layers=choice.cpu_offloading_num_layers or 0,
     )
 
 
@@ -302,6 +303,7 @@ def _configurations(
     mbss = axis(pins.mbs, [micro_batch_size] if micro_batch_size else list(solver.micro_batch_sizes))
     zeros = axis(pins.zero, list(solver.zero_stages))
     instances = pins.distributed_optimizer_instances or 1  # not searched
+    offloaded = pins.cpu_offloading_num_layers or 0  # not searched
     overlaps = axis(pins.moe_a2a_overlap, [True] if problem.delay_wgrad_compute else searched_a2a_overlaps(problem, solver))
     recomputes = axis(pins.recompute, ["selective"] if pins.recompute_modules is not None else list(solver.recompute))
     recomputed_counts = axis(pins.recompute_num_layers, list(solver.recompute_num_layers))
@@ -353,11 +355,13 @@ def _configurations(
                         ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, zero=zero, order=order), model)
                 if refused[by_sizes]:
                     continue
-            others = (tp, cp, pp, dp, ep, etp, sp, vpp, mbs, zero, order, instances)  # every field but the variants' ones
+            # every field but the variants' ones
+            others = (tp, cp, pp, dp, ep, etp, sp, vpp, mbs, zero, order, instances, offloaded)
             for recomputed, modules in variants.get(recompute, [(None, DEFAULT_RECOMPUTE_MODULES)]):
                 sizes = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
                              recompute=recompute, recompute_num_layers=recomputed, recompute_modules=modules,
-                             order=order, moe_a2a_overlap=overlap, distributed_optimizer_instances=instances)
+                             order=order, moe_a2a_overlap=overlap, distributed_optimizer_instances=instances,
+                             cpu_offloading_num_layers=offloaded)
                 first = ParallelConfig(**sizes, cp_comm_type=comm_types[0])
                 train_line = train_rule_line(problem, first)  # whatever the exchange
                 if train_line is not None:

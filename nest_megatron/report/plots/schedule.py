@@ -16,6 +16,7 @@ STYLE = {  # kind -> (colour, legend label)
     "p2p": ("#2CA9B7", "pipeline send (p2p)"),
     "zero_comm": ("#937860", "ZeRO traffic (exposed)"),
     "host": ("#8C8C3C", "waits on the host (eager launches)"),
+    "offload": ("#5E8C8C", "waits on activation copies to / from host memory"),
     "imbalance": ("#C8C8C8", "waits on the slowest stage"),
     "dp_grad_sync": ("#55A868", "DP gradient sync (exposed)"),
     "dp_param_gather": ("#B5A642", "DP weight all-gather (exposed)"),

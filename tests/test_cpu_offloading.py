@@ -1,0 +1,106 @@
+"""Activation offloading to host memory (plan.cpu_offloading_num_layers: --cpu-offloading-num-layers): the copies'
+exposed time (cost/offload.py, Transformer Engine's default synchroniser played out), the device memory it frees,
+megatron-core's rules for it, and the plan that carries it from a user's argv to the emitted flags.
+
+megatron-core's own TransformerConfig refusing what the rules refuse: tests/test_megatron_rules.py
+(test_cpu_offloading_rules_as_megatron_core_decides); the NeMo / Bridge fields: tests/test_integrations.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nest_megatron import api
+from nest_megatron.config.load import load
+from nest_megatron.cost.offload import exposed_offload_time
+from nest_megatron.errors import InfeasibleError, NestError
+from nest_megatron.launch.constraints import argv_constraints
+
+GIB = 2**30
+LAYERS = 4
+
+
+def waits(fwd: float, bwd: float, copy: float, offloaded: int) -> tuple[float, float]:
+    """exposed_offload_time of LAYERS equal layers whose copy takes `copy` seconds (bytes at 1 B/s)."""
+    return exposed_offload_time(np.full(LAYERS, fwd), np.full(LAYERS, bwd), np.full(LAYERS, copy),
+                                offloaded=offloaded, bandwidth=1.0)
+
+
+def test_copies_shorter_than_the_layers_beside_them_are_hidden():
+    # L = 4, n = 2, forward 1 s, backward 2 s, copy 0.5 s. Forward: copy 0 runs 1 .. 1.5, copy 1 2 .. 2.5; layer 2
+    # waits for copy 0 (done), layer 3 for copy 1 (done at 2.5, layer 3 starts at 3). Backward (layers 3 .. 0): the
+    # copy back of layer 1 starts before layer 2's backward (at 2, done 2.5), of layer 0 before layer 1's (at 4,
+    # done 4.5); layer 1 starts at 4, layer 0 at 6: nothing waits.
+    assert waits(1.0, 2.0, 0.5, 2) == pytest.approx((0.0, 0.0))
+
+
+def test_copies_longer_than_the_layers_beside_them_are_exposed():
+    # L = 4, n = 2, forward 1 s, backward 2 s, copy 3 s. Forward: copy 0 runs 1 .. 4, copy 1 4 .. 7 (one stream);
+    # layer 2 waits for copy 0 until 4 (ends 5), layer 3 for copy 1 until 7 (ends 8): 8 - 4 = 4 s exposed.
+    # Backward: layer 3 runs 0 .. 2; the copy back of layer 1 runs 2 .. 5, layer 2 runs 2 .. 4; the copy back of
+    # layer 0 runs 5 .. 8; layer 1 waits until 5 (ends 7), layer 0 until 8 (ends 10): 10 - 8 = 2 s exposed.
+    assert waits(1.0, 2.0, 3.0, 2) == pytest.approx((4.0, 2.0))
+
+
+def test_offloading_all_but_the_last_layer_exposes_every_copy():
+    # n = L - 1: layer j + 1's forward waits for layer j's copy, which starts when layer j ends, and each backward
+    # of an offloaded layer waits for its own copy back, started when the layer after it ends: 3 copies each way.
+    assert waits(1.0, 2.0, 0.5, LAYERS - 1) == pytest.approx((1.5, 1.5))
+
+
+# tiny_gpt: 4 layers, s = 128, h = 256, 8 heads, 4h MLP with GELU, LayerNorm, biases, dropout; one stage, 8 GPUs.
+TINY = ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=8", "train.global_batch_size=64",
+        "plan.tp=1", "plan.pp=1", "plan.dp=8", "plan.mbs=2", "plan.recompute=none", "plan.zero=1"]
+S, B, H, HEADS, MICROBATCHES = 128, 2, 256, 8, 64 // (2 * 8)
+# One layer's saved activations (Korthikanti et al. 2022, eq. 1 without the attention matrix: 34 s b h bytes) plus
+# the fused attention's softmax statistics (fp32, one per head and token: 4 b a s bytes).
+LAYER_BYTES = 34 * S * B * H + 4 * B * HEADS * S  # 2,236,416
+HOST_LINK = 50e9  # h100_sxm's accelerator.host_link_gb_per_s
+
+
+def offloaded(n: int) -> dict:
+    return api.evaluate([*TINY, f"plan.cpu_offloading_num_layers={n}"] if n else TINY).predicted
+
+
+def test_each_offloaded_layer_frees_its_activations_on_the_device():
+    peak = {n: offloaded(n)["peak_memory_gib"] * GIB for n in range(LAYERS)}
+    for n in range(1, LAYERS):
+        assert peak[0] - peak[n] == pytest.approx(n * LAYER_BYTES, rel=1e-6)
+
+
+def test_the_step_carries_the_exposed_copies():
+    base, hidden, exposed = offloaded(0), offloaded(2), offloaded(LAYERS - 1)
+    # n = 2 of 4: each copy hides behind a whole layer (45 us against a layer's hundreds)
+    assert hidden["breakdown"]["offload"] == 0 and hidden["step_time_s"] == pytest.approx(base["step_time_s"])
+    # n = 3 of 4: every copy exposed, 3 each way per micro-batch
+    waited = 2 * (LAYERS - 1) * LAYER_BYTES / HOST_LINK * MICROBATCHES
+    assert exposed["breakdown"]["offload"] == pytest.approx(waited, rel=1e-6)
+    assert exposed["step_time_s"] - base["step_time_s"] == pytest.approx(waited, rel=1e-6)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["plan.cpu_offloading_num_layers=4"], r"plan\.cpu_offloading_num_layers=4: .*0\.\.3"),
+    (["plan.cpu_offloading_num_layers=2", "plan.pp=2", "plan.dp=4"],
+     r"plan\.cpu_offloading_num_layers=2 with plan\.pp=2: .*use plan\.pp=1"),
+    (["plan.cpu_offloading_num_layers=2", "plan.recompute=selective"],
+     r"plan\.cpu_offloading_num_layers=2 with plan\.recompute=selective: .*use plan\.recompute=none"),
+    (["plan.cpu_offloading_num_layers=2", "train.cuda_graphs=true"], r"train\.cuda_graphs=true: .*drop one"),
+    (["plan.cpu_offloading_num_layers=2", "cluster=tpuv4_fat_tree"],
+     r"accelerator tpuv4 gives no accelerator\.host_link_gb_per_s"),
+])
+def test_what_megatron_core_refuses_is_one_line(overrides, message):
+    with pytest.raises((NestError, InfeasibleError), match=message):
+        api.evaluate([*TINY, *overrides])
+
+
+def test_a_users_offloading_flag_is_planned_priced_and_emitted():
+    argv = ["--num-layers", "4", "--hidden-size", "256", "--cpu-offloading-num-layers", "3"]
+    fixed = [item for c in argv_constraints(argv, user=[], pinned=[], model=load(TINY).config.model)
+             for item in c.overrides]
+    assert {"plan.cpu_offloading_num_layers=3", "plan.pp=1", "plan.recompute=none"} <= set(fixed)
+    plan = api.evaluate([*TINY, "plan.cpu_offloading_num_layers=3"])
+    assert plan.parallel["cpu_offloading_num_layers"] == 3
+    args = plan.megatron_args
+    assert args[args.index("--cpu-offloading-num-layers") + 1] == "3"
+    assert "--cpu-offloading-num-layers" not in api.evaluate(TINY).megatron_args
