@@ -34,7 +34,7 @@ class Plan:
     num_devices: int
     idle_devices: int
     # tp, pp, dp, cp, ep, etp, vpp, sp, cp_comm_type, moe_a2a_overlap, distributed_optimizer_instances,
-    # cpu_offloading_num_layers
+    # cpu_offloading_num_layers, microbatch_group_size_per_vp_stage
     parallel: dict
     micro_batch_size: int
     global_batch_size: int
@@ -186,7 +186,8 @@ def build_plan(problem: Problem, est: Estimate, *, model_name: str, cluster_name
         parallel={"tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep, "etp": c.etp, "vpp": c.vpp, "sp": c.sp,
                   "cp_comm_type": c.cp_comm_type, "moe_a2a_overlap": c.moe_a2a_overlap,
                   "distributed_optimizer_instances": c.distributed_optimizer_instances,
-                  "cpu_offloading_num_layers": c.cpu_offloading_num_layers},
+                  "cpu_offloading_num_layers": c.cpu_offloading_num_layers,
+                  "microbatch_group_size_per_vp_stage": c.microbatch_group_size_per_vp_stage},
         micro_batch_size=c.mbs,
         global_batch_size=problem.global_batch_size,
         num_microbatches=est.num_microbatches,

@@ -11,6 +11,7 @@ import pytest
 
 from nest_megatron import api
 from nest_megatron.errors import NestError
+from nest_megatron.plan import key_overrides
 
 # 16 GPUs of a DGX H100 SuperPOD (two nodes of one scalable unit) and a tiny GPT.
 SMALL = ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=16", "train.global_batch_size=64"]
@@ -48,7 +49,7 @@ def test_plan_writes_a_complete_plan(planned):
     assert plan["schema_version"] == 1
     assert set(plan["parallel"]) == {"tp", "pp", "dp", "cp", "ep", "etp", "vpp", "sp", "cp_comm_type",
                                      "moe_a2a_overlap", "distributed_optimizer_instances",
-                                     "cpu_offloading_num_layers"}
+                                     "cpu_offloading_num_layers", "microbatch_group_size_per_vp_stage"}
     for key in ("micro_batch_size", "global_batch_size", "num_microbatches", "zero_stage", "layers_per_stage",
                 "rank_order", "rank_to_device", "megatron_args"):
         assert key in plan, key
@@ -108,7 +109,8 @@ def test_evaluate_valid_pins(tmp_path):
     # sp defaults to on with tp > 1; etp and ep to 1 for a dense model; the CP exchange to Megatron's p2p
     assert plan["parallel"] == {"tp": 2, "pp": 2, "dp": 4, "cp": 1, "ep": 1, "etp": 1, "vpp": 2, "sp": True,
                                 "cp_comm_type": "p2p", "moe_a2a_overlap": False,
-                                "distributed_optimizer_instances": 1, "cpu_offloading_num_layers": 0}
+                                "distributed_optimizer_instances": 1, "cpu_offloading_num_layers": 0,
+                                "microbatch_group_size_per_vp_stage": None}
     assert plan["micro_batch_size"] == 2
     # 64 / (2 * 4) = 8 micro-batches; 4 layers over 2 stages
     assert plan["num_microbatches"] == 8
@@ -150,7 +152,7 @@ def test_typo_key_is_one_line(command, tmp_path):
 def test_api_plan_and_evaluate_agree():
     plan = api.plan(SMALL)
     p = plan.parallel
-    pins = [f"plan.{k}={str(v).lower()}" for k, v in p.items()] + [
+    pins = key_overrides(p) + [  # the parallel keys, those at null (Megatron's defaults) left out
         f"plan.mbs={plan.micro_batch_size}", f"plan.zero={plan.zero_stage}", f"plan.order={plan.rank_order}",
         f"plan.recompute={plan.recompute['granularity'] or 'none'}",
     ]

@@ -162,6 +162,7 @@ PLAN_KEYS = {
     "moe_a2a_overlap": ("false", False),  # true needs a MoE model (tests/test_a2a_overlap.py); the tiny model is dense
     "distributed_optimizer_instances": ("2", 2),
     "cpu_offloading_num_layers": ("2", 2),  # with pp 1 and no recompute only: tests/test_cpu_offloading.py
+    "microbatch_group_size_per_vp_stage": ("4", 4),  # read with vpp > 1: tests/test_microbatch_groups.py
 }
 
 

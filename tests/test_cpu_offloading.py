@@ -16,6 +16,7 @@ from nest_megatron.config.load import load
 from nest_megatron.cost.offload import exposed_offload_time
 from nest_megatron.errors import InfeasibleError, NestError
 from nest_megatron.launch.constraints import argv_constraints
+from nest_megatron.launch.megatron_rules import name_flags, violations
 
 GIB = 2**30
 LAYERS = 4
@@ -104,3 +105,16 @@ def test_a_users_offloading_flag_is_planned_priced_and_emitted():
     args = plan.megatron_args
     assert args[args.index("--cpu-offloading-num-layers") + 1] == "3"
     assert "--cpu-offloading-num-layers" not in api.evaluate(TINY).megatron_args
+
+
+def test_a_users_argv_hears_each_offloading_rule_once():
+    # the argv rules cpu-offloading-* name the flags; parallel/rules.py's cpu-offloading (the plan's) stays silent there
+    argv = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "128",
+            "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "64", "--bf16",
+            "--cpu-offloading-num-layers", "2", "--pipeline-model-parallel-size", "2"]
+    assert violations(argv, world_size=8) == [
+        "--cpu-offloading-num-layers with --pipeline-model-parallel-size 2: megatron-core has no CPU offloading with "
+        "pipeline parallelism; use pp 1 or drop the offloading"]
+    # a plan field is renamed whole: plan.cp is no prefix of plan.cpu_offloading_num_layers
+    assert name_flags("plan.cpu_offloading_num_layers=2 with plan.cp=2") == (
+        "plan.cpu_offloading_num_layers=2 with --context-parallel-size=2")

@@ -130,6 +130,8 @@ def test_megatron_lm_accepts_each_new_shipped_model_s_launch(tmp_path):
     runs += [("deepseek_v3", overlap, MACHINES[0]), ("qwen3_235b_a22b", overlap, MACHINES[0])]
     # and activation offloading (its rule: parallel/rules.py cpu-offloading): 40 of Llama 3 70B's 80 layers
     runs += [("llama3_70b", ["plan.cpu_offloading_num_layers=40"], MACHINES[2])]
+    # and micro-batch groups of 6 on 4 stages (256 micro-batches: a last group of 4; its rule: interleaved-microbatches)
+    runs += [("llama3_70b", ["plan.pp=4", "plan.vpp=5", "plan.microbatch_group_size_per_vp_stage=6"], MACHINES[0])]
     for model, extra, (cluster, devices, per_node) in runs:
         name = f"{model}/{cluster}/{devices}" + (f" with {' '.join(extra)}" if extra else "")
         try:

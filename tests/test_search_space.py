@@ -167,7 +167,8 @@ class _Reading:
 
 @pytest.mark.parametrize("group, allowed", [
     (SIZE_RULES, {"tp", "cp", "pp", "dp", "ep", "etp", "zero", "order"}),
-    (PIPELINE_RULES, {"pp", "vpp", "mbs", "dp"}),
+    # and the micro-batch groups, one value in a whole search (refused_by_pipeline takes it)
+    (PIPELINE_RULES, {"pp", "vpp", "mbs", "dp", "microbatch_group_size_per_vp_stage", "microbatch_group"}),
     # refused_overlap asks them with Megatron's default modules, which read as recompute_modules only with selective
     (OVERLAP_RULES, {"moe_a2a_overlap", "pp", "vpp", "ep", "recompute", "recompute_modules"}),
 ], ids=["SIZE_RULES", "PIPELINE_RULES", "OVERLAP_RULES"])

@@ -812,6 +812,8 @@ def _check_plan(p: PlanChoice, *, devices: int, layers: int, batch: int, mtp_num
     # the last (cpu_offload.py: num_layers <= model_layers - 1)
     _integer("plan.cpu_offloading_num_layers", p.cpu_offloading_num_layers, 0, layers - 1, "model.num_layers - 1")
     _integer("plan.mbs", p.mbs, 1, batch, "train.global_batch_size")
+    _integer("plan.microbatch_group_size_per_vp_stage", p.microbatch_group_size_per_vp_stage, 1, batch,
+             "train.global_batch_size")
     _one_of("plan.zero", p.zero, ZERO_STAGES)
     _one_of("plan.recompute", p.recompute, RECOMPUTE_KINDS)
     _check_recompute_modules(p.recompute_modules)

@@ -137,11 +137,9 @@ HINT_FLAGS: dict[str, str] = {
     # the parts of a layer a per-layer graph captures (none named: the whole layer), which the launch rules read
     "--cuda-graph-modules": "list",
     "--cuda-graph-scope": "list",  # megatron-core 0.16.1's name of it
-    # values launch/megatron_rules.py holds against the plan's sizes (d98e8a6): the interleaved schedule's micro-batch
-    # groups (model_parallel_config.py:431-434), the eval batch and iterations (training/config/training_config.py:
-    # 115, 130, 135), the attention variant (transformer_config.py:301) and Gated DeltaNet's heads (:379, 382), GTP
+    # values launch/megatron_rules.py holds against the plan's sizes (d98e8a6): the eval batch and iterations
+    # (training/config/training_config.py: 115, 130, 135), the attention variant (transformer_config.py:301) and Gated DeltaNet's heads (:379, 382), GTP
     # weight sharding (model_parallel_config.py:58, 135) and the bf16 end layers of FP8 (transformer_config.py:652, 656)
-    "--microbatch-group-size-per-virtual-pipeline-stage": "int",
     "--eval-micro-batch-size": "int",
     "--eval-global-batch-size": "int",
     "--eval-iters": "int",
@@ -209,6 +207,9 @@ PLANNER_FLAGS: dict[str, str] = {
     # arguments.py:2320; :1950-1951 turn it on for N > 0). The argv's is a constraint (launch/constraints.py), so the
     # plan's, which it emits and prices (cost/offload.py), equals it
     "--cpu-offloading-num-layers": "int",
+    # the interleaved schedule's micro-batch groups (model_parallel_config.py:431-434 at d98e8a6): the argv's is a
+    # constraint (launch/constraints.py), so the plan's, which it emits with virtual stages, equals it
+    "--microbatch-group-size-per-virtual-pipeline-stage": "int",
     # The EP all-to-all overlap and its delayed weight gradient: the plan emits them when its configuration overlaps
     # (plan.moe_a2a_overlap, searched; the argv's flag pins it: launch/constraints.py) / train.delay_wgrad_compute,
     # which the argv's own flag sets (train_overrides); priced in cost/a2a_overlap.py

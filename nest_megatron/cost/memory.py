@@ -80,12 +80,13 @@ def model_state_bytes(params: float, *, zero: int, shards: int, grad_bytes: int 
 
 
 def in_flight_chunks(cfg: ParallelConfig, *, stage: int, num_microbatches: int) -> int:
-    """Micro-batch chunks whose activations a pipeline rank holds at its peak (with the EP all-to-all overlap,
-    --overlap-moe-expert-parallel-comm, one more)."""
+    """Micro-batch chunks whose activations a pipeline rank holds at its peak: the schedule's warm-up forwards and
+    the first steady one (with the EP all-to-all overlap, --overlap-moe-expert-parallel-comm, one more). The
+    interleaved warm-up is 2 (p - stage - 1) + (v - 1) x the micro-batch group (schedules.py:963-965 at d98e8a6)."""
     p, v, a2a_overlap = cfg.pp, cfg.vpp, int(cfg.moe_a2a_overlap)
     if v == 1:
         return min(p - stage + a2a_overlap, num_microbatches)
-    return min(num_microbatches * v, 2 * (p - stage - 1) + (v - 1) * p + 1 + a2a_overlap)
+    return min(num_microbatches * v, 2 * (p - stage - 1) + (v - 1) * cfg.microbatch_group + 1 + a2a_overlap)
 
 
 def activation_bytes(sums: StageSums, *, in_flight: int, act_rebuilt: float):

@@ -9,7 +9,8 @@ the slowest one, (m + (p - 1) / v) x max_i t_i: so each rank's forward and backw
 stretched to that pace, the stretch drawn as `imbalance` (the rank waits on the slowest stage), and
 the operations are played out in Megatron's order — 1F1B (forward_backward_pipelining_without_
 interleaving) or, with v virtual stages, the interleaved schedule (..._with_interleaving: warm-up of
-2 (p - i - 1) + (v - 1) p chunks, chunk id = (k mod p v) div p) — each starting when its rank is free
+2 (p - i - 1) + (v - 1) g chunks, the micro-batches in groups of g, pp unless given, each group through
+every chunk in turn) — each starting when its rank is free
 and its input has arrived. Gaps are the pipeline bubbles. With equal forward : backward ratios on
 every rank the pipeline ends at exactly (m + (p - 1) / v) max_i t_i; otherwise it differs from the
 formula by a small fraction of one stage time. The data-parallel sync and the optimizer step follow
@@ -60,17 +61,28 @@ class _Operation:
     chunk: int
 
 
-def megatron_order(*, pp: int, vpp: int, stage: int, num_microbatches: int) -> list[_Operation]:
-    """The forward and backward operations of rank `stage` in the order Megatron runs them."""
-    total = num_microbatches * vpp
+def schedule_table(num_microbatches: int, vpp: int, group: int) -> list[tuple[int, int]]:
+    """(micro-batch, model chunk) of each forward in order: each group of micro-batches through every chunk in turn,
+    the last group holding the rest (megatron-core get_schedule_table, schedules.py:989-1015 at d98e8a6)."""
+    table = []
+    for first in range(0, num_microbatches, group):
+        last = num_microbatches if first + group >= num_microbatches else first + group
+        table += [(microbatch, chunk) for chunk in range(vpp) for microbatch in range(first, last)]
+    return table
+
+
+def megatron_order(*, pp: int, vpp: int, stage: int, num_microbatches: int, group: int | None = None) -> list[_Operation]:
+    """The forward and backward operations of rank `stage` in the order Megatron runs them; `group`: the interleaved
+    schedule's micro-batch group (None: pp)."""
+    total, group = num_microbatches * vpp, group or pp
     if vpp == 1:
         warmup = min(pp - stage - 1, total)
     else:
-        warmup = min(2 * (pp - stage - 1) + (vpp - 1) * pp, total)
+        warmup = min(2 * (pp - stage - 1) + (vpp - 1) * group, total)
+    table = schedule_table(num_microbatches, vpp, group)
 
     def operation(k: int, forward: bool) -> _Operation:
-        chunk = (k % (pp * vpp)) // pp
-        microbatch = (k // (pp * vpp)) * pp + k % pp if vpp > 1 else k
+        microbatch, chunk = table[k]
         return _Operation(forward, microbatch, chunk if forward else vpp - 1 - chunk)
 
     ops = [operation(k, True) for k in range(warmup)]
@@ -125,7 +137,8 @@ def timeline(ctx: Context, split: tuple[int, ...]) -> Timeline:
     all_sums = [stage_sums(ctx.costs, cfg, split, s) for s in range(p)]
     pace = max(float(sum(stage_parts(ctx, sums, stage=s).values())) for s, sums in enumerate(all_sums))
     pieces = [_pieces(ctx, split, s, pace) for s in range(p)]
-    orders = [megatron_order(pp=p, vpp=v, stage=s, num_microbatches=m) for s in range(p)]
+    orders = [megatron_order(pp=p, vpp=v, stage=s, num_microbatches=m, group=cfg.microbatch_group)
+              for s in range(p)]
 
     segments: list[list[Segment]] = [[] for _ in range(p)]
     done: dict[tuple[int, _Operation], float] = {}  # end time of each operation played

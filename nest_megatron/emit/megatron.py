@@ -244,6 +244,8 @@ def parallel_args(
     args += split_args(cfg, num_layers=model.cfg.num_layers, layers_per_stage=layers_per_stage,
                        mtp_num_layers=model.cfg.mtp_num_layers or 0, hybrid_pattern=model.cfg.hybrid_layer_pattern,
                        mtp_hybrid_pattern=model.cfg.mtp_hybrid_pattern)
+    if cfg.vpp > 1 and cfg.microbatch_group_size_per_vp_stage is not None:  # read only by the interleaved schedule
+        args += ["--microbatch-group-size-per-virtual-pipeline-stage", str(cfg.microbatch_group_size_per_vp_stage)]
     if defer_embedding_wgrad:  # train.defer_embedding_wgrad_compute (the plan has pp > 1: solver/space.py)
         args.append("--defer-embedding-wgrad-compute")
     if cfg.cp > 1 or cfg.cp_comm_type != "p2p":  # the exchange the cost model priced (Megatron's default: p2p)

@@ -54,6 +54,8 @@ def bridge_overrides(plan: Plan) -> Overrides:
         "model.tensor_model_parallel_size": p["tp"],
         "model.pipeline_model_parallel_size": p["pp"],
         "model.virtual_pipeline_model_parallel_size": p["vpp"] if p["vpp"] > 1 else None,
+        # the interleaved schedule's micro-batch groups the plan is priced with (None: pp, megatron-core's default)
+        "model.microbatch_group_size_per_vp_stage": p.get("microbatch_group_size_per_vp_stage"),
         "model.context_parallel_size": p["cp"],
         "model.expert_model_parallel_size": p["ep"],
     }

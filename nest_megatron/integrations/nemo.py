@@ -88,6 +88,8 @@ def nemo_overrides(plan: Plan, devices_per_node: int | None = None) -> Overrides
         f"{s}.tensor_model_parallel_size": p["tp"],
         f"{s}.pipeline_model_parallel_size": p["pp"],
         f"{s}.virtual_pipeline_model_parallel_size": p["vpp"] if p["vpp"] > 1 else None,
+        # the interleaved schedule's micro-batch groups the plan is priced with (None: pp, megatron-core's default)
+        f"{s}.microbatch_group_size_per_vp_stage": p.get("microbatch_group_size_per_vp_stage"),
         f"{s}.context_parallel_size": p["cp"],
         f"{s}.expert_model_parallel_size": p["ep"],
     }

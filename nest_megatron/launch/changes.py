@@ -83,7 +83,8 @@ def layout_why(argv: list[str], loaded: Loaded, plan: Plan) -> str:
                            cp_comm_type=s.get("--cp-comm-type", ("p2p",))[0],
                            moe_a2a_overlap=s.present("--overlap-moe-expert-parallel-comm"),
                            distributed_optimizer_instances=s.get("--num-distributed-optimizer-instances"),
-                           cpu_offloading_num_layers=s.get("--cpu-offloading-num-layers") or None)
+                           cpu_offloading_num_layers=s.get("--cpu-offloading-num-layers") or None,
+                           microbatch_group_size_per_vp_stage=s.get("--microbatch-group-size-per-virtual-pipeline-stage"))
     except NestError as err:
         return f"the given layout is not one the cost model prices: {err}"
     problem, _ = profiled_problem(loaded.problem, loaded.config)

@@ -231,6 +231,16 @@ def _optimizer_instances(s: Scanned, user_keys: set[str]) -> Constraint | None:
     return Constraint([f"plan.distributed_optimizer_instances={n}"], f"--num-distributed-optimizer-instances {n}")
 
 
+def _microbatch_group(s: Scanned, user_keys: set[str]) -> Constraint | None:
+    """--microbatch-group-size-per-virtual-pipeline-stage G: the plan keeps G (the interleaved schedule's warm-up
+    memory is priced with it; the rules hold the micro-batches to it)."""
+    group = s.get("--microbatch-group-size-per-virtual-pipeline-stage")
+    if group is None or "plan.microbatch_group_size_per_vp_stage" in user_keys:
+        return None
+    return Constraint([f"plan.microbatch_group_size_per_vp_stage={group}"],
+                      f"--microbatch-group-size-per-virtual-pipeline-stage {group}")
+
+
 def _cuda_graphs(s: Scanned, user: list[str]) -> Constraint | None:
     """CUDA graphs hold the search's recompute kinds: per-layer graphs take no full recompute (transformer_config.py:
     2854-2858), and whole-layer graphs no selective recompute with attention dropout (:2868-2884), since every module
@@ -303,7 +313,8 @@ def argv_constraints(argv: list[str], user: list[str], *, model: ModelConfig, pi
     exchange = _cp_comm_type(s, user_keys)
     overlap = _a2a_overlap(s, user_keys)
     instances = _optimizer_instances(s, user_keys)
-    out += [c for c in (sharded, exchange, overlap, instances) if c is not None]
+    group = _microbatch_group(s, user_keys)
+    out += [c for c in (sharded, exchange, overlap, instances, group) if c is not None]
     optimizer = _optimizer_without_fsdp(s, user, out)
     graphs = _cuda_graphs(s, user)
     out += [c for c in (optimizer, graphs) if c is not None]

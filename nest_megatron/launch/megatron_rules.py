@@ -53,6 +53,7 @@ from nest_megatron.parallel.rules import (
     TRANSFORMER_ENGINE_COMMIT,
     TRANSFORMER_ENGINE_TAG,
     Rule,
+    microbatch_group_problem,
     model_violation,
     violation,
 )
@@ -80,6 +81,7 @@ FLAG_OF_FIELD = {
     "train.global_batch_size": "--global-batch-size",
     "train.tp_comm_overlap=true": "--tp-comm-overlap",
     "plan.distributed_optimizer_instances": "--num-distributed-optimizer-instances",
+    "plan.microbatch_group_size_per_vp_stage": "--microbatch-group-size-per-virtual-pipeline-stage",
     "plan.moe_a2a_overlap=true": "--overlap-moe-expert-parallel-comm",
     "plan.moe_a2a_overlap=false": "no --overlap-moe-expert-parallel-comm",
 }
@@ -124,9 +126,10 @@ def _recompute(s: Scanned) -> tuple[str, int | None, str | None]:
 
 
 def name_flags(line: str) -> str:
-    """A parallel.rules line with each plan.* field replaced by the Megatron flag that sets it."""
+    """A parallel.rules line with each plan.* field replaced by the Megatron flag that sets it (a whole field name:
+    plan.cp is no part of plan.cpu_offloading_num_layers)."""
     for name, flag in FLAG_OF_FIELD.items():
-        line = line.replace(name, flag)
+        line = re.sub(re.escape(name) + r"(?!\w)", flag, line)
     return line
 
 
@@ -364,29 +367,8 @@ def _p2p_warmup_flush(launch: Launch):
 GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
 
 
-def _group_problem(microbatches: int, group: int, pp: int) -> str | None:
-    """What the interleaved schedule says of `microbatches` run `group` at a time per virtual stage (None: fine)."""
-    if not pp <= group <= microbatches:
-        return f"must be from pp={pp} to the {microbatches} micro-batches"
-    if 0 < microbatches % group < pp:
-        return f"leaves a last group of {microbatches % group} micro-batches, fewer than pp={pp} (0 or >= pp allowed)"
-    return None
-
-
 def _microbatches(launch: Launch, gbs: int, mbs: int) -> int:
     return gbs // (mbs * launch.dp)
-
-
-def _microbatch_group(launch: Launch):
-    """Micro-batch groups per virtual stage hold pp to all micro-batches; the last holds none or at least pp."""
-    s, group = launch.s, launch.s.get(GROUP_FLAG)
-    if group is None or _vpp(launch) == 1:  # without virtual stages the flag is not read
-        return None
-    mbs = s.get("--micro-batch-size", 1)
-    microbatches = _microbatches(launch, s.get("--global-batch-size", mbs * launch.dp), mbs)
-    problem = _group_problem(microbatches, group, launch.pp)
-    if problem:
-        return f"{GROUP_FLAG} {group} with {microbatches} micro-batches per iteration: {problem}"
 
 
 def _moe_act_grouped_gemm(launch: Launch):
@@ -435,7 +417,7 @@ def _eval_microbatch_group(launch: Launch):
     if not sizes or _vpp(launch) == 1 or not evaluates or sizes[0] % (sizes[1] * launch.dp):  # the last: eval-batch
         return None
     microbatches, group = _microbatches(launch, *sizes), s.get(GROUP_FLAG, launch.pp)
-    problem = _group_problem(microbatches, group, launch.pp)
+    problem = microbatch_group_problem(microbatches, group, launch.pp)
     if problem:
         return (f"{microbatches} eval micro-batches (--eval-global-batch-size / --eval-micro-batch-size / dp) in "
                 f"groups of {group} under the interleaved schedule: {problem}; the first evaluation dies (or give "
@@ -878,7 +860,6 @@ ARGV_RULES = (
     Rule("vpp-p2p-overlap", f"{ARGS}:1006", _vpp_p2p_overlap),
     Rule("p2p-warmup-flush", f"megatron/core/model_parallel_config.py:570-575 ({ARGS}:1010-1012 turns p2p overlap off "
          "without virtual stages; megatron/training/argument_utils.py:307 batches p2p without it)", _p2p_warmup_flush),
-    Rule("microbatch-group", "megatron/core/pipeline_parallel/schedules.py:1160-1180", _microbatch_group),
     Rule("recompute-flags", f"{ARGS}:1426; megatron/core/transformer/transformer_config.py:1901-1931", _recompute_flags),
     Rule("recompute-moe-act-grouped-gemm", "megatron/core/transformer/transformer_config.py:1964-1967",
          _moe_act_grouped_gemm),
@@ -986,7 +967,8 @@ def violations(argv: list[str], *, world_size: int) -> list[str]:
         cp_comm_type=comm_types.pop() if len(comm_types) == 1 else " ".join(_cp_comm_types(launch)),
         moe_a2a_overlap=s.present("--overlap-moe-expert-parallel-comm"),
         distributed_optimizer_instances=s.get("--num-distributed-optimizer-instances", 1),
-        cpu_offloading_num_layers=s.get("--cpu-offloading-num-layers", 0),
+        # the offloaded layers left out: the argv rules cpu-offloading-* judge them, by their flag
+        microbatch_group_size_per_vp_stage=s.get(GROUP_FLAG),
     )
     # The split's own rules (parallel.rules: layout, account-split, first-last-split, even-split) on the form the
     # flags spell. The FP8 recipe Transformer Engine's shape rules depend on (Megatron's default recipe: delayed).

@@ -47,6 +47,14 @@ class ParallelConfig:
     # --cpu-offloading-num-layers: the first n decoder layers' saved activations live in host memory between their
     # forward and backward (cost/offload.py)
     cpu_offloading_num_layers: int = 0
+    # --microbatch-group-size-per-virtual-pipeline-stage: the interleaved schedule runs each model chunk over this
+    # many micro-batches at a time; None: pp, Megatron's default (model_parallel_config.py:567-568). Read with vpp > 1.
+    microbatch_group_size_per_vp_stage: int | None = None
+
+    @property
+    def microbatch_group(self) -> int:
+        """The micro-batches the interleaved schedule runs a model chunk over at a time."""
+        return self.microbatch_group_size_per_vp_stage or self.pp
 
     @property
     def selective_modules(self) -> tuple[str, ...]:

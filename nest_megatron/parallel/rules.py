@@ -405,11 +405,29 @@ def _fill_pipeline(c: Case):
         return f"{microbatches} micro-batches per iteration: need at least pp={c.cfg.pp} to fill the pipeline"
 
 
+def microbatch_group_problem(microbatches: int, group: int, pp: int) -> str | None:
+    """What the interleaved schedule says of `microbatches` run `group` at a time per model chunk (None: fine)."""
+    if not pp <= group <= microbatches:
+        return f"must be from pp={pp} to the {microbatches} micro-batches"
+    if 0 < microbatches % group < pp:
+        return f"leaves a last group of {microbatches % group} micro-batches, fewer than pp={pp} (0 or >= pp allowed)"
+    return None
+
+
 def _interleaved_microbatches(c: Case):
-    """The interleaved schedule needs a multiple of pp micro-batches."""
-    microbatches = num_microbatches(c.cfg, c.global_batch_size)
-    if c.cfg.vpp > 1 and microbatches % c.cfg.pp:
-        return f"{microbatches} micro-batches: the interleaved schedule needs a multiple of pp={c.cfg.pp}"
+    """The interleaved schedule runs the micro-batches in groups of pp (or the group size given) to its last, which
+    holds none or at least pp: with the default groups, a multiple of pp micro-batches."""
+    cfg = c.cfg
+    if cfg.vpp == 1:
+        return None
+    microbatches = num_microbatches(cfg, c.global_batch_size)
+    problem = microbatch_group_problem(microbatches, cfg.microbatch_group, cfg.pp)
+    if problem is None:
+        return None
+    if cfg.microbatch_group_size_per_vp_stage is None:
+        return f"{microbatches} micro-batches: the interleaved schedule needs a multiple of pp={cfg.pp}"
+    return (f"plan.microbatch_group_size_per_vp_stage={cfg.microbatch_group_size_per_vp_stage} with {microbatches} "
+            f"micro-batches per iteration: {problem}")
 
 
 def _mla_local_tp(c: Case):
@@ -719,7 +737,8 @@ RULES = (
     Rule("a2a-overlap-layout", f"{TC}:3007-3015", _a2a_overlap_layout),
     Rule("global-batch", f"{MC}num_microbatches_calculator.py:381", _global_batch),
     Rule("fill-pipeline", "nest: 1F1B with fewer micro-batches than stages leaves stages idle", _fill_pipeline),
-    Rule("interleaved-microbatches", f"{MC}pipeline_parallel/schedules.py:1173", _interleaved_microbatches),
+    Rule("interleaved-microbatches", f"{MC}pipeline_parallel/schedules.py:1160-1180; {MC}model_parallel_config.py:"
+         "567-568 (the group defaults to pp)", _interleaved_microbatches),
     Rule("mla-local-tp", f"{MC}tensor_parallel/layers.py:1038 (ColumnParallelLinear: divide(output_size, tp)); "
          f"{MC}models/gpt/gpt_layer_specs.py get_gpt_layer_local_spec (MLA's down projections column-parallel)",
          _mla_local_tp),
@@ -761,9 +780,11 @@ def refused_by_sizes(cfg: ParallelConfig, model: ModelSpec) -> bool:
 
 def refused_by_pipeline(pp: int, vpp: int, mbs: int, dp: int, *, model: ModelSpec, global_batch_size: int,
                         layers_per_stage: tuple[int, ...] | None = None, any_split: bool = False,
-                        form: SplitForm = EVEN) -> bool:
+                        form: SplitForm = EVEN, microbatch_group_size_per_vp_stage: int | None = None) -> bool:
     """Whether a rule of PIPELINE_RULES refuses these sizes (the other fields at their defaults), whatever the rest."""
-    case = Case(ParallelConfig(pp=pp, vpp=vpp, mbs=mbs, dp=dp), model, num_devices=0,
+    cfg = ParallelConfig(pp=pp, vpp=vpp, mbs=mbs, dp=dp,
+                         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
+    case = Case(cfg, model, num_devices=0,
                 global_batch_size=global_batch_size, layers_per_stage=layers_per_stage, any_split=any_split, form=form)
     return any(check(case) is not None for check in PIPELINE_RULES)
 

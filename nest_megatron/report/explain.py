@@ -45,7 +45,8 @@ def plan_config(plan: Plan) -> ParallelConfig:
                           order=plan.rank_order, cp_comm_type=p.get("cp_comm_type", "p2p"),
                           moe_a2a_overlap=p.get("moe_a2a_overlap", False),
                           distributed_optimizer_instances=p.get("distributed_optimizer_instances", 1),
-                          cpu_offloading_num_layers=p.get("cpu_offloading_num_layers", 0))
+                          cpu_offloading_num_layers=p.get("cpu_offloading_num_layers", 0),
+                          microbatch_group_size_per_vp_stage=p.get("microbatch_group_size_per_vp_stage"))
 
 
 SIZES = ("tp", "pp", "dp", "cp", "ep", "etp", "vpp")

@@ -73,8 +73,10 @@ def render(plan: Plan, console: Console, *, megatron_args: list[str] | None = No
     a2a_overlap = " (all-to-alls overlapped)" if p.get("moe_a2a_overlap") else ""  # --overlap-moe-expert-parallel-comm
     head.add_row("parallel", f"TP {p['tp']}  PP {p['pp']}  DP {p['dp']}  CP {p['cp']}{cp_exchange}  EP {p['ep']}{a2a_overlap}  "
                              f"ETP {p['etp']}  VPP {p['vpp']}  SP {'on' if p['sp'] else 'off'}")
+    group = p.get("microbatch_group_size_per_vp_stage") if p["vpp"] > 1 else None  # read with virtual stages
     head.add_row("batch", f"micro {plan.micro_batch_size} x {plan.num_microbatches} micro-batches x DP {p['dp']} "
-                          f"= global {plan.global_batch_size}")
+                          f"= global {plan.global_batch_size}"
+                 + (f"  (interleaved {group} at a time per model chunk)" if group else ""))
     instances = p.get("distributed_optimizer_instances", 1)  # --num-distributed-optimizer-instances
     offloaded = p.get("cpu_offloading_num_layers", 0)  # --cpu-offloading-num-layers
     head.add_row("ZeRO / recompute", f"stage {plan.zero_stage}" + (f" in {instances} instances" if instances > 1 else "")

@@ -63,6 +63,7 @@ def choice_config(problem: Problem, choice: PlanChoice, *, default_mbs: int | No
         moe_a2a_overlap=problem.delay_wgrad_compute if choice.moe_a2a_overlap is None else choice.moe_a2a_overlap,
         distributed_optimizer_instances=choice.distributed_optimizer_instances or 1,
         cpu_offloading_num_layers=choice.cpu_offloading_num_layers or 0,
+        microbatch_group_size_per_vp_stage=choice.microbatch_group_size_per_vp_stage,
     )
 
 
@@ -304,6 +305,7 @@ def _configurations(
     zeros = axis(pins.zero, list(solver.zero_stages))
     instances = pins.distributed_optimizer_instances or 1  # not searched
     offloaded = pins.cpu_offloading_num_layers or 0  # not searched
+    group = pins.microbatch_group_size_per_vp_stage  # not searched (None: pp)
     overlaps = axis(pins.moe_a2a_overlap, [True] if problem.delay_wgrad_compute else searched_a2a_overlaps(problem, solver))
     recomputes = axis(pins.recompute, ["selective"] if pins.recompute_modules is not None else list(solver.recompute))
     recomputed_counts = axis(pins.recompute_num_layers, list(solver.recompute_num_layers))
@@ -314,7 +316,7 @@ def _configurations(
                                                   is not None else searched_sets(model))]}
     judge = _Judge(problem, pins, any_split, form)
     pipeline_context = dict(model=model, global_batch_size=problem.global_batch_size, layers_per_stage=pinned_split(pins),
-                            any_split=any_split, form=form)
+                            any_split=any_split, form=form, microbatch_group_size_per_vp_stage=group)
     for tp, cp, pp in itertools.product(tps, cps, pps):
         if devices % (tp * cp * pp):
             yield None, _unused_devices(tp, cp, pp, devices)
@@ -356,12 +358,12 @@ def _configurations(
                 if refused[by_sizes]:
                     continue
             # every field but the variants' ones
-            others = (tp, cp, pp, dp, ep, etp, sp, vpp, mbs, zero, order, instances, offloaded)
+            others = (tp, cp, pp, dp, ep, etp, sp, vpp, mbs, zero, order, instances, offloaded, group)
             for recomputed, modules in variants.get(recompute, [(None, DEFAULT_RECOMPUTE_MODULES)]):
                 sizes = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
                              recompute=recompute, recompute_num_layers=recomputed, recompute_modules=modules,
                              order=order, moe_a2a_overlap=overlap, distributed_optimizer_instances=instances,
-                             cpu_offloading_num_layers=offloaded)
+                             cpu_offloading_num_layers=offloaded, microbatch_group_size_per_vp_stage=group)
                 first = ParallelConfig(**sizes, cp_comm_type=comm_types[0])
                 train_line = train_rule_line(problem, first)  # whatever the exchange
                 if train_line is not None:
