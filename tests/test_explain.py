@@ -39,6 +39,8 @@ TINY = ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=16",
 # 16 GPUs, two nodes of one scalable unit; pinned to two stages so that the schedule has a pipeline.
 ONE_F_ONE_B = [*TINY, "plan.pp=2", "plan.vpp=1", "plan.tp=2"]
 INTERLEAVED = [*TINY, "plan.pp=2", "plan.vpp=2"]
+# groups of 3 micro-batches per model chunk (Megatron's default is pp = 2): the bubble stays (p - 1) / v
+GROUPED = [*INTERLEAVED, "plan.microbatch_group_size_per_vp_stage=3"]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +59,7 @@ def report(tiny_plan, tmp_path_factory):
 
 # --- the schedule against the cost model ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("overrides", [ONE_F_ONE_B, INTERLEAVED], ids=["1f1b", "interleaved"])
+@pytest.mark.parametrize("overrides", [ONE_F_ONE_B, INTERLEAVED, GROUPED], ids=["1f1b", "interleaved", "grouped"])
 def test_timeline_adds_up_to_the_predicted_step(overrides):
     plan = api.plan(overrides)
     problem = load(plan.overrides).problem

@@ -158,7 +158,6 @@ class StageSums(NamedTuple):
     host_bwd: object = 0.0
     host_recompute: object = 0.0
     a2a_saving: object = 0.0  # LayerCosts.a2a_saving
-    offloaded: object = 0.0  # bytes of the stage's layers' activations kept in host memory (cost/offload.py)
 
 
 def range_sums(c: LayerCosts, cfg: ParallelConfig, a, b) -> StageSums:
@@ -200,7 +199,6 @@ def range_sums(c: LayerCosts, cfg: ParallelConfig, a, b) -> StageSums:
         host_bwd=c.host_bwd[b] - c.host_bwd[a],
         host_recompute=c.host_fwd[r_end] - c.host_fwd[a],  # r_end = a unless fully recomputed
         a2a_saving=c.a2a_saving[b] - c.a2a_saving[a],
-        offloaded=offloaded,
     )
 
 
