@@ -146,6 +146,7 @@ SOLVER_KEYS = {
     "max_virtual_stages": ("2", 2), "max_context_parallel": ("2", 2), "top_k": ("3", 3),
     "recompute_num_layers": ("[null,1]", [None, 1]), "jobs": ("2", 2), "allow_idle": ("false", False),
     "cp_comm_types": ("[p2p,a2a]", ["p2p", "a2a"]), "moe_a2a_overlap": ("[false]", [False]),
+    "cpu_offloading": ("[0,0.5]", [0, 0.5]),
 }
 SPLIT_FORM_KEYS = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
                    "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",

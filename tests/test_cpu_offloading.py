@@ -17,6 +17,7 @@ from nest_megatron.cost.offload import exposed_offload_time
 from nest_megatron.errors import InfeasibleError, NestError
 from nest_megatron.launch.constraints import argv_constraints
 from nest_megatron.launch.megatron_rules import name_flags, violations
+from nest_megatron.solver.space import searched_offloads
 
 GIB = 2**30
 LAYERS = 4
@@ -118,3 +119,48 @@ def test_a_users_argv_hears_each_offloading_rule_once():
     # a plan field is renamed whole: plan.cp is no prefix of plan.cpu_offloading_num_layers
     assert name_flags("plan.cpu_offloading_num_layers=2 with plan.cp=2") == (
         "plan.cpu_offloading_num_layers=2 with --context-parallel-size=2")
+
+
+# -- searched: solver.cpu_offloading, shares of the layers (off by default) -------------------------------------------
+
+SHARES = "solver.cpu_offloading=[0,0.25,0.5,0.75]"
+# Llama 3 70B at 8k tokens, FP8, on 64 GB200 (NVLink-C2C to Grace: 225 GB/s a GPU), as Megatron-Bridge's GB200 recipe
+GB200_70B = ["model=llama3_70b", "cluster=gb200_nvl72", "cluster.num_devices=64", "model.seq_length=8192",
+             "train.global_batch_size=128", "train.precision=fp8", "train.fp8_recipe=tensorwise"]
+
+
+@pytest.mark.parametrize("overrides, offloads", [
+    ([SHARES], [0, 20, 40, 60]),  # 80 layers
+    ([SHARES, "model=tiny_gpt", "solver.cpu_offloading=[0,0.9]"], [0, 3]),  # 0.9 x 4 rounds to 4: at most 3
+    ([SHARES, "train.cuda_graphs=true"], [0]),  # megatron-core offloads nothing under per-layer graphs
+    ([SHARES, "cluster=tpuv4_fat_tree"], [0]),  # no host link to price the copies over
+    ([], [0]),  # the default: none
+])
+def test_the_offloads_searched(overrides, offloads):
+    loaded = load(["model=llama3_70b", *overrides])
+    assert searched_offloads(loaded.problem, loaded.config.solver) == offloads
+
+
+def test_the_search_offloads_where_that_is_fastest():
+    """Searched, the plan keeps half the layers' activations in host memory and doubles the micro-batch, which
+    without the offload does not fit; it beats the best plan without offloading."""
+    searched, plain = api.plan([*GB200_70B, SHARES]), api.plan(GB200_70B)
+    assert plain.parallel["cpu_offloading_num_layers"] == 0
+    n, mbs = searched.parallel["cpu_offloading_num_layers"], searched.micro_batch_size
+    assert n in (20, 40, 60) and searched.parallel["pp"] == 1 and searched.recompute["granularity"] is None
+    assert searched.predicted["step_time_s"] < plain.predicted["step_time_s"]
+    args = searched.megatron_args
+    assert args[args.index("--cpu-offloading-num-layers") + 1] == str(n)
+    same_layout = [*GB200_70B, f"plan.tp={searched.parallel['tp']}", "plan.pp=1", f"plan.mbs={mbs}",
+                   f"plan.zero={searched.zero_stage}", "plan.recompute=none"]
+    with pytest.raises(InfeasibleError, match="GiB"):
+        api.evaluate(same_layout)
+
+
+@pytest.mark.parametrize("shares, message", [
+    ("[]", r"solver\.cpu_offloading=\[\]: list at least one share"),
+    ("[0,1.0]", r"solver\.cpu_offloading\[1\]=1\.0: a share of the layers offloaded, from 0 \(none\) to below 1"),
+])
+def test_a_bad_share_is_one_line(shares, message):
+    with pytest.raises(NestError, match=message):
+        load([f"solver.cpu_offloading={shares}"])

@@ -98,15 +98,16 @@ def test_the_search_judges_each_configuration_as_the_rule_table_does(overrides, 
 
 
 def test_the_variant_rules_are_the_ones_reading_the_recompute_fields_and_the_overlap():
-    """Each rule outside VARIANT_RULES gives one answer whatever a configuration's recompute fields and EP all-to-all
-    overlap, and each rule in it one answer for every configuration with the same variant fields, pp, vpp and ep: on
+    """Each rule outside VARIANT_RULES gives one answer whatever a configuration's recompute fields, EP all-to-all
+    overlap and offloaded layers, and each rule in it one answer for every configuration with the same variant fields, pp, vpp and ep: on
     300 configurations spread over a MoE space (both rank orders, expert TP, FP8 GEMM shapes, pipeline splits), each
     with variants that break and keep the variant rules."""
     loaded = load(["model=mixtral_8x7b", "cluster=h100_spine_leaf", "cluster.num_devices=64", "train.global_batch_size=1024",
                    "train.precision=fp8", "solver.recompute_num_layers=[null,1,20]"])
     problem, cfg = loaded.problem, loaded.config
     configurations = {dataclasses.replace(c, recompute="none", recompute_num_layers=None,
-                                          recompute_modules=DEFAULT_RECOMPUTE_MODULES, moe_a2a_overlap=False)
+                                          recompute_modules=DEFAULT_RECOMPUTE_MODULES, moe_a2a_overlap=False,
+                                          cpu_offloading_num_layers=0)
                       for c, _ in _configurations(problem, cfg.solver, cfg.plan, any_split=True, micro_batch_size=None)
                       if c is not None}
     configurations = sorted(configurations, key=repr)[::len(configurations) // 300]
@@ -115,7 +116,8 @@ def test_the_variant_rules_are_the_ones_reading_the_recompute_fields_and_the_ove
                   dict(recompute="selective", recompute_modules=("core_attn", "mlp")), dict(recompute="bogus"),
                   dict(recompute="none", recompute_num_layers=1), dict(recompute="selective", recompute_modules=("x",)),
                   dict(recompute="selective", recompute_modules=("moe",))]
-    variants = [dict(v, moe_a2a_overlap=overlap) for v in recomputes for overlap in (False, True)]
+    variants = [dict(v, moe_a2a_overlap=overlap, cpu_offloading_num_layers=offloaded) for v in recomputes
+                for overlap in (False, True) for offloaded in (0, 8)]
     assert len(configurations) > 100 and len([r for r in RULES if r.id in VARIANT_RULES]) == 7
     assert {c.ep for c in configurations} > {1} and {(c.pp > 1, c.vpp > 1) for c in configurations} >= {(True, False),
                                                                                                       (True, True)}

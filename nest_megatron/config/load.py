@@ -703,6 +703,12 @@ def _check_train_and_solver(t: TrainConfig, s: SolverConfig) -> None:
                          ("cp_comm_types", CP_COMM_TYPES)):
         for i, value in enumerate(getattr(s, key)):
             _one_of(f"solver.{key}[{i}]", value, allowed)
+    if not s.cpu_offloading:
+        raise NestError("solver.cpu_offloading=[]: list at least one share of the layers (0: no offloading)")
+    for i, share in enumerate(s.cpu_offloading):
+        if not (math.isfinite(share) and 0 <= share < 1):
+            raise NestError(f"solver.cpu_offloading[{i}]={share}: a share of the layers offloaded, from 0 (none) to "
+                            "below 1 (the last layer's activations stay on the device)")
     _integer("solver.max_virtual_stages", s.max_virtual_stages, 1, MAX_VIRTUAL_STAGES)
     _integer("solver.max_context_parallel", s.max_context_parallel, 1)  # the sizes tried are a fixed short list
     _integer("solver.top_k", s.top_k, 0)

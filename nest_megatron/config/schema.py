@@ -265,6 +265,11 @@ class SolverConfig:
     # --overlap-moe-expert-parallel-comm tried off and on, for a MoE GPT model with EP > 1 where the run allows it (the
     # alltoall or flex dispatcher, at most one MTP layer, no shared-expert overlap, no CUDA graphs: solver/space.py)
     moe_a2a_overlap: list[bool] = field(default_factory=lambda: [False, True])
+    # --cpu-offloading-num-layers tried, as shares of the model's layers (rounded; at most all but the last): the
+    # first layers' activations in host memory, where megatron-core offloads (pp 1, no recompute) and the accelerator
+    # gives its host link (accelerator.host_link_gb_per_s). [0] (the default): never offload, since the host links
+    # are estimates and their sharing with a PCIe NIC's traffic is not priced; e.g. [0,0.25,0.5,0.75] searches it.
+    cpu_offloading: list[float] = field(default_factory=lambda: [0.0])
     top_k: int = 10  # how many runners-up the Plan keeps
     # Plans may leave devices idle, when nothing uses them all or fewer are faster (false: every device runs
     # a rank; an elastic launch sets it, as torchrun starts a worker on every device of every node).

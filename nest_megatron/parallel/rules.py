@@ -816,10 +816,10 @@ def violation(
 
 _CHECKS = tuple(rule.check for rule in RULES)  # in RULES' order, without a lookup per rule per configuration
 
-# The rules that read a configuration's recompute fields (recompute, recompute_num_layers, recompute_modules) or its
-# EP all-to-all overlap, and of the rest only pp, vpp, ep and the offloaded layers (one value in a whole search). The
-# others answer the same for every recompute and overlap choice of a configuration (its variants), so the search
-# judges each half once for all the configurations that share its fields (solver/space.py; tests/test_search_space.py
+# The rules that read a configuration's recompute fields (recompute, recompute_num_layers, recompute_modules), its
+# EP all-to-all overlap or its offloaded layers, and of the rest only pp, vpp and ep. The others answer the same for
+# every recompute, overlap and offload choice of a configuration (its variants), so the search judges each half once
+# for all the configurations that share its fields (solver/space.py; tests/test_search_space.py
 # holds this split to the rules).
 VARIANT_RULES = frozenset({"recompute-kind", "recompute-modules", "recompute-layers-full", "recompute-layers-range",
                            "a2a-overlap-layout", "a2a-overlap-recompute", "cpu-offloading"})

@@ -273,6 +273,16 @@ def searched_a2a_overlaps(problem: Problem, solver: SolverConfig) -> list[bool]:
     return [value for value in solver.moe_a2a_overlap if possible or not value]
 
 
+def searched_offloads(problem: Problem, solver: SolverConfig) -> list[int]:
+    """The activation offloads searched (--cpu-offloading-num-layers): solver.cpu_offloading of the model's layers,
+    at most all but the last, where the run can offload at all: a known link to host memory to price the copies
+    over, and no CUDA graphs (megatron-core refuses them together: config/load.py). 0: none."""
+    layers = problem.model.cfg.num_layers
+    if problem.accelerator.host_link_bandwidth is None or problem.cuda_graphs or layers < 2:
+        return [0]
+    return sorted({min(layers - 1, round(share * layers)) for share in solver.cpu_offloading})
+
+
 def stage_counts(num_layers: int, devices: int, *, any_split: bool) -> list[int]:
     """The pipeline sizes searched: those that leave each stage at least MIN_STAGE_LAYERS layers (PP 37 on
     80 layers: 2 or 3 a stage, never 1), among the divisors of the devices with `any_split`, else among
@@ -304,7 +314,7 @@ def _configurations(
     mbss = axis(pins.mbs, [micro_batch_size] if micro_batch_size else list(solver.micro_batch_sizes))
     zeros = axis(pins.zero, list(solver.zero_stages))
     instances = pins.distributed_optimizer_instances or 1  # not searched
-    offloaded = pins.cpu_offloading_num_layers or 0  # not searched
+    offloads = axis(pins.cpu_offloading_num_layers, searched_offloads(problem, solver))
     group = pins.microbatch_group_size_per_vp_stage  # not searched (None: pp)
     overlaps = axis(pins.moe_a2a_overlap, [True] if problem.delay_wgrad_compute else searched_a2a_overlaps(problem, solver))
     recomputes = axis(pins.recompute, ["selective"] if pins.recompute_modules is not None else list(solver.recompute))
@@ -357,9 +367,13 @@ def _configurations(
                         ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, zero=zero, order=order), model)
                 if refused[by_sizes]:
                     continue
-            # every field but the variants' ones
-            others = (tp, cp, pp, dp, ep, etp, sp, vpp, mbs, zero, order, instances, offloaded, group)
-            for recomputed, modules in variants.get(recompute, [(None, DEFAULT_RECOMPUTE_MODULES)]):
+            # megatron-core offloads only at pp 1 without recompute (the cpu-offloading rule): a searched offload
+            # elsewhere would only be refused; a pinned one hears the rule's line
+            pinned_or_possible = pins.cpu_offloading_num_layers is not None or (pp == 1 and recompute == "none")
+            for offloaded, (recomputed, modules) in itertools.product(
+                    offloads if pinned_or_possible else [0],
+                    variants.get(recompute, [(None, DEFAULT_RECOMPUTE_MODULES)])):
+                others = (tp, cp, pp, dp, ep, etp, sp, vpp, mbs, zero, order, instances, group)  # not the variants'
                 sizes = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
                              recompute=recompute, recompute_num_layers=recomputed, recompute_modules=modules,
                              order=order, moe_a2a_overlap=overlap, distributed_optimizer_instances=instances,
@@ -369,7 +383,7 @@ def _configurations(
                 if train_line is not None:
                     yield None, train_line
                     continue
-                variant = (recompute, recomputed, modules, overlap, pp, vpp, ep)
+                variant = (recompute, recomputed, modules, overlap, offloaded, pp, vpp, ep)
                 found = judge(sizes, comm_types, others, variant, first=first)
                 if fallback and all(line is not None for _, line in found):
                     found += judge(sizes, fallback, others, variant)
@@ -379,8 +393,8 @@ def _configurations(
 class _Judge:
     """Each configuration with each CP exchange, and the rule it breaks (None: it launches), as rules.violation says,
     judged in two halves that are kept: the rules but VARIANT_RULES answer the same for the configurations that
-    differ only in their recompute fields and EP all-to-all overlap (their variants), VARIANT_RULES for those with
-    the same variant fields, pp, vpp and ep."""
+    differ only in their recompute fields, EP all-to-all overlap and offloaded layers (their variants), VARIANT_RULES
+    for those with the same variant fields, pp, vpp and ep."""
 
     def __init__(self, problem: Problem, pins: PlanChoice, any_split: bool, form: SplitForm):
         self.context = dict(model=problem.model, num_devices=problem.num_devices,
