@@ -269,8 +269,8 @@ def draw_figures(data: ReportData, out: Path, *, step: Callable[[str], None] = l
     step("schedule figure")
     drawn |= {"schedule.png": schedule.draw(
         data.timeline, step_time=pred["step_time_s"], path=out / "schedule.png",
-        title=f"One iteration, {data.timeline.schedule}: {plan.num_microbatches} micro-batches on {p['pp']} stages"
-              + (f" x {p['vpp']} virtual" if p["vpp"] > 1 else ""))}
+        title=f"One iteration, {data.timeline.schedule}: {plan.num_microbatches} micro-batches on {p['pp']} "
+              + ("stage" if p["pp"] == 1 else "stages") + (f" x {p['vpp']} virtual" if p["vpp"] > 1 else ""))}
     step("memory figure")
     drawn["memory.png"] = memory.draw(pred["memory_breakdown_gib"], capacity_gib=pred["capacity_gib"],
                                       path=out / "memory.png",
