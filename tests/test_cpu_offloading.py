@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from rich.console import Console
 
 from nest_megatron import api
 from nest_megatron.config.load import load
@@ -17,6 +18,8 @@ from nest_megatron.cost.offload import exposed_offload_time
 from nest_megatron.errors import InfeasibleError, NestError
 from nest_megatron.launch.constraints import argv_constraints
 from nest_megatron.launch.megatron_rules import name_flags, violations
+from nest_megatron.report.explain import runner_describe
+from nest_megatron.report.table import render
 from nest_megatron.solver.space import searched_offloads
 
 GIB = 2**30
@@ -145,10 +148,15 @@ def test_the_offloads_searched(overrides, offloads):
     assert searched_offloads(loaded.problem, loaded.config.solver) == offloads
 
 
-def test_the_search_offloads_where_that_is_fastest():
+@pytest.fixture(scope="module")
+def searched():
+    return api.plan([*GB200_70B, SHARES])
+
+
+def test_the_search_offloads_where_that_is_fastest(searched):
     """Searched, the plan keeps half the layers' activations in host memory and doubles the micro-batch, which
     without the offload does not fit; it beats the best plan without offloading."""
-    searched, plain = api.plan([*GB200_70B, SHARES]), api.plan(GB200_70B)
+    plain = api.plan(GB200_70B)
     assert plain.parallel["cpu_offloading_num_layers"] == 0
     n, mbs = searched.parallel["cpu_offloading_num_layers"], searched.micro_batch_size
     assert n in (20, 40, 60) and searched.parallel["pp"] == 1 and searched.recompute["granularity"] is None
@@ -168,3 +176,15 @@ def test_the_search_offloads_where_that_is_fastest():
 def test_a_bad_share_is_one_line(shares, message):
     with pytest.raises(NestError, match=message):
         load([f"solver.cpu_offloading={shares}"])
+
+
+def test_the_plan_and_its_runners_up_say_what_they_offload(searched):
+    console = Console(record=True, width=200)
+    render(searched, console)
+    n = searched.parallel["cpu_offloading_num_layers"]
+    assert f"{n} layers' activations in host memory" in console.export_text()
+    offloading = [r for r in searched.runners_up if r["plan"]["cpu_offloading_num_layers"]]
+    assert offloading
+    for r in offloading:
+        said = f" · {r['plan']['cpu_offloading_num_layers']} layers' activations in host memory"
+        assert runner_describe(r).endswith(said), runner_describe(r)

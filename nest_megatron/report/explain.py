@@ -101,7 +101,18 @@ def describe(cfg: ParallelConfig) -> str:
     text = f"TP {cfg.tp} · PP {cfg.pp} · DP {cfg.dp}"
     text += "".join(f" · {k.upper()} {v}" for k, v in (("cp", cfg.cp), ("ep", cfg.ep), ("vpp", cfg.vpp)) if v > 1)
     text += " · all-to-alls overlapped" if cfg.moe_a2a_overlap else ""  # --overlap-moe-expert-parallel-comm
-    return text + f" · mbs {cfg.mbs} · ZeRO {cfg.zero} · recompute {cfg.recompute}"
+    text += f" · mbs {cfg.mbs} · ZeRO {cfg.zero} · recompute {cfg.recompute}"
+    offloaded = cfg.cpu_offloading_num_layers  # --cpu-offloading-num-layers
+    return text + (f" · {offloaded} layers' activations in host memory" if offloaded else "")
+
+
+def runner_config(r: dict) -> ParallelConfig:
+    """A runner-up's configuration, as far as `describe` tells it."""
+    keys = r.get("plan", {})
+    return ParallelConfig(tp=r["tp"], pp=r["pp"], dp=r["dp"], cp=r["cp"], ep=r["ep"], vpp=r["vpp"], mbs=r["mbs"],
+                          zero=r["zero"], recompute=r["recompute"], order=r["order"],
+                          moe_a2a_overlap=keys.get("moe_a2a_overlap", False),
+                          cpu_offloading_num_layers=keys.get("cpu_offloading_num_layers", 0))
 
 
 def runner_up_rows(plan: Plan) -> list[dict]:
@@ -109,15 +120,13 @@ def runner_up_rows(plan: Plan) -> list[dict]:
     best, capacity = plan.predicted["step_time_s"], plan.predicted["capacity_gib"]
     rows = []
     for r in plan.runners_up:
-        cfg = ParallelConfig(tp=r["tp"], pp=r["pp"], dp=r["dp"], cp=r["cp"], ep=r["ep"], vpp=r["vpp"], mbs=r["mbs"],
-                             zero=r["zero"], recompute=r["recompute"], order=r["order"])
         if r["fits"]:
             why = f"slower by {100 * (r['step_time_s'] / best - 1):.1f}%"
             if r.get("tied_within_error"):
                 why = f"tied within the model's error ({why})"
         else:
             why = f"does not fit by {r['peak_memory_gib'] - capacity:.1f} GiB"
-        rows.append({"config": describe(cfg), "order": r["order"], "step_time_s": r["step_time_s"],
+        rows.append({"config": runner_describe(r), "order": r["order"], "step_time_s": r["step_time_s"],
                      "peak_memory_gib": r["peak_memory_gib"], "why": why})
     return rows
 
@@ -220,8 +229,7 @@ def prediction_rows(plan: Plan, cfg: ParallelConfig, baselines: dict[str, Estima
 
 
 def runner_describe(r: dict) -> str:
-    return describe(ParallelConfig(tp=r["tp"], pp=r["pp"], dp=r["dp"], cp=r["cp"], ep=r["ep"], vpp=r["vpp"],
-                                   mbs=r["mbs"], zero=r["zero"], recompute=r["recompute"], order=r["order"]))
+    return describe(runner_config(r))
 
 
 @dataclass(frozen=True)

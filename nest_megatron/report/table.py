@@ -60,6 +60,12 @@ def expert_parallel(row: dict) -> str:
     return f"EP {row['ep']}{' overlapped' if row['plan'].get('moe_a2a_overlap') else ''} "
 
 
+def host_offload(row: dict) -> str:
+    """A runner-up's offloaded layers, as the tied line shows them ('' without)."""
+    offloaded = row["plan"].get("cpu_offloading_num_layers")  # --cpu-offloading-num-layers
+    return f" {offloaded} layers offloaded" if offloaded else ""
+
+
 def render(plan: Plan, console: Console, *, megatron_args: list[str] | None = None) -> None:
     """The plan's tables and its Megatron arguments: `megatron_args` where a launch ran them through the user's argv
     (launch/prepare.py Prepared.script_args, the argv every node's command runs), else the plan's own."""
@@ -100,7 +106,8 @@ def render(plan: Plan, console: Console, *, megatron_args: list[str] | None = No
     if tied:
         head.add_row("tied", f"{len(tied)} runner(s)-up within the model's error: "
                              + "; ".join(f"TP {r['tp']} PP {r['pp']} DP {r['dp']} {expert_parallel(r)}mbs {r['mbs']} "
-                                         f"ZeRO {r['zero']} {r['recompute']}, {r['step_time_s']:.3f} s" for r in tied[:3])
+                                         f"ZeRO {r['zero']} {r['recompute']}{host_offload(r)}, {r['step_time_s']:.3f} s"
+                                         for r in tied[:3])
                              + ("; ..." if len(tied) > 3 else ""))
     if plan.idle_devices:
         head.add_row("idle devices", str(plan.idle_devices))
