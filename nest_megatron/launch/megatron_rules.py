@@ -149,10 +149,9 @@ class Launch:
 
     @property
     def gtp(self) -> int:
-        """Megatron-LM's GTP weight-remat size: --tensor-parallel-num-weight-shards / tp (1 without the flag, or where
-        it is no multiple of tp: rule weight-shards says so; megatron/core/model_parallel_config.py:28-41)."""
-        shards = self.s.get("--tensor-parallel-num-weight-shards")
-        return shards // self.tp if shards and shards % self.tp == 0 else 1
+        """Megatron-LM's GTP weight-remat size: --tensor-parallel-num-weight-shards / tp (megatron/core/
+        model_parallel_config.py:28-41)."""
+        return _remat_size(self.s.get("--tensor-parallel-num-weight-shards"), self.tp)
 
     @property
     def form(self) -> SplitForm:
@@ -262,10 +261,15 @@ def _etp(launch: Launch) -> int:
     return launch.s.get("--expert-tensor-parallel-size", launch.tp)  # Megatron-LM's default (arguments.py:588)
 
 
+def _remat_size(shards: int | None, tp: int) -> int:
+    """GTP's weight-remat size, shards / tp: 1 without shards, or where they are no multiple of tp (rule
+    weight-shards says so)."""
+    return shards // tp if shards and shards % tp == 0 else 1
+
+
 def _expert_gtp(launch: Launch) -> int:
-    """The experts' GTP weight-remat size, --expert-tensor-parallel-num-weight-shards / etp (1 as for Launch.gtp)."""
-    shards = launch.s.get(SHARD_FLAGS[1])
-    return shards // _etp(launch) if shards and shards % _etp(launch) == 0 else 1
+    """The experts' GTP weight-remat size, --expert-tensor-parallel-num-weight-shards / etp."""
+    return _remat_size(launch.s.get(SHARD_FLAGS[1]), _etp(launch))
 
 
 def _weight_shards(launch: Launch):

@@ -370,10 +370,10 @@ def _configurations(
             # megatron-core offloads only at pp 1 without recompute (the cpu-offloading rule): a searched offload
             # elsewhere would only be refused; a pinned one hears the rule's line
             pinned_or_possible = pins.cpu_offloading_num_layers is not None or (pp == 1 and recompute == "none")
+            others = (tp, cp, pp, dp, ep, etp, sp, vpp, mbs, zero, order, instances, group)  # not the variants' fields
             for offloaded, (recomputed, modules) in itertools.product(
                     offloads if pinned_or_possible else [0],
                     variants.get(recompute, [(None, DEFAULT_RECOMPUTE_MODULES)])):
-                others = (tp, cp, pp, dp, ep, etp, sp, vpp, mbs, zero, order, instances, group)  # not the variants'
                 sizes = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp, mbs=mbs, zero=zero,
                              recompute=recompute, recompute_num_layers=recomputed, recompute_modules=modules,
                              order=order, moe_a2a_overlap=overlap, distributed_optimizer_instances=instances,
