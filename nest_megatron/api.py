@@ -87,13 +87,16 @@ def evaluate_loaded(loaded: Loaded) -> Plan:
     split = pinned_chunks(cfg.plan, parallel, num_layers=cfg.model.num_layers)
     # under its fastest placement, as the search places a plan (evaluate of a plan's plan.* keys scores the plan)
     est = placed_estimate(problem, parallel, split or uniform_split(cfg.model.num_layers, parallel.pp))
-    if not est.fits:
+    if est.peak_memory > est.capacity:
         worst = max(range(len(est.memory)), key=lambda i: est.memory[i].total)
         raise InfeasibleError(
             f"does not fit: stage {worst} needs {est.memory[worst].total / GIB:.1f} GiB of "
             f"{est.capacity / GIB:.1f} GiB on {problem.accelerator.name}; try plan.recompute=full, a higher "
             "plan.zero, or more plan.pp / plan.tp"
         )
+    if not est.fits:  # the host memory of plan.cpu_offloading_num_layers
+        raise InfeasibleError(f"does not fit: {est.shortfall} on {problem.accelerator.name}; offload fewer layers "
+                              "(plan.cpu_offloading_num_layers) or give accelerator.host_memory_gib")
     return build_plan(problem, est, model_name=cfg.model.name, cluster_name=cfg.cluster.name,
                       overrides=loaded.overrides,
                       search={"solver": "evaluate", "time_s": 0.0, "configs_evaluated": 1, "compute": compute},

@@ -91,6 +91,7 @@ class Plan:
 
 
 def predicted(est: Estimate) -> dict:
+    host = {"host_memory_gib": est.host_memory / GIB, "host_capacity_gib": est.host_capacity / GIB} if est.host_memory else {}
     return {
         "step_time_s": est.step_time,
         "tokens_per_s": est.tokens_per_s,
@@ -98,6 +99,7 @@ def predicted(est: Estimate) -> dict:
         "mfu": est.mfu,
         "peak_memory_gib": est.peak_memory / GIB,
         "capacity_gib": est.capacity / GIB,
+        **host,  # with offloaded activations: their pinned host memory per device, and the host's
         "memory_per_stage_gib": [m.total / GIB for m in est.memory],
         "memory_breakdown_gib": [{k: v / GIB for k, v in m.as_dict().items()} for m in est.memory],
         "breakdown": dict(est.breakdown),
@@ -112,6 +114,7 @@ def summary(problem: Problem, est: Estimate) -> dict:
         "tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep, "vpp": c.vpp, "mbs": c.mbs,
         "zero": c.zero, "recompute": c.recompute, "order": c.order,
         "step_time_s": est.step_time, "peak_memory_gib": est.peak_memory / GIB, "fits": est.fits,
+        "shortfall": est.shortfall,
         "plan": choice_keys(est, num_layers=problem.model.cfg.num_layers,
                             mtp_num_layers=problem.model.cfg.mtp_num_layers or 0),
         "layers_per_stage": list(est.layers_per_stage),

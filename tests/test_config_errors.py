@@ -117,7 +117,7 @@ ACCELERATOR_KEYS = {
     "memory_bound_efficiency": ("0.7", 0.7), "reserved_memory_gib": ("2", 2.0),
     "peak_fp8_tflops": ("1000", 1000.0), "mxfp8": ("true", True), "gemm_fp8_efficiency": ("0.5", 0.5),
     "sm_count": ("108", 108), "kernel_overhead_us": ("10", 10.0), "host_overhead_us": ("5", 5.0),
-    "fp8_gemm_any_layout": ("true", True), "host_link_gb_per_s": ("64", 64.0),
+    "fp8_gemm_any_layout": ("true", True), "host_link_gb_per_s": ("64", 64.0), "host_memory_gib": ("128", 128.0),
 }
 CLUSTER_KEYS = {
     "name": ("c", "c"), "topology": ("hierarchical", "hierarchical"), "num_devices": ("64", 64),

@@ -97,6 +97,9 @@ def test_the_step_carries_the_exposed_copies():
     (["plan.cpu_offloading_num_layers=2", "train.cuda_graphs=true"], r"train\.cuda_graphs=true: .*drop one"),
     (["plan.cpu_offloading_num_layers=2", "cluster=tpuv4_fat_tree"],
      r"accelerator tpuv4 gives no accelerator\.host_link_gb_per_s"),
+    (["plan.cpu_offloading_num_layers=2", "accelerator.host_memory_gib=null"],
+     r"accelerator h100_sxm gives no accelerator\.host_memory_gib"),
+    (["accelerator.host_memory_gib=0"], r"accelerator\.host_memory_gib=0\.0: must be a finite number > 0"),
 ])
 def test_what_megatron_core_refuses_is_one_line(overrides, message):
     with pytest.raises((NestError, InfeasibleError), match=message):
@@ -141,6 +144,7 @@ GB200_70B = ["model=llama3_70b", "cluster=gb200_nvl72", "cluster.num_devices=64"
     ([SHARES, "model=tiny_gpt", "solver.cpu_offloading=[0,0.9]"], [0, 3]),  # 0.9 x 4 rounds to 4: at most 3
     ([SHARES, "train.cuda_graphs=true"], [0]),  # megatron-core offloads nothing under per-layer graphs
     ([SHARES, "cluster=tpuv4_fat_tree"], [0]),  # no host link to price the copies over
+    ([SHARES, "accelerator.host_memory_gib=null"], [0]),  # no host memory to hold them
     ([], [0]),  # the default: none
 ])
 def test_the_offloads_searched(overrides, offloads):
@@ -167,6 +171,44 @@ def test_the_search_offloads_where_that_is_fastest(searched):
                    f"plan.zero={searched.zero_stage}", "plan.recompute=none"]
     with pytest.raises(InfeasibleError, match="GiB"):
         api.evaluate(same_layout)
+
+
+# -- the pinned host memory the offloaded activations take ---------------------------------------------------------------
+
+# One Llama 3 70B layer at 8k tokens, micro-batch 2 (T = 16,384 tokens), TP 1, FP8 (the linears' inputs kept in 1
+# byte), each saved tensor in a pinned buffer rounded up to a power of two by PyTorch's caching host allocator:
+#   the two norms' inputs 2 h T = 2^28 each; QKV's, the projection's and FC1's inputs h T = 2^27 each;
+#   Q 2 T q = 2^28, K and V 2 T kv = 2^25 each (q = 8,192, kv = 8 x 128); the softmax statistics 4 a T = 2^22;
+#   FC1's output 2 T (2 x 28,672) = 1,879,048,192 -> 2^31; FC2's input T x 28,672 = 469,762,048 -> 2^29.
+PINNED_70B_LAYER = 2 * 2**28 + 3 * 2**27 + 2**28 + 2 * 2**25 + 2**22 + 2**31 + 2**29  # 3,963,617,280
+ROUNDED_UP = (2**31 - 1_879_048_192) + (2**29 - 469_762_048)  # what the rounding adds to a layer's 3,627,072,960
+GB200_70B_MBS2 = [*GB200_70B, "plan.tp=1", "plan.pp=1", "plan.dp=64", "plan.zero=3", "plan.mbs=2", "plan.recompute=none"]
+
+
+def test_offloaded_layers_take_their_power_of_two_buffers_in_host_memory():
+    predicted = api.evaluate([*GB200_70B_MBS2, "plan.cpu_offloading_num_layers=40"]).predicted
+    assert predicted["host_memory_gib"] * GIB == pytest.approx(40 * PINNED_70B_LAYER, rel=1e-9)
+    assert predicted["host_capacity_gib"] == 223.5  # gb200.yaml: 480 GB per Grace and its two GPUs
+    # the device frees the layers' bytes themselves, the host holds them rounded up
+    freed = (predicted["peak_memory_gib"]
+             - api.evaluate([*GB200_70B_MBS2, "plan.cpu_offloading_num_layers=60"]).predicted["peak_memory_gib"]) * GIB
+    assert freed == pytest.approx(20 * (PINNED_70B_LAYER - ROUNDED_UP), rel=1e-9)
+    assert "host_memory_gib" not in offloaded(0)  # nothing offloaded, nothing pinned
+
+
+def test_more_offloaded_activations_than_the_host_holds_is_one_line():
+    # 79 layers: 79 x 3,963,617,280 B = 291.6 GiB, over GB200's 223.5 GiB a GPU
+    with pytest.raises(InfeasibleError, match=r"does not fit: 291\.6 GiB of pinned host memory for the offloaded "
+                                              r"activations, of 223\.5 GiB a device on gb200; offload fewer layers"):
+        api.evaluate([*GB200_70B_MBS2, "plan.cpu_offloading_num_layers=79"])
+
+
+def test_the_search_offloads_what_the_host_holds(searched):
+    """The searched plan keeps its offloaded activations within the host memory: 147.7 GiB with all of GB200's
+    223.5 GiB (40 layers at micro-batch 2), and within 100 GiB when that is all a device gets."""
+    assert searched.predicted["host_memory_gib"] == pytest.approx(40 * PINNED_70B_LAYER / GIB)
+    held = api.plan([*GB200_70B, SHARES, "accelerator.host_memory_gib=100"])
+    assert held.predicted.get("host_memory_gib", 0.0) <= 100
 
 
 @pytest.mark.parametrize("shares, message", [

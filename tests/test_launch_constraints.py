@@ -254,7 +254,7 @@ def test_each_changed_flag_is_one_line_with_the_cost_models_why(capsys):
         "--ckpt-format: (unset) -> fsdp_dtensor (Megatron-FSDP reads and writes only fsdp_dtensor)",
     } <= listed
     fsdp = next(line for line in listed if line.startswith("--use-megatron-fsdp: (unset) -> on (with "))
-    assert fsdp.endswith(f"the given layout does not fit in memory: {zero1_gib} GiB of 79.6 GiB)"), fsdp
+    assert fsdp.endswith(f"the given layout does not fit: {zero1_gib} GiB of 79.6 GiB device memory)"), fsdp
     assert len({line.split(" (", 1)[1] for line in listed}) > 2  # not one reason for all
     assert value(argv, "--tensor-model-parallel-size") == "1"
 
@@ -273,9 +273,9 @@ def test_a_layout_that_does_not_fit_says_by_how_much(capsys):
     _, err = dry_run(capsys, "--", "pretrain_gpt.py", *MODEL)  # no parallel flag: TP 1, PP 1, DDP
     line = next(line for line in err if line.startswith("--use-megatron-fsdp: "))
     assert line.startswith("--use-megatron-fsdp: (unset) -> on (with --use-megatron-fsdp unset and the plan's other "
-                           "flags, the given layout does not fit in memory: ")
-    need = float(line.split("memory: ")[1].split(" GiB")[0])
-    assert need > 97 and line.endswith(" GiB of 79.6 GiB)")
+                           "flags, the given layout does not fit: ")
+    need = float(line.split("does not fit: ")[1].split(" GiB")[0])
+    assert need > 97 and line.endswith(" GiB of 79.6 GiB device memory)")
 
 
 def test_the_plans_own_argv_changes_nothing(capsys):

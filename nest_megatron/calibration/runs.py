@@ -196,11 +196,10 @@ def _rebuild_from_overrides(log: RunLog, *, user: list[str], label: str) -> Rebu
 def _fits(rebuilt: Rebuilt) -> Rebuilt:
     """The run ran, so it fit; where the memory model says otherwise it is priced anyway, with a note."""
     from nest_megatron.cost.evaluate import estimate
-    from nest_megatron.hardware.accelerator import GIB
 
     est = estimate(rebuilt.loaded.problem, rebuilt.config, layers_per_stage=rebuilt.layers_per_stage)
     if not est.fits:
-        rebuilt.notes.append(f"the memory model puts it at {est.peak_memory / GIB:.1f} GiB of {est.capacity / GIB:.1f}")
+        rebuilt.notes.append(f"the memory model puts it at {est.shortfall}")
     return rebuilt
 
 

@@ -543,6 +543,7 @@ def _check_accelerator(a: AcceleratorConfig, device_memory_gib: float | None) ->
     _real("accelerator.kernel_overhead_us", a.kernel_overhead_us, 0)
     _real("accelerator.host_overhead_us", a.host_overhead_us, 0)
     _real("accelerator.host_link_gb_per_s", a.host_link_gb_per_s, 0, above=True)
+    _real("accelerator.host_memory_gib", a.host_memory_gib, 0, above=True)
     _real("accelerator.reserved_memory_gib", a.reserved_memory_gib, 0)
     memory = device_memory_gib or a.memory_gib  # what the cluster models a device to hold (checked before)
     if a.reserved_memory_gib >= memory:
@@ -753,13 +754,17 @@ def _check_precision(t: TrainConfig, a: AcceleratorConfig) -> None:
 
 def _check_cpu_offloading(p: PlanChoice, a: AcceleratorConfig, t: TrainConfig) -> None:
     """What a pinned --cpu-offloading-num-layers asks of the machine and the run: a known link to host memory, over
-    which the copies are priced (cost/offload.py), and no per-layer CUDA graphs (megatron-core refuses them together:
+    which the copies are priced (cost/offload.py), a known host memory, which their pinned buffers must fit
+    (cost/evaluate.py pinned_host_bytes), and no per-layer CUDA graphs (megatron-core refuses them together:
     transformer_config.py:2798-2801 at d98e8a6)."""
     if not p.cpu_offloading_num_layers:
         return
     if a.host_link_gb_per_s is None:
         raise NestError(f"plan.cpu_offloading_num_layers={p.cpu_offloading_num_layers}: accelerator {a.name} gives no "
                         "accelerator.host_link_gb_per_s, the bandwidth the offloaded activations are copied at")
+    if a.host_memory_gib is None:
+        raise NestError(f"plan.cpu_offloading_num_layers={p.cpu_offloading_num_layers}: accelerator {a.name} gives no "
+                        "accelerator.host_memory_gib, the host memory per device the offloaded activations must fit")
     if t.cuda_graphs:
         raise NestError(f"plan.cpu_offloading_num_layers={p.cpu_offloading_num_layers} with train.cuda_graphs=true: "
                         "megatron-core refuses activation offloading under per-layer CUDA graphs; drop one")

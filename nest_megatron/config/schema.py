@@ -148,6 +148,9 @@ class AcceleratorConfig:
     # at once, 1e9 B/s: what activation offloading (--cpu-offloading-num-layers) moves over. None: not known, and
     # offloading is refused.
     host_link_gb_per_s: Optional[float] = None
+    # Host memory per device, GiB: the node's memory over its devices, what the pinned buffers of offloaded
+    # activations may take (cost/evaluate.py pinned_host_bytes). None: not known, and offloading is refused.
+    host_memory_gib: Optional[float] = None
     # CUDA context, NCCL buffers, cuBLAS workspace and allocator fragmentation, GiB.
     reserved_memory_gib: float = 3.0
 

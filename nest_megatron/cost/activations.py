@@ -46,6 +46,8 @@ un-repeated as the checkpoint's inputs); full recompute keeps the layer input on
 
 from __future__ import annotations
 
+import math
+
 from nest_megatron.cost import fp8
 from nest_megatron.cost.recompute import dropped_terms
 from nest_megatron.model.kinds import LayerKind
@@ -233,7 +235,9 @@ def layer_activation_bytes(
 ) -> dict[str, float]:
     """Bytes kept per layer of `kind` and micro-batch under each recompute setting.
 
-    none / selective (of `modules`): what the layer keeps; full: the checkpointed layer input only.
+    none / selective (of `modules`): what the layer keeps; full: the checkpointed layer input only; pinned: the
+    host memory "none" takes when the layer is offloaded (`pinned_bytes`, its rounding applied to a traced layer's
+    bytes).
 
     A traced model (ModelSpec.tracer) supplies what its layer really saves and hands on, traced at
     one sequence without context parallelism: both scale with the tokens (b s / cp), except the
@@ -246,16 +250,46 @@ def layer_activation_bytes(
     selective = layer_activation_terms(model, **args, modules=modules)
     full = layer_input_bytes(model, mbs=mbs, tp=tp, sp=sp, cp=cp, kind=kind)
     analytic = {"none": sum(none.values()), "selective": sum(selective.values()), "full": full}
+    # offloaded (no recompute): "none"'s bytes as pinned host buffers hold them
+    rounding = pinned_bytes(none, qkv_widths=_qkv_widths(model, kind)) / analytic["none"] if analytic["none"] else 1.0
     traced = model.traced_layer(tp=tp, etp=etp, kind=kind)
     if not traced:
-        return analytic
+        return analytic | {"pinned": analytic["none"] * rounding}
     graph, layer = traced
     scale = mbs / (graph.micro_batch_size * cp)
     sp_change = analytic["none"] - sum(layer_activation_terms(model, **{**args, "sp": graph.sequence_parallel}).values())
     fixed = layer.fixed_saved_bytes
     kept = (layer.saved_bytes - fixed) * scale + fixed / cp + sp_change
     boundary = layer.boundary_bytes * scale * (tp if graph.sequence_parallel else 1) / (tp if sp else 1)
-    return {"none": kept, "selective": kept - (analytic["none"] - analytic["selective"]), "full": boundary}
+    return {"none": kept, "selective": kept - (analytic["none"] - analytic["selective"]), "full": boundary,
+            "pinned": kept * rounding}
+
+
+def pinned_bytes(terms: dict[str, float], *, qkv_widths: tuple[int, ...] = ()) -> float:
+    """Host bytes the saved tensors `terms` take when offloaded: Transformer Engine copies each into a pinned
+    buffer of its size (pytorch/cpu_offload.py:281 at v2.12, torch.empty_like(pin_memory=True)), which PyTorch's
+    caching host allocator rounds up to a power of two (ATen/core/CachingHostAllocator.h, allocate: PowerOf2Ceil
+    below pinned_max_round_threshold, unlimited by default) and keeps for reuse. A term is one tensor, but "qkv":
+    the query, key and value, in the proportions `qkv_widths`."""
+    def buffer(size: float) -> float:
+        return 2.0 ** math.ceil(math.log2(size)) if size > 0 else 0.0
+
+    total = 0.0
+    for name, size in terms.items():
+        if name == "qkv" and qkv_widths:
+            total += sum(buffer(size * width / sum(qkv_widths)) for width in qkv_widths)
+        else:
+            total += buffer(size)
+    return total
+
+
+def _qkv_widths(model: ModelSpec, kind: LayerKind) -> tuple[int, ...]:
+    """The widths of the query, key and value tensors the attention keeps (the "qkv" term): the query groups' keys
+    and values beside the heads' queries; MLA's per-head queries, keys (with their RoPE part) and values."""
+    if kind.mixer == "mla":
+        qk, v = model.attention_widths(kind)
+        return qk, qk, v
+    return (model.q_size, model.kv_size, model.kv_size) if kind.mixer == "attention" else ()
 
 
 def attention_buffer_bytes(model: ModelSpec, *, mbs: int, tp: int) -> float:

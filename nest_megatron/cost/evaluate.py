@@ -32,6 +32,7 @@ from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.recompute import recompute_seconds
 from nest_megatron.cost.routing import dispatch_copies
 from nest_megatron.cost.tables import LayerCosts, StageSums, layer_costs, stage_sums
+from nest_megatron.hardware.accelerator import GIB
 from nest_megatron.model.spec import Gemm
 from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.parallel.rules import num_microbatches
@@ -77,6 +78,8 @@ class Estimate:
     idle_devices: int
     stage_times: tuple[float, ...] = field(default=())  # per micro-batch, s
     rank_to_device: np.ndarray | None = None  # None: rank r on device r
+    host_memory: float = 0.0  # pinned host bytes a device's offloaded activations take (`pinned_host_bytes`)
+    host_capacity: float | None = None  # host memory per device, bytes; None: not known
 
     @property
     def peak_memory(self) -> float:
@@ -84,7 +87,17 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return bool(self.peak_memory <= self.capacity)
+        return self.shortfall is None
+
+    @property
+    def shortfall(self) -> str | None:
+        """What does not fit, in one phrase ("99.1 GiB of 79.6 GiB device memory"); None when everything does."""
+        if self.peak_memory > self.capacity:
+            return f"{self.peak_memory / GIB:.1f} GiB of {self.capacity / GIB:.1f} GiB device memory"
+        if self.host_memory > (self.host_capacity or 0.0):
+            return (f"{self.host_memory / GIB:.1f} GiB of pinned host memory for the offloaded activations, of "
+                    f"{(self.host_capacity or 0.0) / GIB:.1f} GiB a device")
+        return None
 
 
 @dataclass(frozen=True)
@@ -202,7 +215,17 @@ def estimate_in(ctx: Context, split: tuple[int, ...]) -> Estimate:
         idle_devices=problem.num_devices - cfg.world,
         stage_times=tuple(stage_times),
         rank_to_device=ctx.rank_to_device,
+        host_memory=pinned_host_bytes(ctx),
+        host_capacity=acc.host_memory_bytes,
     )
+
+
+def pinned_host_bytes(ctx: Context) -> float:
+    """Pinned host memory one device's offloaded activations take: those of the first cpu_offloading_num_layers
+    layers of one micro-batch (megatron-core offloads at pp 1, where a micro-batch's backward ends before the next
+    forward, and the caching host allocator hands the freed buffers to the next micro-batch)."""
+    n = ctx.cfg.cpu_offloading_num_layers
+    return float(ctx.costs.act_pinned[n] - ctx.costs.act_pinned[0])
 
 
 def fits_in(ctx: Context, split: tuple[int, ...]) -> bool:
@@ -216,7 +239,7 @@ def fits_in(ctx: Context, split: tuple[int, ...]) -> bool:
                                 reserved_bytes=problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt)
         if memory.total > problem.accelerator.memory_bytes:
             return False
-    return True
+    return pinned_host_bytes(ctx) <= (problem.accelerator.host_memory_bytes or 0.0)
 
 
 def _memory_in(ctx: Context, sums: list[StageSums]) -> tuple:

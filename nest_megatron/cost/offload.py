@@ -11,7 +11,8 @@ offloads layers 0 .. n - 1 of the L layers:
   for it.
 The copies run beside the computation at the device's link to host memory (accelerator.host_link_gb_per_s, per
 direction); the step sees what the computation cannot cover. `exposed_offload_time` plays that schedule out layer by
-layer for one micro-batch. Left out: the copies' share of HBM bandwidth, and the pinned host memory itself.
+layer for one micro-batch. Left out: the copies' share of HBM bandwidth. The pinned host memory they fill:
+evaluate.pinned_host_bytes.
 """
 
 from __future__ import annotations

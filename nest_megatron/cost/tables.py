@@ -50,6 +50,7 @@ class LayerCosts:
     ep_comm: np.ndarray
     act_kept: np.ndarray  # bytes kept per micro-batch when the layer is not fully recomputed
     act_checkpoint: np.ndarray  # bytes kept when it is (its input)
+    act_pinned: np.ndarray  # pinned host bytes per micro-batch when the layer is offloaded (activations "pinned")
     dense_params: np.ndarray
     expert_params: np.ndarray
     # of dense_params, linear weights duplicated over TP (MLA's down projections, latent MoE projections); None: none
@@ -110,6 +111,7 @@ def layer_costs(
         ep_comm=column(lambda lt, act, p, r: lt.ep_comm),
         act_kept=column(lambda lt, act, p, r: act[kept]),
         act_checkpoint=column(lambda lt, act, p, r: act["full"]),
+        act_pinned=column(lambda lt, act, p, r: act["pinned"]),
         dense_params=column(lambda lt, act, p, r: p[0]),
         expert_params=column(lambda lt, act, p, r: p[1]),
         tp_replicated_params=column(lambda lt, act, p, r: r) if any(r for *_, r in per_kind) else None,

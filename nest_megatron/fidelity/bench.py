@@ -18,7 +18,6 @@ from nest_megatron.config.load import load
 from nest_megatron.cost.evaluate import Estimate, estimate
 from nest_megatron.cost.problem import Problem
 from nest_megatron.fidelity.published import OPTIMIZERS, Row
-from nest_megatron.hardware.accelerator import GIB
 from nest_megatron.solver.space import evaluate_config, pinned_chunks
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
@@ -66,7 +65,7 @@ def evaluate_row(row: Row, *, accelerator: dict | None = None) -> RowResult:
         if est.fits:
             return RowResult(row, est, recompute, problem=problem)
     return RowResult(row, est, recompute, problem=problem,
-                     refused=f"needs {est.peak_memory / GIB:.1f} GiB of {est.capacity / GIB:.1f} GiB at recompute={recompute}")
+                     refused=f"needs {est.shortfall} at recompute={recompute}")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ class Accelerator:
     mxfp8: bool = False  # block-scaled MXFP8 in hardware (Blackwell)
     # one device's copies to or from host memory, per direction, with the host's devices all copying, B/s; None: unknown
     host_link_bandwidth: float | None = None
+    host_memory_bytes: float | None = None  # host memory a device's pinned buffers may take, B; None: unknown
 
 
 def accelerator_from_config(cfg: AcceleratorConfig, *, memory_gib: float | None = None) -> Accelerator:
@@ -47,4 +48,5 @@ def accelerator_from_config(cfg: AcceleratorConfig, *, memory_gib: float | None 
         peak_fp8_flops=cfg.peak_fp8_tflops * 1e12 if cfg.peak_fp8_tflops is not None else None,
         mxfp8=cfg.mxfp8,
         host_link_bandwidth=cfg.host_link_gb_per_s * 1e9 if cfg.host_link_gb_per_s is not None else None,
+        host_memory_bytes=cfg.host_memory_gib * GIB if cfg.host_memory_gib is not None else None,
     )

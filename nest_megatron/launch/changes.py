@@ -3,7 +3,8 @@
 A user who typed `--tensor-model-parallel-size 8` and gets 2 is told so before anything starts. Each layout
 flag's change is explained on its own: the plan with only that flag back at the user's value is priced with
 the same cost model (one evaluation per changed flag), so the line says by how much the plan is faster, or
-which Megatron rule that argv breaks, or that it does not fit in memory.
+which Megatron rule that argv breaks, or what of it does not fit (device memory, or the host memory of offloaded
+activations).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from nest_megatron.config.megatron_argv import PLANNER_FLAGS, Scanned, argv_hybr
 from nest_megatron.config.schema import PlanChoice
 from nest_megatron.cost.evaluate import estimate
 from nest_megatron.errors import NestError
-from nest_megatron.hardware.accelerator import GIB
 from nest_megatron.launch.megatron_rules import argv_form, argv_split, name_flags, violations
 from nest_megatron.launch.rewrite import DISPATCHER, DISPATCHER_FLAG_NAMES, OLD_PATTERN, PIN_FLAGS, pinned_values
 from nest_megatron.parallel.layout import FIRST_LAST_FIELDS, PIPE, chunk_layers, flag_of, form_problem, pattern_chunks
@@ -93,7 +93,7 @@ def layout_why(argv: list[str], loaded: Loaded, plan: Plan) -> str:
     except NestError as err:  # evaluate_config's line names plan.* keys: name the flags the user typed
         return f"the given layout breaks a Megatron rule: {name_flags(str(err).removeprefix('invalid configuration: '))}"
     if not est.fits:
-        return f"the given layout does not fit in memory: {est.peak_memory / GIB:.1f} GiB of {est.capacity / GIB:.1f} GiB"
+        return f"the given layout does not fit: {est.shortfall}"
     ratio = est.step_time / plan.predicted["step_time_s"]
     if abs(ratio - 1) < 1e-9:  # a flag the cost model does not price alone (one that goes with another change)
         return "the cost model prices it alike (the same step time)"

@@ -124,7 +124,9 @@ def runner_up_rows(plan: Plan) -> list[dict]:
             why = f"slower by {100 * (r['step_time_s'] / best - 1):.1f}%"
             if r.get("tied_within_error"):
                 why = f"tied within the model's error ({why})"
-        else:
+        elif r.get("shortfall"):
+            why = f"does not fit: {r['shortfall']}"
+        else:  # a plan written before runners-up carried their shortfall
             why = f"does not fit by {r['peak_memory_gib'] - capacity:.1f} GiB"
         rows.append({"config": runner_describe(r), "order": r["order"], "step_time_s": r["step_time_s"],
                      "peak_memory_gib": r["peak_memory_gib"], "why": why})
@@ -331,7 +333,9 @@ def render_html(data: ReportData, out: Path) -> str:
         ["predicted step", f"{pred['step_time_s']:.4g} s{_band_text(plan)}, {pred['tokens_per_s']:,.0f} tokens/s, "
                            f"{pred['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {pred['mfu']:.1%}"],
         ["calibration", (plan.calibration or {}).get("summary") or "not recorded (a plan written before calibrations)"],
-        ["peak memory", f"{pred['peak_memory_gib']:.1f} of {pred['capacity_gib']:.1f} GiB"],
+        ["peak memory", f"{pred['peak_memory_gib']:.1f} of {pred['capacity_gib']:.1f} GiB"
+                        + (f"; pinned host memory {pred['host_memory_gib']:.1f} of {pred['host_capacity_gib']:.1f} GiB"
+                           if "host_memory_gib" in pred else "")],
         ["search", f"{plan.search['solver']}: {configurations(plan.search['configs_evaluated'])} in "
                    f"{plan.search['time_s']:.2f} s"],
     ]

@@ -88,7 +88,9 @@ def render(plan: Plan, console: Console, *, megatron_args: list[str] | None = No
     head.add_row("ZeRO / recompute", f"stage {plan.zero_stage}" + (f" in {instances} instances" if instances > 1 else "")
                  + f"  /  {plan.recompute['granularity'] or 'none'}"
                  + (f" ({plan.recompute['method']}, {plan.recompute['num_layers']} layers)" if plan.recompute['method'] else "")
-                 + (f"  /  {offloaded} layers' activations in host memory" if offloaded else ""))
+                 + (f"  /  {offloaded} layers' activations in host memory" if offloaded else "")
+                 + (f" ({plan.predicted['host_memory_gib']:.1f} of {plan.predicted['host_capacity_gib']:.1f} GiB pinned)"
+                    if "host_memory_gib" in plan.predicted else ""))
     head.add_row("layers per stage", " ".join(map(str, plan.layers_per_stage)))
     if plan.vocabulary:
         v = plan.vocabulary

@@ -31,7 +31,6 @@ from nest_megatron.config.schema import PlanChoice, SolverConfig
 from nest_megatron.cost.evaluate import Estimate, estimate
 from nest_megatron.cost.problem import Problem
 from nest_megatron.errors import NestError
-from nest_megatron.hardware.accelerator import GIB
 from nest_megatron.hardware.topology import Topology
 from nest_megatron.parallel.config import RANK_ORDERS, RECOMPUTE_KINDS, ParallelConfig
 from nest_megatron.parallel.rules import violation
@@ -138,8 +137,7 @@ def paper(problem: Problem, *, cluster_name: str, model_name: str, num_devices: 
             est = estimate(problem, cfg)
             if est.fits:
                 break
-            reason = (f"does not fit: {est.peak_memory / GIB:.1f} GiB of {est.capacity / GIB:.1f} GiB "
-                      "even with selective recompute")
+            reason = f"does not fit: {est.shortfall} even with selective recompute"
             est = None
         out.append((b.name, est, None if est is not None else reason))
     return out

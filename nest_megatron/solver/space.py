@@ -276,9 +276,10 @@ def searched_a2a_overlaps(problem: Problem, solver: SolverConfig) -> list[bool]:
 def searched_offloads(problem: Problem, solver: SolverConfig) -> list[int]:
     """The activation offloads searched (--cpu-offloading-num-layers): solver.cpu_offloading of the model's layers,
     at most all but the last, where the run can offload at all: a known link to host memory to price the copies
-    over, and no CUDA graphs (megatron-core refuses them together: config/load.py). 0: none."""
-    layers = problem.model.cfg.num_layers
-    if problem.accelerator.host_link_bandwidth is None or problem.cuda_graphs or layers < 2:
+    over and a known host memory for their buffers, and no CUDA graphs (megatron-core refuses them together:
+    config/load.py). 0: none."""
+    layers, acc = problem.model.cfg.num_layers, problem.accelerator
+    if acc.host_link_bandwidth is None or acc.host_memory_bytes is None or problem.cuda_graphs or layers < 2:
         return [0]
     return sorted({min(layers - 1, round(share * layers)) for share in solver.cpu_offloading})
 
