@@ -39,6 +39,7 @@ from nest_megatron.config.schema import (
     SolverConfig,
     TrainConfig,
 )
+from nest_megatron.cost.offload import why_not_offloaded
 from nest_megatron.cost.problem import Problem
 from nest_megatron.errors import NestError
 from nest_megatron.hardware import slurm_tree
@@ -753,21 +754,11 @@ def _check_precision(t: TrainConfig, a: AcceleratorConfig) -> None:
 
 
 def _check_cpu_offloading(p: PlanChoice, a: AcceleratorConfig, t: TrainConfig) -> None:
-    """What a pinned --cpu-offloading-num-layers asks of the machine and the run: a known link to host memory, over
-    which the copies are priced (cost/offload.py), a known host memory, which their pinned buffers must fit
-    (cost/evaluate.py pinned_host_bytes), and no per-layer CUDA graphs (megatron-core refuses them together:
-    transformer_config.py:2798-2801 at d98e8a6)."""
-    if not p.cpu_offloading_num_layers:
-        return
-    if a.host_link_gb_per_s is None:
-        raise NestError(f"plan.cpu_offloading_num_layers={p.cpu_offloading_num_layers}: accelerator {a.name} gives no "
-                        "accelerator.host_link_gb_per_s, the bandwidth the offloaded activations are copied at")
-    if a.host_memory_gib is None:
-        raise NestError(f"plan.cpu_offloading_num_layers={p.cpu_offloading_num_layers}: accelerator {a.name} gives no "
-                        "accelerator.host_memory_gib, the host memory per device the offloaded activations must fit")
-    if t.cuda_graphs:
-        raise NestError(f"plan.cpu_offloading_num_layers={p.cpu_offloading_num_layers} with train.cuda_graphs=true: "
-                        "megatron-core refuses activation offloading under per-layer CUDA graphs; drop one")
+    """What a pinned --cpu-offloading-num-layers asks of the machine and the run (cost/offload.py
+    why_not_offloaded)."""
+    why = why_not_offloaded(accelerator_from_config(a), cuda_graphs=t.cuda_graphs) if p.cpu_offloading_num_layers else None
+    if why:
+        raise NestError(f"plan.cpu_offloading_num_layers={p.cpu_offloading_num_layers}: {why}")
 
 
 def _check_a2a_overlap(t: TrainConfig, m: ModelConfig, p: PlanChoice) -> None:

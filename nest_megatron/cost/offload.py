@@ -22,6 +22,23 @@ from functools import lru_cache
 import numpy as np
 
 from nest_megatron.cost.tables import LayerCosts
+from nest_megatron.hardware.accelerator import Accelerator
+
+
+def why_not_offloaded(accelerator: Accelerator, *, cuda_graphs: bool) -> str | None:
+    """Why a run cannot offload activations, or None: it needs a known link to host memory, to price the copies
+    over, and a known host memory, for their pinned buffers (evaluate.pinned_host_bytes); megatron-core refuses it
+    under per-layer CUDA graphs (transformer_config.py:2798-2801 at d98e8a6). A pinned offload's one line
+    (config/load.py), and why the search tries none (solver/space.py)."""
+    if accelerator.host_link_bandwidth is None:
+        return (f"accelerator {accelerator.name} gives no accelerator.host_link_gb_per_s, the bandwidth the offloaded "
+                "activations are copied at")
+    if accelerator.host_memory_bytes is None:
+        return (f"accelerator {accelerator.name} gives no accelerator.host_memory_gib, the host memory per device the "
+                "offloaded activations must fit")
+    if cuda_graphs:
+        return "megatron-core refuses it with train.cuda_graphs=true (per-layer CUDA graphs); drop one"
+    return None
 
 
 @lru_cache(maxsize=1024)

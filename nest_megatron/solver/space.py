@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from nest_megatron.config.schema import PlanChoice, SolverConfig
+from nest_megatron.cost.offload import why_not_offloaded
 from nest_megatron.cost.problem import Problem
 from nest_megatron.cost.recompute import ordered, searched_sets
 from nest_megatron.errors import NestError
@@ -275,11 +276,9 @@ def searched_a2a_overlaps(problem: Problem, solver: SolverConfig) -> list[bool]:
 
 def searched_offloads(problem: Problem, solver: SolverConfig) -> list[int]:
     """The activation offloads searched (--cpu-offloading-num-layers): solver.cpu_offloading of the model's layers,
-    at most all but the last, where the run can offload at all: a known link to host memory to price the copies
-    over and a known host memory for their buffers, and no CUDA graphs (megatron-core refuses them together:
-    config/load.py). 0: none."""
-    layers, acc = problem.model.cfg.num_layers, problem.accelerator
-    if acc.host_link_bandwidth is None or acc.host_memory_bytes is None or problem.cuda_graphs or layers < 2:
+    at most all but the last, where the run can offload at all (cost/offload.py why_not_offloaded). 0: none."""
+    layers = problem.model.cfg.num_layers
+    if why_not_offloaded(problem.accelerator, cuda_graphs=problem.cuda_graphs) or layers < 2:
         return [0]
     return sorted({min(layers - 1, round(share * layers)) for share in solver.cpu_offloading})
 
