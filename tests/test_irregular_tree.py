@@ -118,7 +118,8 @@ HIERARCHICAL = ["a100_pcie_bridged", "dgx_a100_superpod", "dgx_h100_superpod", "
 def test_awkward_node_counts_plan_on_every_shipped_hierarchical_cluster(cluster, nodes):
     # Every shipped hierarchical cluster has 8 devices a host.
     plan = api.plan(["model=llama3_8b", f"cluster={cluster}", f"cluster.num_devices={8 * nodes}"])
-    assert plan.num_devices == 8 * nodes and min(plan.layers_per_stage) >= 2
+    pp = plan.parallel["pp"]  # layers_per_stage: per model chunk with virtual stages (chunk k pp + rank: the rank's k-th)
+    assert plan.num_devices == 8 * nodes and min(sum(plan.layers_per_stage[rank::pp]) for rank in range(pp)) >= 2
     assert (plan.world_size) % 8 == 0  # whole nodes run; the rest are idle
 
 

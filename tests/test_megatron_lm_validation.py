@@ -132,6 +132,9 @@ def test_megatron_lm_accepts_each_new_shipped_model_s_launch(tmp_path):
     runs += [("llama3_70b", ["plan.cpu_offloading_num_layers=40"], MACHINES[2])]
     # and micro-batch groups of 6 on 4 stages (256 micro-batches: a last group of 4; its rule: interleaved-microbatches)
     runs += [("llama3_70b", ["plan.pp=4", "plan.vpp=5", "plan.microbatch_group_size_per_vp_stage=6"], MACHINES[0])]
+    # and the group the search gives 6 micro-batches on 4 stages (tests/test_microbatch_groups.py: one group of 6)
+    runs += [("llama3_70b", ["train.global_batch_size=24", "plan.tp=4", "plan.pp=4", "plan.mbs=1"],
+              ("dgx_h100_superpod", 64, 8))]
     for model, extra, (cluster, devices, per_node) in runs:
         name = f"{model}/{cluster}/{devices}" + (f" with {' '.join(extra)}" if extra else "")
         try:

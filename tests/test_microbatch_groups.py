@@ -1,8 +1,8 @@
 """The interleaved schedule's micro-batch groups (plan.microbatch_group_size_per_vp_stage:
 --microbatch-group-size-per-virtual-pipeline-stage): the rule on the micro-batches (parallel/rules.py
 interleaved-microbatches), the warm-up memory it costs, the order it runs (cost/schedule.py) checked against
-megatron-core's own schedule table and warm-up count, and the plan that carries a user's flag to Megatron, NeMo and
-Megatron-Bridge.
+megatron-core's own schedule table and warm-up count, the plan that carries a user's flag to Megatron, NeMo and
+Megatron-Bridge, and the group the search gives a batch that pp does not divide.
 
 megatron-core's schedule refusing exactly what the rule refuses: tests/test_megatron_rules_rare.py
 (test_microbatch_groups_as_megatron_cores_schedule_decides).
@@ -19,6 +19,7 @@ from nest_megatron.errors import NestError
 from nest_megatron.integrations import bridge_overrides, nemo_overrides
 from nest_megatron.launch.constraints import argv_constraints
 from nest_megatron.launch.megatron_rules import GROUP_FLAG, violations
+from nest_megatron.solver.space import microbatch_group
 
 # tiny_gpt (4 layers, s = 128, h = 256, 8 heads) on pp 2 x vpp 2: one layer per model chunk; dp 4 on 8 GPUs
 TINY = ["model=tiny_gpt", "cluster=dgx_h100_superpod", "cluster.num_devices=8", "plan.tp=1", "plan.pp=2",
@@ -108,3 +109,30 @@ def test_a_users_group_is_planned_emitted_and_carried():
     # without virtual stages Megatron reads no group: none emitted
     flat = api.evaluate([*TINY, "plan.vpp=1", "train.global_batch_size=20", f"{GROUP}=3"])
     assert GROUP_FLAG not in flat.megatron_args
+
+
+@pytest.mark.parametrize("pinned, pp, vpp, microbatches, group", [
+    (None, 4, 2, 8, None),  # pp divides the micro-batches: Megatron's default groups of pp
+    (None, 4, 1, 6, None),  # nothing interleaved: no group
+    (None, 4, 4, 6, 6),  # 5 leaves a last group of 1 < pp; 6: one group
+    (None, 4, 2, 22, 6),  # 5 leaves a last group of 2 < pp; 6 of 4
+    (None, 8, 2, 12, 12),  # 9, 10, 11 leave 3, 2, 1 < 8
+    (None, 3, 2, 7, 4),  # 4 + 3: the last group holds pp
+    (None, 4, 2, 3, None),  # fewer micro-batches than pp: no group runs them (the rule says so)
+    (5, 4, 2, 6, 5),  # the user's, whatever it leaves (the rule judges it)
+])
+def test_the_search_takes_the_smallest_group_that_runs_the_batch(pinned, pp, vpp, microbatches, group):
+    assert microbatch_group(pinned, pp=pp, vpp=vpp, microbatches=microbatches) == group
+
+
+def test_a_batch_pp_does_not_divide_is_planned_interleaved_in_groups():
+    """Llama 3 70B on 64 H100 at TP 4, PP 4, global batch 24: DP 4 gives 6 micro-batches, which Megatron's default
+    groups of 4 cannot interleave. Before groups were searched the plan took CP 2 (12 micro-batches) at 1.801 s;
+    now DP 4 interleaved in one group of 6 (1.694 s), and the flag goes to Megatron."""
+    plan = api.plan(["model=llama3_70b", "cluster=dgx_h100_superpod", "cluster.num_devices=64",
+                     "train.global_batch_size=24", "plan.tp=4", "plan.pp=4", "plan.mbs=1"])
+    p = plan.parallel
+    assert (p["dp"], p["vpp"], p["microbatch_group_size_per_vp_stage"]) == (4, 4, 6)
+    args = plan.megatron_args
+    assert args[args.index(GROUP_FLAG) + 1] == "6"
+    assert violations(args, world_size=64) == []

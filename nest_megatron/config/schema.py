@@ -315,11 +315,13 @@ class PlanChoice:
     distributed_optimizer_instances: Optional[int] = None
     # --cpu-offloading-num-layers: the activations the first n decoder layers save for backward are copied to host
     # memory during the forward and back before their backward (Transformer Engine's CPU offload; megatron-core takes it
-    # with pp 1 and no recompute only). Memory and copy time priced (cost/offload.py). Not searched: 0 unless given.
+    # with pp 1 and no recompute only). Device and host memory and copy time priced (cost/offload.py). Searched only
+    # with solver.cpu_offloading (off by default): 0 unless given.
     cpu_offloading_num_layers: Optional[int] = None
     # --microbatch-group-size-per-virtual-pipeline-stage: with vpp > 1, the micro-batches each model chunk runs at a
     # time (from pp to all of them; null: pp, Megatron's default). More than pp holds more micro-batches' activations
-    # in the warm-up (priced) and lets a batch that is no multiple of pp run interleaved. Not searched.
+    # in the warm-up (priced) and lets a batch that is no multiple of pp run interleaved. Unless given, `plan` takes
+    # pp where pp divides the micro-batches, else the smallest group that runs them (solver/space.py microbatch_group).
     microbatch_group_size_per_vp_stage: Optional[int] = None
     # The layer split, given one of five ways (at most one; none: `evaluate` splits evenly, `plan` chooses). The
     # plan emits the simplest Megatron flags for the split it has, whichever way it was given.

@@ -18,6 +18,7 @@ from nest_megatron.parallel.rules import (
     Broken,
     broken_apart,
     first_of,
+    microbatch_group_problem,
     refused_by_pipeline,
     refused_by_sizes,
     refused_overlap,
@@ -283,6 +284,18 @@ def searched_offloads(problem: Problem, solver: SolverConfig) -> list[int]:
     return sorted({min(layers - 1, round(share * layers)) for share in solver.cpu_offloading})
 
 
+def microbatch_group(pinned: int | None, *, pp: int, vpp: int, microbatches: int) -> int | None:
+    """The micro-batches a model chunk runs at a time (--microbatch-group-size-per-virtual-pipeline-stage): the
+    pinned group; else Megatron's default, pp (None), where pp divides the micro-batches or nothing is interleaved;
+    else the smallest group that lets the interleaved schedule run them (each group but the last full, the last none
+    or at least pp: parallel/rules.py microbatch_group_problem), the fewest micro-batches in flight in its warm-up.
+    None where none does (fewer micro-batches than pp): the rule then says so."""
+    if pinned is not None or vpp == 1 or microbatches % pp == 0:
+        return pinned
+    return next((g for g in range(pp + 1, microbatches + 1) if microbatch_group_problem(microbatches, g, pp) is None),
+                None)
+
+
 def stage_counts(num_layers: int, devices: int, *, any_split: bool) -> list[int]:
     """The pipeline sizes searched: those that leave each stage at least MIN_STAGE_LAYERS layers (PP 37 on
     80 layers: 2 or 3 a stage, never 1), among the divisors of the devices with `any_split`, else among
@@ -315,7 +328,6 @@ def _configurations(
     zeros = axis(pins.zero, list(solver.zero_stages))
     instances = pins.distributed_optimizer_instances or 1  # not searched
     offloads = axis(pins.cpu_offloading_num_layers, searched_offloads(problem, solver))
-    group = pins.microbatch_group_size_per_vp_stage  # not searched (None: pp)
     overlaps = axis(pins.moe_a2a_overlap, [True] if problem.delay_wgrad_compute else searched_a2a_overlaps(problem, solver))
     recomputes = axis(pins.recompute, ["selective"] if pins.recompute_modules is not None else list(solver.recompute))
     recomputed_counts = axis(pins.recompute_num_layers, list(solver.recompute_num_layers))
@@ -326,7 +338,7 @@ def _configurations(
                                                   is not None else searched_sets(model))]}
     judge = _Judge(problem, pins, any_split, form)
     pipeline_context = dict(model=model, global_batch_size=problem.global_batch_size, layers_per_stage=pinned_split(pins),
-                            any_split=any_split, form=form, microbatch_group_size_per_vp_stage=group)
+                            any_split=any_split, form=form)
     for tp, cp, pp in itertools.product(tps, cps, pps):
         if devices % (tp * cp * pp):
             yield None, _unused_devices(tp, cp, pp, devices)
@@ -348,9 +360,12 @@ def _configurations(
         fallback = [t for t in CP_COMM_TYPES if t not in comm_types] if cp > 1 and pins.cp_comm_type is None else []
         refused: dict[tuple, bool] = {}  # (ep, etp, zero, order) -> whether SIZE_RULES refuse it
         refused_overlaps: dict[tuple, bool] = {}  # (vpp, ep, recompute) -> whether OVERLAP_RULES refuse the overlap
-        pipelines = [(vpp, mbs) for vpp, mbs in itertools.product(vpps, mbss)
-                     if not (launchable_only and refused_by_pipeline(pp, vpp, mbs, dp, **pipeline_context))]
-        for ep, etp, sp, (vpp, mbs), zero, recompute, order, overlap in itertools.product(
+        pipelines = [(vpp, mbs, group) for vpp, mbs in itertools.product(vpps, mbss)
+                     for group in [microbatch_group(pins.microbatch_group_size_per_vp_stage, pp=pp, vpp=vpp,
+                                                    microbatches=problem.global_batch_size // (dp * mbs))]
+                     if not (launchable_only and refused_by_pipeline(pp, vpp, mbs, dp, **pipeline_context,
+                                                                     microbatch_group_size_per_vp_stage=group))]
+        for ep, etp, sp, (vpp, mbs, group), zero, recompute, order, overlap in itertools.product(
                 eps, etps, sps, pipelines, zeros, recomputes, orders, overlaps):
             if overlap and ep == 1 and pins.moe_a2a_overlap is None:
                 continue  # no all-to-all to overlap (a pinned overlap hears the rule's line)
