@@ -225,7 +225,8 @@ def test_the_plan_and_its_runners_up_say_what_they_offload(searched):
     console = Console(record=True, width=200)
     render(searched, console)
     n = searched.parallel["cpu_offloading_num_layers"]
-    assert f"{n} layers' activations in host memory" in console.export_text()
+    host = searched.predicted["host_memory_gib"]
+    assert f"{n} layers' activations in host memory ({host:.1f} of 223.5 GiB pinned)" in console.export_text()
     offloading = [r for r in searched.runners_up if r["plan"]["cpu_offloading_num_layers"]]
     assert offloading
     for r in offloading:
