@@ -363,6 +363,53 @@ def test_calibrate_recovers_perturbed_constants(tmp_path, capsys):
     assert len(calibration.errors) == len(RECOVERY)
 
 
+# tiny_gpt at 8k tokens, micro-batch 4, on 8 GPUs (tests/test_cpu_offloading.py TINY), without and with 3 of its 4
+# layers offloaded: at 50 GB/s (h100_sxm's estimate) every copy is exposed, so the step of the second depends on the
+# host link and the first pins everything else.
+OFFLOADING = ["model=tiny_gpt model.seq_length=8192 cluster.num_devices=8 train.global_batch_size=64 plan.tp=1 plan.pp=1 "
+              f"plan.dp=8 plan.mbs=4 plan.recompute=none plan.zero=1{extra}" for extra in ("", " plan.cpu_offloading_num_layers=3")]
+
+
+def test_calibrate_measures_the_host_link_from_a_run_that_offloads(tmp_path, capsys):
+    """The host links shipped are datasheet estimates: runs on a machine whose link moves 30 GB/s, not 50, give it
+    back, and leave every other constant at its prior."""
+    truth = {"host_link_gb_per_s": 30.0}
+    logs = []
+    for i, case in enumerate(OFFLOADING):
+        logs.append(tmp_path / f"run{i}.log")
+        logs[-1].write_text(perturbed_log(case, truth)[0])
+    out = tmp_path / "cal.yaml"
+    code, err = _calibrate(capsys, *map(str, logs), *CLUSTER, f"out={out}")
+    assert code == 0, err
+    constants = yaml.safe_load(out.read_text())["constants"]
+    assert constants["host_link_gb_per_s"]["fitted"] and constants["host_link_gb_per_s"]["prior"] == 50.0
+    assert constants["host_link_gb_per_s"]["value"] == pytest.approx(30.0, rel=0.02)
+    for name, entry in constants.items():
+        if name != "host_link_gb_per_s":
+            assert entry["value"] == pytest.approx(entry["prior"], rel=0.02), name
+    runs = yaml.safe_load(out.read_text())["runs"]
+    assert abs(runs[1]["error_before"]) > 0.05 and all(abs(run["error_after"]) < 0.01 for run in runs)
+
+
+@pytest.mark.parametrize("case, fields", [
+    ("model=qwen3_30b_a3b cluster.num_devices=16 train.global_batch_size=64 plan.tp=1 plan.pp=2 plan.vpp=2 plan.ep=8 "
+     "plan.mbs=1 plan.recompute=none plan.moe_a2a_overlap=true", {"moe_a2a_overlap": True}),
+    ("model=tiny_gpt cluster.num_devices=8 train.global_batch_size=20 plan.tp=1 plan.pp=2 plan.vpp=2 plan.mbs=1 "
+     "plan.recompute=none plan.zero=1 plan.microbatch_group_size_per_vp_stage=3 plan.distributed_optimizer_instances=2",
+     {"microbatch_group_size_per_vp_stage": 3, "distributed_optimizer_instances": 2}),
+    (OFFLOADING[1], {"cpu_offloading_num_layers": 3}),
+])
+def test_a_run_is_rebuilt_with_what_its_argv_sets_beside_the_sizes(case, fields, tmp_path):
+    """The EP all-to-all overlap, the micro-batch group, the optimizer's instances and the offloaded layers of a logged
+    run: priced without them, its step would be another's."""
+    log = tmp_path / "run.log"
+    text, plan = perturbed_log(case, {})
+    log.write_text(text)
+    rebuilt = read_run(str(log), user=CLUSTER, label="run")
+    assert {name: getattr(rebuilt.config, name) for name in fields} == fields
+    assert estimate(rebuilt.loaded.problem, rebuilt.config).step_time == pytest.approx(plan.predicted["step_time_s"])
+
+
 # --- cross-validation by source and release -------------------------------------------------------------------
 
 def run_directory(folder: Path, text: str, plan: api.Plan) -> Path:

@@ -97,6 +97,11 @@ CONSTANTS: dict[str, Constant] = {c.name: c for c in (
                           to_si=1e-6, doc="launch, host and tail time of each GEMM or attention kernel"),
     _accelerator_constant("host_overhead_us", "host_overhead_s", unit="µs", bounds=(0.0, 500.0), scale=20.0,
                           to_si=1e-6, doc="host time to issue one operator, hidden behind longer GPU work (cost/host.py)"),
+    # The shipped figures are datasheet estimates (each accelerator YAML); a run that offloads determines it.
+    _accelerator_constant("host_link_gb_per_s", "host_link_bandwidth", unit="GB/s", bounds=(1.0, 1000.0), scale=50.0,
+                          to_si=1e9, applies=lambda problem: problem.accelerator.host_link_bandwidth is not None,
+                          doc="one device's copies to and from host memory, which activation offloading waits for "
+                              "(cost/offload.py)"),
     *(_level_constant("network_efficiency", "efficiency", i, "the fraction of the bandwidth collectives reach")
       for i in range(MAX_LEVELS)),
     *(_level_constant("all_to_all_efficiency", "all_to_all_efficiency", i,

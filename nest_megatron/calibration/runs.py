@@ -19,6 +19,7 @@ from nest_megatron.config.load import Loaded, load
 from nest_megatron.config.megatron_argv import KNOWN_FLAGS, UNPLANNABLE, model_values, scan
 from nest_megatron.config.schema import ModelConfig
 from nest_megatron.errors import NestError
+from nest_megatron.launch.constraints import argv_constraints
 from nest_megatron.launch.megatron_rules import argv_split
 from nest_megatron.launch.prepare import problem_overrides
 from nest_megatron.launch.rewrite import PIN_FLAGS, pin_overrides
@@ -26,6 +27,10 @@ from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.solver.space import evaluate_config
 
 RUN_FILE = "run.json"  # what `nest-megatron launch` writes into a run directory (launch/run_dir.py)
+# The plan fields an argv sets beside its sizes, read as a launch reads them (launch/constraints.py): the EP all-to-all
+# overlap, the optimizer's instances, the micro-batch group, the offloaded layers.
+ARGV_FIELDS = ("plan.moe_a2a_overlap", "plan.distributed_optimizer_instances", "plan.microbatch_group_size_per_vp_stage",
+               "plan.cpu_offloading_num_layers")
 PLAN_FILE = "plan.json"
 
 # Megatron-LM's namespace attribute of a flag, where it is not the flag's own name (arguments.py / the config
@@ -160,6 +165,8 @@ def rebuild(log: RunLog, *, user: list[str], label: str, plan: dict | None = Non
                                                    "--context-parallel-size"))
         split = argv_split(argv, world_size=world, model=model)
         extra = [*pins, f"plan.vpp={vpp}", f"plan.dp={world // (tp * pp * cp)}"]
+        extra += [item for c in argv_constraints(argv, user=[], model=model) for item in c.overrides
+                  if item.partition("=")[0] in ARGV_FIELDS]
         exchanges = s.get("--cp-comm-type")
         if cp > 1 and exchanges:  # the exchange the run used; the planner prices one for every layer
             if len(set(exchanges)) > 1:
