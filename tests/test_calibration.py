@@ -336,13 +336,18 @@ def perturbed_log(case: str, truth: dict[str, float]) -> tuple[str, api.Plan]:
     return "\n".join(lines) + "\n", plan
 
 
+def perturbed_logs(folder: Path, cases: list[str], truth: dict[str, float]) -> list[Path]:
+    """One log file in `folder` for each of `cases` (`perturbed_log`)."""
+    logs = [folder / f"run{i}.log" for i in range(len(cases))]
+    for log, case in zip(logs, cases):
+        log.write_text(perturbed_log(case, truth)[0])
+    return logs
+
+
 @pytest.mark.slow
 def test_calibrate_recovers_perturbed_constants(tmp_path, capsys):
     truth = perturbed_truth()
-    logs = []
-    for i, case in enumerate(RECOVERY):
-        logs.append(tmp_path / f"run{i}.log")
-        logs[-1].write_text(perturbed_log(case, truth)[0])
+    logs = perturbed_logs(tmp_path, RECOVERY, truth)
     out = tmp_path / "cal.yaml"
     code, err = _calibrate(capsys, *map(str, logs), *CLUSTER, f"out={out}")
     assert code == 0, err
@@ -373,11 +378,7 @@ OFFLOADING = ["model=tiny_gpt model.seq_length=8192 cluster.num_devices=8 train.
 def test_calibrate_measures_the_host_link_from_a_run_that_offloads(tmp_path, capsys):
     """The host links shipped are datasheet estimates: runs on a machine whose link moves 30 GB/s, not 50, give it
     back, and leave every other constant at its prior."""
-    truth = {"host_link_gb_per_s": 30.0}
-    logs = []
-    for i, case in enumerate(OFFLOADING):
-        logs.append(tmp_path / f"run{i}.log")
-        logs[-1].write_text(perturbed_log(case, truth)[0])
+    logs = perturbed_logs(tmp_path, OFFLOADING, {"host_link_gb_per_s": 30.0})
     out = tmp_path / "cal.yaml"
     code, err = _calibrate(capsys, *map(str, logs), *CLUSTER, f"out={out}")
     assert code == 0, err
