@@ -27,11 +27,11 @@ from nest_megatron.parallel.config import ParallelConfig
 from nest_megatron.solver.space import evaluate_config
 
 RUN_FILE = "run.json"  # what `nest-megatron launch` writes into a run directory (launch/run_dir.py)
+PLAN_FILE = "plan.json"
 # The plan fields an argv sets beside its sizes, read as a launch reads them (launch/constraints.py): the EP all-to-all
 # overlap, the optimizer's instances, the micro-batch group, the offloaded layers.
 ARGV_FIELDS = ("plan.moe_a2a_overlap", "plan.distributed_optimizer_instances", "plan.microbatch_group_size_per_vp_stage",
                "plan.cpu_offloading_num_layers")
-PLAN_FILE = "plan.json"
 
 # Megatron-LM's namespace attribute of a flag, where it is not the flag's own name (arguments.py / the config
 # dataclasses' argparse_meta at d98e8a6): store_false flags keep the positive name, --fp8-format sets `fp8`.
