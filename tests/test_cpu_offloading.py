@@ -182,7 +182,7 @@ def test_the_search_offloads_where_that_is_fastest(searched):
 #   Q 2 T q = 2^28, K and V 2 T kv = 2^25 each (q = 8,192, kv = 8 x 128); the softmax statistics 4 a T = 2^22;
 #   FC1's output 2 T (2 x 28,672) = 1,879,048,192 -> 2^31; FC2's input T x 28,672 = 469,762,048 -> 2^29.
 PINNED_70B_LAYER = 2 * 2**28 + 3 * 2**27 + 2**28 + 2 * 2**25 + 2**22 + 2**31 + 2**29  # 3,963,617,280
-ROUNDED_UP = (2**31 - 1_879_048_192) + (2**29 - 469_762_048)  # what the rounding adds to a layer's 3,627,072,960
+ROUNDED_UP = (2**31 - 1_879_048_192) + (2**29 - 469_762_048)  # what the rounding adds to a layer's 3,628,072,960
 GB200_70B_MBS2 = [*GB200_70B, "plan.tp=1", "plan.pp=1", "plan.dp=64", "plan.zero=3", "plan.mbs=2", "plan.recompute=none"]
 
 
