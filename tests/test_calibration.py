@@ -38,6 +38,7 @@ from nest_megatron.calibration.runs import DEST, read_run
 from nest_megatron.config.load import load
 from nest_megatron.config.megatron_argv import KNOWN_FLAGS
 from nest_megatron.cost.evaluate import estimate
+from nest_megatron.errors import NestError
 
 CLUSTER = ["cluster=dgx_h100_superpod"]
 
@@ -421,6 +422,19 @@ def run_directory(folder: Path, text: str, plan: api.Plan) -> Path:
     (folder / "plan.json").write_text(plan.to_json())
     (folder / "run.json").write_text('{"logs": "logs"}')
     return folder
+
+
+@pytest.mark.parametrize("logged, planned, wrong", [
+    (OFFLOADING[1], OFFLOADING[0], "cpu_offloading_num_layers 3 in the log, 0 in plan.json"),
+    (OFFLOADING[0], OFFLOADING[0].replace("plan.mbs=4", "plan.mbs=2"), "mbs 4 in the log, 2 in plan.json"),
+])
+def test_a_run_directory_whose_log_is_not_its_plan_is_one_line(logged, planned, wrong, tmp_path):
+    """The log's arguments against the plan the run directory holds: a size, or a field beside the sizes (an
+    offload the plan did not make would be priced as the plan)."""
+    text, _ = perturbed_log(logged, {})
+    folder = run_directory(tmp_path / "run", text, api.evaluate([*CLUSTER, *planned.split()]))
+    with pytest.raises(NestError, match=rf"^.*: the run's arguments are not its plan's \({wrong}\)$"):
+        read_run(str(folder), user=[], label="run")
 
 
 def test_calibrate_holds_out_each_source(tmp_path, capsys):

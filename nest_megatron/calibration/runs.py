@@ -29,9 +29,10 @@ from nest_megatron.solver.space import evaluate_config
 RUN_FILE = "run.json"  # what `nest-megatron launch` writes into a run directory (launch/run_dir.py)
 PLAN_FILE = "plan.json"
 # The plan fields an argv sets beside its sizes, read as a launch reads them (launch/constraints.py): the EP all-to-all
-# overlap, the optimizer's instances, the micro-batch group, the offloaded layers.
-ARGV_FIELDS = ("plan.moe_a2a_overlap", "plan.distributed_optimizer_instances", "plan.microbatch_group_size_per_vp_stage",
-               "plan.cpu_offloading_num_layers")
+# overlap, the optimizer's instances, the micro-batch group, the offloaded layers; each with the value a Plan JSON
+# written before the field existed stands for.
+ARGV_FIELDS = {"moe_a2a_overlap": False, "distributed_optimizer_instances": 1, "microbatch_group_size_per_vp_stage": None,
+               "cpu_offloading_num_layers": 0}
 
 # Megatron-LM's namespace attribute of a flag, where it is not the flag's own name (arguments.py / the config
 # dataclasses' argparse_meta at d98e8a6): store_false flags keep the positive name, --fp8-format sets `fp8`.
@@ -166,7 +167,7 @@ def rebuild(log: RunLog, *, user: list[str], label: str, plan: dict | None = Non
         split = argv_split(argv, world_size=world, model=model)
         extra = [*pins, f"plan.vpp={vpp}", f"plan.dp={world // (tp * pp * cp)}"]
         extra += [item for c in argv_constraints(argv, user=[], model=model) for item in c.overrides
-                  if item.partition("=")[0] in ARGV_FIELDS]
+                  if item.partition("=")[0].removeprefix("plan.") in ARGV_FIELDS]
         exchanges = s.get("--cp-comm-type")
         if cp > 1 and exchanges:  # the exchange the run used; the planner prices one for every layer
             if len(set(exchanges)) > 1:
@@ -253,10 +254,13 @@ def read_run_dir(folder: Path, *, label: str) -> Rebuilt:
 
 
 def _check_against_plan(rebuilt: Rebuilt, plan: dict, folder: Path) -> None:
-    c = rebuilt.config
+    c, parallel = rebuilt.config, plan["parallel"]
     logged = {"tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep, "vpp": c.vpp, "mbs": c.mbs, "zero": c.zero}
-    planned = {**{k: plan["parallel"][k] for k in ("tp", "pp", "dp", "cp", "ep", "vpp")},
+    planned = {**{k: parallel[k] for k in ("tp", "pp", "dp", "cp", "ep", "vpp")},
                "mbs": plan["micro_batch_size"], "zero": plan["zero_stage"]}
+    for name, default in ARGV_FIELDS.items():
+        if name != "microbatch_group_size_per_vp_stage" or c.vpp > 1:  # Megatron reads a group only interleaved
+            logged[name], planned[name] = getattr(c, name), parallel.get(name, default)
     wrong = [f"{k} {logged[k]} in the log, {planned[k]} in {PLAN_FILE}" for k in logged if logged[k] != planned[k]]
     if wrong:
         raise NestError(f"{rebuilt.log.arguments_at}: the run's arguments are not its plan's ({'; '.join(wrong)})")
