@@ -201,6 +201,19 @@ def ours(extra: str, prefix: str, *, world: int = 8) -> list[str]:
     return [line for line in violations([*SMALL_ARGV, *extra.split()], world_size=world) if line.startswith(prefix)]
 
 
+def decided_alike(build, found: list[str], *, refused: tuple[type[Exception], str] | None) -> None:
+    """megatron-core's `build()` and our rules (`found`, their lines) decide alike: both accept, or megatron-core
+    raises `refused` (its error type and message) and our rules give one line."""
+    if refused is None:
+        build()
+        assert found == []
+        return
+    error, match = refused
+    with pytest.raises(error, match=match):
+        build()
+    assert len(found) == 1
+
+
 @pytest.mark.parametrize("extra, overlap", [
     ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2", True),
     ("--pipeline-model-parallel-size 2", False),  # Megatron-LM turns the overlap off without virtual stages
@@ -214,13 +227,8 @@ def test_p2p_warmup_flush_as_megatron_core_decides(extra, overlap):
 
     flush = {"overlap_p2p_comm_warmup_flush": True, "overlap_p2p_comm": overlap, "batch_p2p_comm": not overlap}
     found = ours(f"{extra} --overlap-p2p-communication-warmup-flush", "--overlap-p2p-communication-warmup-flush")
-    if overlap:
-        ModelParallelConfig(**flush)
-        assert found == []
-        return
-    with pytest.raises(ValueError, match="only compatible with overlap_p2p_comm but not batch_p2p_comm"):
-        ModelParallelConfig(**flush)
-    assert len(found) == 1
+    decided_alike(lambda: ModelParallelConfig(**flush), found,
+                  refused=None if overlap else (ValueError, "only compatible with overlap_p2p_comm but not batch_p2p_comm"))
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -234,13 +242,8 @@ def test_distribute_saved_activations_sp_as_megatron_core_decides(sequence_paral
               "distribute_saved_activations": True}
     found = ours(f"--tensor-model-parallel-size 2 {'--sequence-parallel' if sequence_parallel else ''} {FULL} "
                  "--distribute-saved-activations", "--distribute-saved-activations")
-    if not sequence_parallel:
-        TransformerConfig(**fields)
-        assert found == []
-        return
-    with pytest.raises(ValueError, match="must be false when sequence parallel is enabled"):
-        TransformerConfig(**fields)
-    assert len(found) == 1
+    decided_alike(lambda: TransformerConfig(**fields), found,
+                  refused=(ValueError, "must be false when sequence parallel is enabled") if sequence_parallel else None)
 
 
 @pytest.mark.parametrize("cp, megatron_core_accepts", [(1, True), (2, False)])
@@ -253,14 +256,11 @@ def test_dsa_cp_as_megatron_core_decides(cp, megatron_core_accepts):
     fields = {**SMALL, "experimental_attention_variant": "dsa", "add_bias_linear": False, "apply_rope_fusion": False,
               "context_parallel_size": cp}
     found = ours(f"{DSA} --context-parallel-size {cp}", "--experimental-attention-variant dsa")
-    if megatron_core_accepts:
-        TransformerConfig(**fields)
-        assert found == []
-        return
-    with pytest.raises(AssertionError, match="context parallelism is not supported by DSAttention"):
-        TransformerConfig(**fields)
-    assert len(found) == 1
-    assert ours(f"{DSA} --context-parallel-size {cp} --cp-comm-type all_gather", "--experimental") == []
+    decided_alike(lambda: TransformerConfig(**fields), found,
+                  refused=None if megatron_core_accepts else (AssertionError, "context parallelism is not supported by "
+                                                                              "DSAttention"))
+    if not megatron_core_accepts:
+        assert ours(f"{DSA} --context-parallel-size {cp} --cp-comm-type all_gather", "--experimental") == []
 
 
 @pytest.mark.parametrize("key_heads, fits", [(4, True), (2, False)])
@@ -276,13 +276,9 @@ def test_gdn_heads_as_megatron_core_decides(key_heads, fits):
     found = ours(f"--experimental-attention-variant gated_delta_net --linear-attention-freq 2 "
                  f"--tensor-model-parallel-size 4 --linear-num-key-heads {key_heads} "
                  f"--linear-num-value-heads {2 * key_heads}", "--linear-num")
-    if fits:
-        TransformerConfig(**fields)
-        assert found == []
-        return
-    with pytest.raises(AssertionError, match="linear_num_key_heads must be a multiple of tensor_model_parallel_size"):
-        TransformerConfig(**fields)
-    assert len(found) == 1
+    decided_alike(lambda: TransformerConfig(**fields), found,
+                  refused=None if fits else (AssertionError, "linear_num_key_heads must be a multiple of "
+                                                             "tensor_model_parallel_size"))
 
 
 @pytest.mark.parametrize("world, even", [(4, True), (3, False)])
