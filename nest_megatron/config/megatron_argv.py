@@ -138,8 +138,9 @@ HINT_FLAGS: dict[str, str] = {
     "--cuda-graph-modules": "list",
     "--cuda-graph-scope": "list",  # megatron-core 0.16.1's name of it
     # values launch/megatron_rules.py holds against the plan's sizes (d98e8a6): the eval batch and iterations
-    # (training/config/training_config.py: 115, 130, 135), the attention variant (transformer_config.py:301) and Gated DeltaNet's heads (:379, 382), GTP
-    # weight sharding (model_parallel_config.py:58, 135) and the bf16 end layers of FP8 (transformer_config.py:652, 656)
+    # (training/config/training_config.py: 115, 130, 135), the attention variant (transformer_config.py:301) and
+    # Gated DeltaNet's heads (:379, 382), GTP weight sharding (model_parallel_config.py:58, 135) and the bf16 end
+    # layers of FP8 (transformer_config.py:652, 656)
     "--eval-micro-batch-size": "int",
     "--eval-global-batch-size": "int",
     "--eval-iters": "int",

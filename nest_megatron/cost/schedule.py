@@ -12,8 +12,9 @@ interleaving) or, with v virtual stages, the interleaved schedule (..._with_inte
 2 (p - i - 1) + (v - 1) g chunks, the micro-batches in groups of g, p unless given, each group through
 every chunk in turn) — each starting when its rank is free and its input has arrived. Gaps are the
 pipeline bubbles. With equal forward : backward ratios on every rank the pipeline ends at exactly
-(m + (p - 1) / v) max_i t_i; otherwise it differs from the formula by a small fraction of one stage time. The data-parallel sync and the optimizer step follow
-the flush on every rank, as the cost model adds the slowest rank's after-pipeline time.
+(m + (p - 1) / v) max_i t_i; otherwise it differs from the formula by a small fraction of one stage
+time. The data-parallel sync and the optimizer step follow the flush on every rank, as the cost
+model adds the slowest rank's after-pipeline time.
 
 The forward / backward split of a rank's layer work is the cost model's own ratio of its layers'
 forward to backward time (`StageSums.fwd`, `.bwd`); recompute and the ZeRO reduce-scatter belong to
