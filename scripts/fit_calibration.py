@@ -1,6 +1,7 @@
 """Fit the accelerator's compute constants to the published, measured H100 runs, and cross-validate the fit.
 
     python scripts/fit_calibration.py [--constants NAME,...] [--no-cross-validation] [--write-shipped]
+                                      [--exclude ROW,...]
 
 The candidates are the cost model's physics, not per-row knobs (calibration/constants.py): by default the six
 constants of the shipped fit (fidelity/bench.py SHIPPED_FIT), gemm_efficiency, gemm_fp8_efficiency,
@@ -15,10 +16,13 @@ cross-validation fold centred on them would lean on the rows it holds out), keep
 the rows do not determine.
 
 It prints the fitted constants (for nest_megatron/hydra_configs/accelerator/<accelerator>.yaml), the in-sample
-errors, and the errors where each row is priced by a fit that did not see it: leave-one-out, leave-one-source-out
-(launcher, NeMo, AutoModel) and leave-one-release-out (each container tag). `--write-shipped` writes the
-cross-validated errors of the shipped constants (the accelerator configs' values, not the fit's) to
-nest_megatron/calibration/shipped/h100_sxm.yaml, whence every plan's error band comes.
+errors, the errors on Megatron-Bridge's later runs that no fit sees (scripts/bench_held_out.py's rows, less those
+their release's notes call degraded), and the errors where each row is priced by a fit that did not see it:
+leave-one-out, leave-one-source-out (launcher, NeMo, AutoModel, Megatron-Bridge) and leave-one-release-out (each
+container tag). `--exclude` fits without the rows it names, still pricing them: what one row pulls (with
+--no-cross-validation). `--write-shipped` writes the cross-validated errors of the shipped constants (the
+accelerator configs' values, not the fit's) to nest_megatron/calibration/shipped/h100_sxm.yaml, whence every plan's
+error band comes.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import yaml
 from nest_megatron.calibration.fit import cross_validation, errors_of, priors
 from nest_megatron.calibration.profile import SHIPPED
 from nest_megatron.fidelity.bench import SHIPPED_FIT, SHIPPED_HELD, as_runs, evaluate_row, shipped_fit
+from nest_megatron.fidelity.held_out import HELD_OUT_PATH, held_out
 from nest_megatron.fidelity.published import CALIBRATION_PATH, rows
 
 # The band every plan prints: each row priced by a fit that saw no run of its framework (launcher, NeMo, AutoModel),
@@ -48,19 +53,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cross-validation", action="store_true", help="the fit and its in-sample errors only")
     parser.add_argument("--write-shipped", action="store_true",
                         help=f"write the shipped constants' cross-validated errors to {SHIPPED.name}/h100_sxm.yaml")
+    parser.add_argument("--exclude", default="",
+                        help="comma-separated row ids the fit leaves out (still priced and reported): what a row pulls")
     args = parser.parse_args(argv)
     only = [n for n in args.constants.split(",") if n]
     start = time.perf_counter()
     runs = as_runs([evaluate_row(row) for row in rows()])
+    excluded = [label for label in args.exclude.split(",") if label]
+    unknown = sorted(set(excluded) - {run.label for run in runs})
+    if unknown:
+        print(f"error: --exclude {','.join(unknown)}: no such priced row of {CALIBRATION_PATH.name} (the row ids of "
+              "docs/fidelity/published_*.md)", file=sys.stderr)
+        return 2
+    if excluded and (args.write_shipped or not args.no_cross_validation):
+        print("error: --exclude studies a fit: give it with --no-cross-validation and without --write-shipped",
+              file=sys.stderr)
+        return 2
     prior = priors(runs)
     shipped = errors_of(tuple(run.predict(prior) for run in runs), runs)
-    nominal, full = shipped_fit(runs, only)
-    print(f"# {len(runs)} rows of {CALIBRATION_PATH.name}, {time.perf_counter() - start:.0f} s")
+    nominal, full = shipped_fit([run for run in runs if run.label not in excluded], only)
+    print(f"# {len(runs)} rows of {CALIBRATION_PATH.name}, {time.perf_counter() - start:.0f} s"
+          + (f"; the fit leaves out {', '.join(excluded)}" if excluded else ""))
     print("# fitted constants (calibration/fit.py; write the fitted ones into the accelerator config to ship them):")
     for name, verdict in full.verdicts.items():
         print(f"{name}: {verdict.value:.4g}   # prior {verdict.prior:.4g}; {verdict.why}")
     print(f"# shipped constants, in sample: {shipped.line()}")
-    print(f"# the fit, in sample:           {errors_of(full.predicted_s, runs).line()}")
+    print(f"# the fit, in sample:           {errors_of(tuple(run.predict(full.values) for run in runs), runs).line()}")
+    held = held_out_runs()
+    print(f"# held out ({HELD_OUT_PATH.name}, rows no fit sees; degraded releases left out): shipped constants "
+          f"{errors_of(tuple(run.predict(prior) for run in held), held).line()}; the fit "
+          f"{errors_of(tuple(run.predict(full.values) for run in held), held).line()}")
     if args.no_cross_validation:
         return 0
     crossed = cross_validation(runs, full=full, prior=nominal, only=only)
@@ -69,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_shipped:
         write_shipped(runs, prior, crossed)
     return 0
+
+
+def held_out_runs() -> list:
+    """Megatron-Bridge's later runs (scripts/bench_held_out.py) as the fitter's runs, without those their release's
+    notes say ran degraded: what a fit is also judged by, as the runs a user will measure next."""
+    return as_runs([h.result for h in held_out() if h.result is not None and not h.known_issue])
 
 
 def write_shipped(runs, prior: dict, crossed: dict) -> None:

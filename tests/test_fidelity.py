@@ -207,3 +207,37 @@ def test_a_layout_with_an_mtp_layer_needs_the_model_s_mtp_depth():
     with pytest.raises(NestError, match="1 MTP layers .m., but the model has no multi-token prediction layers"):
         load(without)
     load(row.overrides)  # the same layout with the model's one MTP depth builds
+
+
+def test_fit_script_leaves_a_row_out_and_judges_the_fit_on_the_held_out_runs(capsys):
+    """`scripts/fit_calibration.py --exclude ROW` fits the other rows and still prices and reports all 76; every fit
+    is also judged on Megatron-Bridge's later runs, which no fit sees. The held-out line at the shipped constants is
+    the summary scripts/bench_held_out.py prints by its own pricing (evaluate_row of each row, not a fitted Run)."""
+    from nest_megatron.calibration.fit import fit, nominal_priors
+    from nest_megatron.fidelity.bench import SHIPPED_FIT, as_runs, summarise
+    from nest_megatron.fidelity.held_out import held_out
+    from nest_megatron.fidelity.published import rows
+
+    script = load_module(ROOT / "scripts" / "fit_calibration.py")
+    left_out = "mb-25.11-Qwen3_30B_a3B-fp8cs"
+    assert script.main(["--no-cross-validation", "--exclude", left_out]) == 0
+    out = capsys.readouterr().out
+    assert f"the fit leaves out {left_out}" in out
+    assert "# the fit, in sample:           76 runs:" in out
+    # the fit is that of the 75 other rows, each candidate from its nominal prior
+    others = [run for run in as_runs([evaluate_row(row) for row in rows()]) if run.label != left_out]
+    assert len(others) == 75
+    alone = fit(others, prior=nominal_priors(others, list(SHIPPED_FIT)), only=list(SHIPPED_FIT))
+    assert f"memory_bound_efficiency: {alone.values['memory_bound_efficiency']:.4g} " in out
+    sound = summarise([h.result for h in held_out() if h.result is not None and not h.known_issue])
+    shipped = out.split("# held out")[1].split("shipped constants ")[1]
+    assert shipped.startswith(f"{sound.rows} runs: median |error| {sound.median_abs_error:.1%}, bias {sound.bias:+.1%}, "
+                              f"worst {sound.max_abs_error:.1%}")
+
+
+def test_fit_script_refuses_a_row_it_does_not_price_in_one_line(capsys):
+    script = load_module(ROOT / "scripts" / "fit_calibration.py")
+    assert script.main(["--no-cross-validation", "--exclude", "mb-25.11-Qwen3_30B"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --exclude mb-25.11-Qwen3_30B: no such priced row of h100_published.yaml (the row ids of "
+                   "docs/fidelity/published_*.md)"]
