@@ -475,3 +475,45 @@ def test_operators_count_tp_collectives_and_fp8_casts():
     assert layer_operators(m, ParallelConfig(tp=2, sp=True, mbs=1), DENSE) == (16, 22)
     assert layer_operators(m, ParallelConfig(tp=2, sp=False, mbs=1), DENSE) == (14, 18)
     assert layer_operators(with_numerics(m, fp8_recipe="delayed"), ParallelConfig(mbs=1), DENSE) == (16, 20)
+
+
+def moe_host_problem(seconds_per_operator, *, cuda_graphs=False):
+    m = model(num_layers=2, num_experts=4, moe_router_topk=1, moe_ffn_hidden_size=64, hidden_dropout=0.0,
+              attention_dropout=0.0)
+    return Problem(model=m, accelerator=accelerator(host_overhead_s=seconds_per_operator),
+                   topology=Topology("t", (Level("node", 1, 1e9, 0.0),)), global_batch_size=1, cuda_graphs=cuda_graphs)
+
+
+# A MoE layer of the 64-wide GPT, 4 experts, top 1, one device: 5 GEMMs forward (qkv, proj, the router, the experts'
+# fc1 and fc2, one grouped GEMM each), the attention kernel, 6 memory-bound terms (norm1, residual1, norm2, residual2,
+# the GeLU, the permutation) and the router's 12 operators: 24; backward 10 GEMMs, the attention, the 6 terms and 6 of
+# the router: 23. Its GEMMs at 1e12 FLOP/s, 32 tokens: 2 x 32 x 64 x (192 + 64 + 4 + 64 + 64) = 1,589,248 FLOPs,
+# 1.589248 us forward, twice that backward.
+MOE_FWD_S = 1.589248e-6
+
+
+def test_a_moe_layer_s_forward_waits_for_the_host_in_a_span_of_its_own():
+    problem = moe_host_problem(0.1e-6)
+    cfg = ParallelConfig(mbs=1)
+    assert layer_operators(problem.model, cfg, MOE) == (24, 23)
+    assert context(problem, cfg, compute=GemmOnly()).costs.sync_gpu_fwd[1] == close(MOE_FWD_S)
+    # Its token counts go to the host before its exchange (token_dispatcher.py:921-958): the device is idle when the
+    # host comes back, and the host needs 24 x 0.1 = 2.4 us for the layer's 1.589248 us of forward: 0.810752 us, and
+    # 0.1 us for its first operator. The backward and the embedding and output layer are one span: 2 x 23 + 1 + 24 +
+    # 1 + 9 = 81 operators, 8.1 us, behind 2 x 3.178496 + 3 x 4.194304 us of GPU work: none. Without the sync every
+    # pass would be one span, 12.9 us behind 22.1184 us: no wait at all.
+    est = estimate(problem, cfg, compute=GemmOnly())
+    assert est.breakdown["host"] == close(2 * (2.4e-6 - MOE_FWD_S + 0.1e-6))
+    # A full recompute runs each forward, and its wait, once more in the backward
+    recomputed = estimate(problem, ParallelConfig(mbs=1, recompute="full"), compute=GemmOnly())
+    assert recomputed.breakdown["host"] == close(4 * (2.4e-6 - MOE_FWD_S + 0.1e-6))
+    # Under --overlap-moe-expert-parallel-comm the layer's forward is issued beside a backward (a2a_overlap.py), which
+    # joins its span: 24 + 23 operators, 4.7 us, behind 3 x 1.589248 = 4.767744 us of GPU work: only the 0.1 us
+    paired = context(problem, ParallelConfig(mbs=1, moe_a2a_overlap=True), compute=GemmOnly()).costs
+    assert paired.sync_host_bwd[1] == 23 and paired.sync_gpu_bwd[1] == close(2 * MOE_FWD_S)
+    assert paired.sync_wait[1] == close(0.1e-6)
+    # With CUDA graphs a layer's forward is one replay, 0.1 us, behind its own work: only the first operator's 0.1 us
+    graphed = estimate(moe_host_problem(0.1e-6, cuda_graphs=True), cfg, compute=GemmOnly())
+    assert graphed.breakdown["host"] == close(2 * 0.1e-6)
+    # A dense layer does not wait: the 64-wide GPT above at the same 0.1 us an operator shows none
+    assert estimate(host_problem(0.1e-6), cfg, compute=GemmOnly()).breakdown["host"] == 0.0

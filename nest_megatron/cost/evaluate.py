@@ -145,7 +145,8 @@ def context(problem: Problem, cfg: ParallelConfig, *, rank_to_device: np.ndarray
     spans, net = groups_and_network(problem, cfg, rank_to_device)
     costs = layer_costs(problem.model, cfg, spans=spans, net=net, compute=compute, **layer_options(problem, cfg),
                         delay_wgrad=problem.delay_wgrad_compute,
-                        dispatch_sm_share=dispatch_sm_share(problem.accelerator.sm_count))
+                        dispatch_sm_share=dispatch_sm_share(problem.accelerator.sm_count),
+                        host_overhead_s=problem.accelerator.host_overhead_s, cuda_graphs=problem.cuda_graphs)
     return Context(problem, cfg, spans, net, compute, costs, num_microbatches(cfg, problem.global_batch_size),
                    rank_to_device)
 
@@ -332,9 +333,13 @@ def stage_body(ctx: Context, sums: StageSums, *, first: bool, last: bool) -> dic
         head_tp = 2 * worst(op, spans.tp, BF16 * tokens * model.h, net) * (first + heads * last)
     head_ops = head_operators(model, cfg, first=first, last=last)
     seconds = ctx.problem.accelerator.host_overhead_s
-    # 1F1B without virtual stages synchronises the device after each pipeline transfer (host.py)
-    host = exposed_host_time(seconds * (host_fwd + head_ops[0]), seconds * (host_bwd + head_ops[1]),
-                             gpu_fwd + head_tp / 2, gpu_bwd + head_tp / 2, synchronised=cfg.pp > 1 and cfg.vpp == 1)
+    # 1F1B without virtual stages synchronises the device after each pipeline transfer; each MoE layer's forward is a
+    # span of its own, priced in the tables (host.py)
+    host = sums.sync_wait + exposed_host_time(
+        seconds * (host_fwd - sums.sync_host_fwd + head_ops[0]),
+        seconds * (host_bwd - sums.sync_host_bwd + head_ops[1]),
+        gpu_fwd - sums.sync_gpu_fwd + head_tp / 2, gpu_bwd - sums.sync_gpu_bwd + head_tp / 2,
+        synchronised=cfg.pp > 1 and cfg.vpp == 1)
     return {
         "compute": compute_s,
         "recompute": recompute,

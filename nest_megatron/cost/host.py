@@ -11,9 +11,17 @@ Spans end where the host waits for the device. 1F1B without interleaving batches
 virtual stages) and synchronises the device after each (megatron/core/pipeline_parallel/
 p2p_communication.py:421-424, batch_p2p_sync True by default, model_parallel_config.py:395): each
 micro-batch's forward and backward are spans of their own. Without pipeline transfers, or interleaved
-(the transfers overlapped, not synchronised), a micro-batch's forward and backward are one span. Left out:
-the MoE alltoall dispatcher copies its token counts to the host in each MoE layer's forward
-(moe/token_dispatcher.py _maybe_dtoh_and_synchronize :921-960), which ends a span there too.
+(the transfers overlapped, not synchronised), a micro-batch's forward and backward are one span.
+
+A dropless MoE layer's forward waits on the host too: it needs its token counts there to size the exchange and the
+expert GEMMs (megatron/core/transformer/moe at Megatron-LM d98e8a64: the alltoall dispatcher's
+_maybe_dtoh_and_synchronize, token_dispatcher.py:921-958; the allgather dispatcher's .cpu(), :320; DeepEP's dispatch
+returns its received counts as a host list, fused_a2a.py:108-113,138). Only --moe-pad-expert-input-to-capacity
+skips it, which the cost model does not price: every MoE layer is dropless here. So each MoE layer's forward is a
+span of its own (`synchronised_span`), which starts with the device idle; the rest of the micro-batch's passes are
+one span as above. With --overlap-moe-expert-parallel-comm a layer's forward is issued beside another micro-batch's
+backward (cost/a2a_overlap.py): the span holds both. The multi-token-prediction depths' MoE layers stay in the
+micro-batch's span.
 
 With CUDA graphs (--cuda-graph-impl local | transformer_engine, or the deprecated --enable-cuda-graph /
 --external-cuda-graph: transformer_config.py:1049-1075) each layer's pass is one graph replay, one
@@ -99,6 +107,18 @@ def head_operators(model: ModelSpec, cfg: ParallelConfig, *, first: bool, last: 
         fwd += heads * (2 + tp_collective + ce_fwd)
         bwd += heads * (3 + tp_collective + ce_bwd)
     return fwd, bwd
+
+
+def synchronises(kind: LayerKind) -> bool:
+    """Whether a layer's forward waits for the device before the host can go on: a MoE layer's (dropless)."""
+    return kind.is_moe
+
+
+def synchronised_span(host, gpu, host_overhead_s):
+    """Seconds the device waits in a span that starts idle, after the host has waited for it: at least the time to
+    issue the first operator, and whatever more the host needs for the span than the device (a lower bound: the
+    operators are taken as spread over the span alike). Elementwise on arrays."""
+    return np.maximum(0.0, host - gpu) + host_overhead_s
 
 
 def exposed_host_time(host_fwd, host_bwd, gpu_fwd, gpu_bwd, *, synchronised: bool):

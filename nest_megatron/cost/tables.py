@@ -19,7 +19,7 @@ from nest_megatron.cost.a2a_overlap import pair_saving
 from nest_megatron.cost.activations import layer_activation_bytes
 from nest_megatron.cost.collectives import Network
 from nest_megatron.cost.compute import ComputeModel
-from nest_megatron.cost.host import layer_operators
+from nest_megatron.cost.host import layer_operators, synchronised_span, synchronises
 from nest_megatron.cost.layer import LayerTime, layer_time
 from nest_megatron.cost.placement import Spans
 from nest_megatron.cost.recompute import recompute_seconds
@@ -58,6 +58,13 @@ class LayerCosts:
     # operators the host issues for a layer's forward and backward (host.layer_operators)
     host_fwd: np.ndarray
     host_bwd: np.ndarray
+    # A MoE layer's own host span (host.synchronises): the device's wait in it, and its operators and device time,
+    # forward and (paired with it under --overlap-moe-expert-parallel-comm) backward; zeros for other layers
+    sync_wait: np.ndarray
+    sync_host_fwd: np.ndarray
+    sync_gpu_fwd: np.ndarray
+    sync_host_bwd: np.ndarray
+    sync_gpu_bwd: np.ndarray
     # what a layer saves per micro-batch when its forward is paired with another's backward under
     # --overlap-moe-expert-parallel-comm (a2a_overlap.pair_saving; zeros without the flag)
     a2a_saving: np.ndarray
@@ -78,12 +85,13 @@ def layer_costs(
     model: ModelSpec, cfg: ParallelConfig, *, spans: Spans | None, net: Network | None, compute: ComputeModel | None,
     tp_comm_overlap: bool = False, ep_copies: float | None = None, dispatcher: str = "alltoall",
     router: str = "learned", permute_fusion: bool = False, delay_wgrad: bool = False,
-    dispatch_sm_share: float = 0.0,
+    dispatch_sm_share: float = 0.0, host_overhead_s: float = 0.0, cuda_graphs: bool = False,
 ) -> LayerCosts:
     """Per-layer costs, computed once per layer kind (model.kinds) and laid out per layer (model.layer_kinds);
     with spans=None only the memory columns (times are left at zero). `ep_copies`, `dispatcher`, `router`,
     `permute_fusion`: layer.layer_time's; `delay_wgrad`: --delay-wgrad-compute with cfg's EP all-to-all overlap,
-    `dispatch_sm_share` the SMs its all-to-alls hold (a2a_overlap.py)."""
+    `dispatch_sm_share` the SMs its all-to-alls hold (a2a_overlap.py); `host_overhead_s` the host's time per
+    operator and `cuda_graphs` one operator a layer pass (host.py), for a MoE layer's own span."""
     options = dict(spans=spans, net=net, compute=compute, tp_comm_overlap=tp_comm_overlap, ep_copies=ep_copies,
                    dispatcher=dispatcher, router=router, permute_fusion=permute_fusion)
     per_kind = [_kind_costs(model, cfg, kind, **options) for kind in model.kinds]
@@ -99,6 +107,7 @@ def layer_costs(
     kept = "selective" if cfg.recompute == "selective" else "none"
     operators = np.array([layer_operators(model, cfg, kind, dispatcher=dispatcher, permute_fusion=permute_fusion)
                           for kind in model.kinds], dtype=float)
+    spans = _sync_spans(model, cfg, per_kind, np.ones_like(operators) if cuda_graphs else operators, host_overhead_s)
     mtp_operators = [layer_operators(model, cfg, kind, dispatcher=dispatcher, permute_fusion=permute_fusion)
                      for kind in model.mtp_depth_kinds]
     return LayerCosts(
@@ -118,12 +127,27 @@ def layer_costs(
         act_rebuilt=max(act["none"] for _, act, _, _ in per_kind),
         host_fwd=_prefix(operators[kind_of_layer, 0]),
         host_bwd=_prefix(operators[kind_of_layer, 1]),
+        **{name: _prefix(values[kind_of_layer]) for name, values in spans.items()},
         a2a_saving=column(lambda lt, act, p, r: pair_saving(lt, delay_wgrad=delay_wgrad, sm_share=dispatch_sm_share)
                           if cfg.moe_a2a_overlap else 0.0),
         mtp=tuple(_kind_costs(model, cfg, kind, **options)[0] for kind in model.mtp_depth_kinds),
         mtp_depths=model.mtp_depths,
         mtp_host=(sum(f for f, _ in mtp_operators), sum(b for _, b in mtp_operators)),
     )
+
+
+def _sync_spans(model: ModelSpec, cfg: ParallelConfig, per_kind, operators: np.ndarray,
+                host_overhead_s: float) -> dict[str, np.ndarray]:
+    """Per layer kind, LayerCosts' sync_* columns: a synchronising layer's forward (and under the EP all-to-all
+    overlap the backward issued beside it) as a span of its own, host.synchronised_span's wait in it."""
+    paired = cfg.moe_a2a_overlap
+    sync = np.array([synchronises(kind) for kind in model.kinds], dtype=float)
+    gpu_fwd = np.array([costs[0].fwd for costs in per_kind]) * sync
+    gpu_bwd = np.array([costs[0].bwd for costs in per_kind]) * sync * paired
+    host_fwd, host_bwd = operators[:, 0] * sync, operators[:, 1] * sync * paired
+    wait = synchronised_span(host_overhead_s * (host_fwd + host_bwd), gpu_fwd + gpu_bwd, host_overhead_s) * sync
+    return {"sync_wait": wait, "sync_host_fwd": host_fwd, "sync_gpu_fwd": gpu_fwd, "sync_host_bwd": host_bwd,
+            "sync_gpu_bwd": gpu_bwd}
 
 
 def _kind_costs(model: ModelSpec, cfg: ParallelConfig, kind: LayerKind, *, spans, **options):
@@ -160,6 +184,12 @@ class StageSums(NamedTuple):
     host_bwd: object = 0.0
     host_recompute: object = 0.0
     a2a_saving: object = 0.0  # LayerCosts.a2a_saving
+    # The MoE layers' own host spans (LayerCosts.sync_*), a full recompute's forwards again (in the backward)
+    sync_wait: object = 0.0
+    sync_host_fwd: object = 0.0
+    sync_gpu_fwd: object = 0.0
+    sync_host_bwd: object = 0.0
+    sync_gpu_bwd: object = 0.0
 
 
 def range_sums(c: LayerCosts, cfg: ParallelConfig, a, b) -> StageSums:
@@ -201,6 +231,11 @@ def range_sums(c: LayerCosts, cfg: ParallelConfig, a, b) -> StageSums:
         host_bwd=c.host_bwd[b] - c.host_bwd[a],
         host_recompute=c.host_fwd[r_end] - c.host_fwd[a],  # r_end = a unless fully recomputed
         a2a_saving=c.a2a_saving[b] - c.a2a_saving[a],
+        sync_wait=c.sync_wait[b] - c.sync_wait[a] + c.sync_wait[r_end] - c.sync_wait[a],
+        sync_host_fwd=c.sync_host_fwd[b] - c.sync_host_fwd[a],
+        sync_gpu_fwd=c.sync_gpu_fwd[b] - c.sync_gpu_fwd[a],
+        sync_host_bwd=c.sync_host_bwd[b] - c.sync_host_bwd[a] + c.sync_host_fwd[r_end] - c.sync_host_fwd[a],
+        sync_gpu_bwd=c.sync_gpu_bwd[b] - c.sync_gpu_bwd[a] + c.sync_gpu_fwd[r_end] - c.sync_gpu_fwd[a],
     )
 
 
