@@ -107,7 +107,8 @@ def layer_costs(
     kept = "selective" if cfg.recompute == "selective" else "none"
     operators = np.array([layer_operators(model, cfg, kind, dispatcher=dispatcher, permute_fusion=permute_fusion)
                           for kind in model.kinds], dtype=float)
-    spans = _sync_spans(model, cfg, per_kind, np.ones_like(operators) if cuda_graphs else operators, host_overhead_s)
+    sync_columns = _sync_spans(model, cfg, per_kind, np.ones_like(operators) if cuda_graphs else operators,
+                               host_overhead_s)
     mtp_operators = [layer_operators(model, cfg, kind, dispatcher=dispatcher, permute_fusion=permute_fusion)
                      for kind in model.mtp_depth_kinds]
     return LayerCosts(
@@ -127,7 +128,7 @@ def layer_costs(
         act_rebuilt=max(act["none"] for _, act, _, _ in per_kind),
         host_fwd=_prefix(operators[kind_of_layer, 0]),
         host_bwd=_prefix(operators[kind_of_layer, 1]),
-        **{name: _prefix(values[kind_of_layer]) for name, values in spans.items()},
+        **{name: _prefix(values[kind_of_layer]) for name, values in sync_columns.items()},
         a2a_saving=column(lambda lt, act, p, r: pair_saving(lt, delay_wgrad=delay_wgrad, sm_share=dispatch_sm_share)
                           if cfg.moe_a2a_overlap else 0.0),
         mtp=tuple(_kind_costs(model, cfg, kind, **options)[0] for kind in model.mtp_depth_kinds),
