@@ -94,7 +94,7 @@ class Estimate:
         """What does not fit, in one phrase ("99.1 GiB of 79.6 GiB device memory"); None when everything does."""
         if self.peak_memory > self.capacity:
             return f"{self.peak_memory / GIB:.1f} GiB of {self.capacity / GIB:.1f} GiB device memory"
-        if self.host_memory > (self.host_capacity or 0.0):
+        if over_host_memory(self.host_memory, self.host_capacity):
             return (f"{self.host_memory / GIB:.1f} GiB of pinned host memory for the offloaded activations, of "
                     f"{(self.host_capacity or 0.0) / GIB:.1f} GiB a device")
         return None
@@ -229,6 +229,11 @@ def pinned_host_bytes(ctx: Context) -> float:
     return float(ctx.costs.act_pinned[n] - ctx.costs.act_pinned[0])
 
 
+def over_host_memory(pinned: float, capacity: float | None) -> bool:
+    """Whether a device's pinned bytes of offloaded activations exceed its host memory (None: unknown, none)."""
+    return pinned > (capacity or 0.0)
+
+
 def fits_in(ctx: Context, split: tuple[int, ...]) -> bool:
     """Whether every stage of `split` fits: the memory half of `estimate_in`, which no placement
     changes. Stops at the first stage that does not (the first stage, most often: it holds the most
@@ -240,7 +245,7 @@ def fits_in(ctx: Context, split: tuple[int, ...]) -> bool:
                                 reserved_bytes=problem.accelerator.reserved_memory_bytes, act_rebuilt=ctx.costs.act_rebuilt)
         if memory.total > problem.accelerator.memory_bytes:
             return False
-    return pinned_host_bytes(ctx) <= (problem.accelerator.host_memory_bytes or 0.0)
+    return not over_host_memory(pinned_host_bytes(ctx), problem.accelerator.host_memory_bytes)
 
 
 def _memory_in(ctx: Context, sums: list[StageSums]) -> tuple:
