@@ -58,17 +58,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     only = [n for n in args.constants.split(",") if n]
     start = time.perf_counter()
-    runs = as_runs([evaluate_row(row) for row in rows()])
     excluded = [label for label in args.exclude.split(",") if label]
-    unknown = sorted(set(excluded) - {run.label for run in runs})
-    if unknown:
-        print(f"error: --exclude {','.join(unknown)}: no such priced row of {CALIBRATION_PATH.name} (the row ids of "
-              "docs/fidelity/published_*.md)", file=sys.stderr)
-        return 2
     if excluded and (args.write_shipped or not args.no_cross_validation):
         print("error: --exclude studies a fit: give it with --no-cross-validation and without --write-shipped",
               file=sys.stderr)
         return 2
+    calibration_rows = rows()
+    unknown = sorted(set(excluded) - {row.id for row in calibration_rows if not row.not_expressible})
+    if unknown:  # before pricing the rows: a typo costs no wait
+        print(f"error: --exclude {','.join(unknown)}: no such priced row of {CALIBRATION_PATH.name} (the row ids of "
+              "docs/fidelity/published_*.md)", file=sys.stderr)
+        return 2
+    runs = as_runs([evaluate_row(row) for row in calibration_rows])
     prior = priors(runs)
     shipped = errors_of(tuple(run.predict(prior) for run in runs), runs)
     nominal, full = shipped_fit([run for run in runs if run.label not in excluded], only)
