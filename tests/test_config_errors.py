@@ -100,6 +100,7 @@ MODEL_KEYS = {
     "moe_latent_size": ("null", None),
     "squared_relu": ("true", True), "qk_layernorm": ("true", True), "window_size": ("512", 512),
     "window_attn_skip_freq": ("4", 4), "moe_load_imbalance": ("1.2", 1.2),
+    "moe_expert_capacity_factor": ("1.25", 1.25), "moe_pad_expert_input_to_capacity": ("true", True),
     "moe_router_num_groups": ("2", 2), "moe_router_group_topk": ("1", 1), "kv_lora_rank": ("64", 64),
     "qk_head_dim": ("64", 64), "qk_pos_emb_head_dim": ("32", 32), "v_head_dim": ("64", 64),
     "mtp_num_layers": ("1", 1), "mtp_loss_scaling_factor": ("0.3", 0.3), "mtp_use_repeated_layer": ("true", True),

@@ -128,6 +128,9 @@ def test_megatron_lm_accepts_each_new_shipped_model_s_launch(tmp_path):
     overlap = ["plan.moe_a2a_overlap=true", "train.delay_wgrad_compute=true"]
     runs = [(model, [], machine) for model in NEW_MODELS for machine in MACHINES]
     runs += [("deepseek_v3", overlap, MACHINES[0]), ("qwen3_235b_a22b", overlap, MACHINES[0])]
+    # and token dropping, padded to capacity (its rules: parallel/rules.py pad-needs-capacity, launch rule pad-deepep)
+    runs += [("qwen3_30b_a3b", ["model.moe_expert_capacity_factor=1.0", "model.moe_pad_expert_input_to_capacity=true"],
+              MACHINES[0])]
     # and activation offloading (its rule: parallel/rules.py cpu-offloading): 40 of Llama 3 70B's 80 layers
     runs += [("llama3_70b", ["plan.cpu_offloading_num_layers=40"], MACHINES[2])]
     # and micro-batch groups of 6 on 4 stages (256 micro-batches: a last group of 4; its rule: interleaved-microbatches)

@@ -405,6 +405,9 @@ def _check(root: RootConfig) -> None:
     _check_train_and_solver(root.train, root.solver)
     _check_precision(root.train, root.accelerator)
     _check_a2a_overlap(root.train, root.model, root.plan)
+    if root.model.moe_pad_expert_input_to_capacity and root.train.moe_dispatcher == "deepep":
+        raise NestError("model.moe_pad_expert_input_to_capacity=true with train.moe_dispatcher=deepep: megatron-core's "
+                        "DeepEP dispatcher does not pad to capacity (launch rule pad-deepep); use alltoall")
     _check_cpu_offloading(root.plan, root.accelerator, root.train)
     _check_plan(root.plan, devices=devices, layers=root.model.num_layers, batch=root.train.global_batch_size,
                 mtp_num_layers=root.model.mtp_num_layers)
@@ -451,6 +454,9 @@ def _check_model(m: ModelConfig) -> None:
         if not 0 <= getattr(m, key) < 1:
             raise NestError(f"model.{key}={getattr(m, key)}: must be in [0, 1)")
     _real("model.moe_load_imbalance", m.moe_load_imbalance, 1)
+    capacity = m.moe_expert_capacity_factor
+    if capacity is not None and not (math.isfinite(capacity) and capacity > 0):  # Megatron reads a negative as None
+        raise NestError(f"model.moe_expert_capacity_factor={capacity}: must be a finite number > 0, or null (dropless)")
     if isinstance(m.moe_layer_freq, int) and not isinstance(m.moe_layer_freq, bool):
         _integer("model.moe_layer_freq", m.moe_layer_freq, 1, MAX_LAYERS)
     _real("model.mtp_loss_scaling_factor", m.mtp_loss_scaling_factor, 0)

@@ -72,6 +72,10 @@ MODEL_FLAGS: dict[str, tuple[str, str, object]] = {
     # 780, 796), generated flags
     "--moe-router-num-groups": ("moe_router_num_groups", "int", None),
     "--moe-router-group-topk": ("moe_router_group_topk", "int", None),
+    # token dropping: TransformerConfig.moe_expert_capacity_factor / moe_pad_expert_input_to_capacity
+    # (transformer_config.py:917, 921 at d98e8a6), generated flags
+    "--moe-expert-capacity-factor": ("moe_expert_capacity_factor", "float", None),
+    "--moe-pad-expert-input-to-capacity": ("moe_pad_expert_input_to_capacity", "true", False),
     # multi-head latent attention: TransformerConfig.multi_latent_attention (transformer_config.py:288, a generated
     # store_true flag) and arguments.py:3548-3557 _add_mla_args (their defaults)
     "--multi-latent-attention": ("multi_latent_attention", "true", False),

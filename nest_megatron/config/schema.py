@@ -78,6 +78,12 @@ class ModelConfig:
     # The busiest expert-parallel rank's routed tokens over the mean (>= 1): 1 for a balanced router
     # (aux-loss-free or forced balance); what the expert GEMMs and the all-to-all wait for.
     moe_load_imbalance: float = 1.0
+    # token dropping: each expert takes at most ceil(tokens x topk / experts x this factor) of a rank's routed tokens
+    # and drops the rest (None: dropless, Megatron's default)
+    moe_expert_capacity_factor: Optional[float] = None
+    # every expert gets exactly its capacity, padded: static shapes, and the alltoall dispatcher needs no token counts
+    # on the host (cost/host.py)
+    moe_pad_expert_input_to_capacity: bool = False
     squared_relu: bool = False  # relu(x)^2 MLP activation (Nemotron); not with swiglu
     qk_layernorm: bool = False  # normalization of each head's query and key
     # multi-head latent attention (megatron-core MLASelfAttention) instead of standard attention; the defaults

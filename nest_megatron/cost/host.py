@@ -16,12 +16,14 @@ micro-batch's forward and backward are spans of their own. Without pipeline tran
 A dropless MoE layer's forward waits on the host too: it needs its token counts there to size the exchange and the
 expert GEMMs (megatron/core/transformer/moe at Megatron-LM d98e8a64: the alltoall dispatcher's
 _maybe_dtoh_and_synchronize, token_dispatcher.py:921-958; the allgather dispatcher's .cpu(), :320; DeepEP's dispatch
-returns its received counts as a host list, fused_a2a.py:108-113,138). Only --moe-pad-expert-input-to-capacity
-skips it, which the cost model does not price: every MoE layer is dropless here. So each MoE layer's forward is a
-span of its own (`synchronised_span`), which starts with the device idle; the rest of the micro-batch's passes are
-one span as above. With --overlap-moe-expert-parallel-comm a layer's forward is issued beside another micro-batch's
-backward (cost/a2a_overlap.py): the span holds both. The multi-token-prediction depths' MoE layers stay in the
-micro-batch's span.
+returns its received counts as a host list, fused_a2a.py:108-113,138). Only the alltoall dispatcher with the
+experts' input padded to capacity (--moe-pad-expert-input-to-capacity) knows them without the device: each expert
+gets exactly its capacity, and its sync point stays "no_sync" (token_dispatcher.py:485-505 at megatron-core 0.16.1;
+DeepEP refuses the padding, the allgather dispatcher copies its counts to the host all the same). So each other MoE
+layer's forward is a span of its own (`synchronised_span`), which starts with the device idle; the rest of the
+micro-batch's passes are one span as above. With --overlap-moe-expert-parallel-comm a layer's forward is issued
+beside another micro-batch's backward (cost/a2a_overlap.py): the span holds both. The multi-token-prediction depths'
+MoE layers stay in the micro-batch's span.
 
 With CUDA graphs (--cuda-graph-impl local | transformer_engine, or the deprecated --enable-cuda-graph /
 --external-cuda-graph: transformer_config.py:1049-1075) each layer's pass is one graph replay, one
@@ -109,9 +111,11 @@ def head_operators(model: ModelSpec, cfg: ParallelConfig, *, first: bool, last: 
     return fwd, bwd
 
 
-def synchronises(kind: LayerKind) -> bool:
-    """Whether a layer's forward waits for the device before the host can go on: a MoE layer's (dropless)."""
-    return kind.is_moe
+def synchronises(kind: LayerKind, model: ModelSpec, *, dispatcher: str) -> bool:
+    """Whether a layer's forward waits for the device before the host can go on: a MoE layer's, unless the alltoall
+    dispatcher pads its experts' input to capacity."""
+    padded = model.cfg.moe_pad_expert_input_to_capacity and dispatcher == "alltoall"
+    return kind.is_moe and not padded
 
 
 def synchronised_span(host, gpu, host_overhead_s):

@@ -307,7 +307,7 @@ def _layer_time(model, tp, sp, cp, ep, etp, mbs, kind, tp_shapes, cp_shapes, ep_
             gathered = BF16 * tokens_sp * cfg.ep * width
             ep_pass = worst(all_gather_time, ep_shapes, gathered, net) + worst(reduce_scatter_time, ep_shapes, gathered, net)
         else:
-            one_copy = BF16 * tokens_sp * model.cfg.moe_load_imbalance * width
+            one_copy = BF16 * tokens_sp * model.expert_load * width
             ep_pass = 2 * max(_dispatch_time(model, shape, one_copy, ep_copies, dispatcher, router, net)
                               for shape in ep_shapes)
 

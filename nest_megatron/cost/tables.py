@@ -58,8 +58,9 @@ class LayerCosts:
     # operators the host issues for a layer's forward and backward (host.layer_operators)
     host_fwd: np.ndarray
     host_bwd: np.ndarray
-    # A MoE layer's own host span (host.synchronises): the device's wait in it, and its operators and device time,
-    # forward and (paired with it under --overlap-moe-expert-parallel-comm) backward; zeros for other layers
+    # A MoE layer's own host span (host.synchronises: unless padded to capacity): the device's wait in it, and its
+    # operators and device time, forward and (paired with it under --overlap-moe-expert-parallel-comm) backward;
+    # zeros for other layers
     sync_wait: np.ndarray
     sync_host_fwd: np.ndarray
     sync_gpu_fwd: np.ndarray
@@ -108,7 +109,7 @@ def layer_costs(
     operators = np.array([layer_operators(model, cfg, kind, dispatcher=dispatcher, permute_fusion=permute_fusion)
                           for kind in model.kinds], dtype=float)
     sync_columns = _sync_spans(model, cfg, per_kind, np.ones_like(operators) if cuda_graphs else operators,
-                               host_overhead_s)
+                               host_overhead_s, dispatcher=dispatcher)
     mtp_operators = [layer_operators(model, cfg, kind, dispatcher=dispatcher, permute_fusion=permute_fusion)
                      for kind in model.mtp_depth_kinds]
     return LayerCosts(
@@ -138,11 +139,11 @@ def layer_costs(
 
 
 def _sync_spans(model: ModelSpec, cfg: ParallelConfig, per_kind, operators: np.ndarray,
-                host_overhead_s: float) -> dict[str, np.ndarray]:
+                host_overhead_s: float, *, dispatcher: str) -> dict[str, np.ndarray]:
     """Per layer kind, LayerCosts' sync_* columns: a synchronising layer's forward (and under the EP all-to-all
     overlap the backward issued beside it) as a span of its own, host.synchronised_span's wait in it."""
     paired = cfg.moe_a2a_overlap
-    sync = np.array([synchronises(kind) for kind in model.kinds], dtype=float)
+    sync = np.array([synchronises(kind, model, dispatcher=dispatcher) for kind in model.kinds], dtype=float)
     gpu_fwd = np.array([costs[0].fwd for costs in per_kind]) * sync
     gpu_bwd = np.array([costs[0].bwd for costs in per_kind]) * sync * paired
     host_fwd, host_bwd = operators[:, 0] * sync, operators[:, 1] * sync * paired

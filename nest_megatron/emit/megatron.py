@@ -131,6 +131,10 @@ def model_args(model: ModelSpec, *, tp: int) -> list[str]:
         if m.moe_router_group_topk:
             args += ["--moe-router-num-groups", str(m.moe_router_num_groups),
                      "--moe-router-group-topk", str(m.moe_router_group_topk)]
+        if m.moe_expert_capacity_factor is not None:
+            args += ["--moe-expert-capacity-factor", str(m.moe_expert_capacity_factor)]
+        if m.moe_pad_expert_input_to_capacity:
+            args.append("--moe-pad-expert-input-to-capacity")
     if m.mtp_num_layers:
         args += ["--mtp-num-layers", str(m.mtp_num_layers), "--mtp-loss-scaling-factor", str(m.mtp_loss_scaling_factor)]
         if m.mtp_use_repeated_layer:

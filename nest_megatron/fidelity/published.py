@@ -40,6 +40,9 @@ RECIPE_VP = {  # (release, model) -> (the recipe's pp, its virtual_pipeline_mode
 # 24.03.01 carries the same LLAMA2 recipes (examples/training/llama/h100/llama2_7b_fp8.sh:22).
 GRAD_BF16_RELEASES = ("launcher-24.03", "launcher-24.05", "nemo-24.07", "nemo-longseq")
 GRAD_BF16_MODELS = ("GPT3", "LLAMA", "Nemotron-340B")
+# Megatron-Bridge's token-drop runs (the 25.09 "tokendrop" rows): apply_moe_token_drop's defaults, capacity factor 1.0
+# with the experts' input padded to it (run_script.py:109, training/utils/moe_token_drop.py:20-21,54-55 at v0.1.0rc4).
+TOKEN_DROP = ["model.moe_expert_capacity_factor=1.0", "model.moe_pad_expert_input_to_capacity=true"]
 ROW_SETTINGS = {
     # The rows' notes: "EP not given (launcher default 8)". The confs at the draft's commit 3499f38e say
     # expert_model_parallel_size: 1, but at EP 1 neither layout fits in 80 GB without full recomputation
@@ -129,7 +132,7 @@ ROW_SETTINGS = {
     # qk_layernorm=True, models/qwen/qwen_provider.py:371 at v0.1.0rc4, :351 at v0.2.0; the row's arch note omits it).
     "mb-25.09-Qwen3_235B_a22B-fp8-tokendrop": {"plan": ["plan.account_for_embedding_in_pipeline_split=true",
                                                         "plan.account_for_loss_in_pipeline_split=true"],
-                                               "model": ["model.qk_layernorm=true"]},
+                                               "model": ["model.qk_layernorm=true", *TOKEN_DROP]},
     "mb-25.11-Qwen3_235B_a22B-fp8cs": {"plan": ["plan.account_for_embedding_in_pipeline_split=true",
                                                 "plan.account_for_loss_in_pipeline_split=true"],
                                        "model": ["model.qk_layernorm=true"]},
@@ -137,9 +140,9 @@ ROW_SETTINGS = {
     # qwen3_30b_a3b_llm_pretrain.yaml:66 at v0.1.0rc4, workload_base_configs.py:237 at v0.2.0): 48 layers = 2 x 12
     # chunks of 2 (24 = pp x vp). MBS 2 as the tables (the 25.09 yaml's fp8_cs :73; the 25.11 table's GA 32 = 512 /
     # (8 x 2) agrees with its MBS 2). The 25.09 run drops tokens at capacity factor 1.0 padded to capacity
-    # (run_script.py:109, training/utils/moe_token_drop.py:20-21,54-55): every expert gets exactly its balanced share,
-    # as the 25.11 run's forced balancing (qwen3_llm_pretrain.py:47) gives on average: both priced uniform.
-    "mb-25.09-Qwen3_30B_a3B-fp8-tokendrop": {"layout": {"vp": 12}},
+    # (TOKEN_DROP): every expert gets exactly its balanced share, as the 25.11 run's forced balancing
+    # (qwen3_llm_pretrain.py:47) gives on average.
+    "mb-25.09-Qwen3_30B_a3B-fp8-tokendrop": {"layout": {"vp": 12}, "model": TOKEN_DROP},
     "mb-25.11-Qwen3_30B_a3B-fp8cs": {"layout": {"vp": 12}},
     # Llama 3 8B at 25.11: LLAMA3_8B_H100_FP8_CS_BASE_CONFIG (configs/llama3/workload_base_configs.py:229-233 at
     # v0.2.0) sets recompute_num_layers=5, full recompute of the first 5 layers (utils/helpers.py:163-179

@@ -566,6 +566,15 @@ def _deepep_needs_flex(launch: Launch):
         return "--moe-enable-deepep needs --moe-token-dispatcher-type flex"
 
 
+def _pad_deepep(launch: Launch):
+    """The experts' input padded to capacity not with DeepEP."""
+    s = launch.s
+    deepep = s.has("--moe-enable-deepep") or s.get("--moe-flex-dispatcher-backend", "deepep") == "deepep"
+    if s.present("--moe-pad-expert-input-to-capacity") and s.get("--moe-token-dispatcher-type") == "flex" and deepep:
+        return ("--moe-pad-expert-input-to-capacity with --moe-token-dispatcher-type flex (DeepEP): megatron-core's "
+                "DeepEP dispatcher does not pad to capacity; use --moe-token-dispatcher-type alltoall")
+
+
 def _deepep_group(launch: Launch):
     """DeepEP needs expert TP x EP > 1."""
     s = launch.s
@@ -895,6 +904,7 @@ ARGV_RULES = (
     Rule("deepep-needs-flex", "megatron/core/transformer/transformer_config.py:1743-1745", _deepep_needs_flex),
     Rule("deepep-group", "megatron/core/transformer/moe/token_dispatcher.py:1836 (its tp_size is expert TP, :89)",
          _deepep_group),
+    Rule("pad-deepep", "megatron/core/transformer/transformer_config.py:1754-1761", _pad_deepep),
     Rule("latent-legacy-grouped-gemm", "megatron-core 0.16.1 moe/experts.py:86-87 (GroupedMLP); core_v0.16.1 "
          f"{ARGS}:1273 (d98e8a6 has no legacy GroupedMLP left)", _latent_legacy_grouped_gemm),
     Rule("latent-shared-expert-overlap", "megatron/core/transformer/moe/moe_layer.py:476-481 (megatron-core 0.16.1 "

@@ -926,6 +926,29 @@ def _latent_moe_te(m: ModelConfig):
                 "refuse a latent size; plan it with Transformer Engine's spec and the analytic model")
 
 
+def _capacity_moe(m: ModelConfig):
+    """Token dropping needs a MoE model."""
+    if (m.moe_expert_capacity_factor is not None or m.moe_pad_expert_input_to_capacity) and not m.num_experts:
+        return ("model.moe_expert_capacity_factor / moe_pad_expert_input_to_capacity without model.num_experts: only "
+                "experts have a capacity")
+
+
+def _pad_needs_capacity(m: ModelConfig):
+    """Padding the experts' input to capacity needs a capacity factor."""
+    if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
+        return ("model.moe_pad_expert_input_to_capacity=true without model.moe_expert_capacity_factor: megatron-core "
+                "pads each expert's input to its capacity, set by the factor (e.g. 1.0)")
+
+
+def _capacity_traced(m: ModelConfig):
+    """Token dropping is priced by the analytic model (a traced model is routed dropless)."""
+    traced = m.source == "megatron" or m.source == "hf" and m.transformer_impl == "local"  # trace/source.py resolve
+    if m.moe_expert_capacity_factor is not None and traced:
+        return (f"model.moe_expert_capacity_factor={m.moe_expert_capacity_factor} with the traced "
+                f"model.source={m.source}: the trace routes every token (dropless); plan token dropping with "
+                "model.source=analytic")
+
+
 # In order. Each check takes the ModelConfig and returns its one-line message, or None.
 MODEL_RULES = (
     Rule("moe-layer-pattern", f"{MC}models/gpt/gpt_layer_specs.py:653, 671 ({ARGS}:327 moe_freq_type)", _moe_pattern),
@@ -944,6 +967,10 @@ MODEL_RULES = (
          "the legacy GroupedMLP, megatron-core 0.16.1 experts.py:86-87 (core_v0.16.1 arguments.py:1273); nest: "
          "model.transformer_impl=local is the planner's Transformer-Engine-free spec, which model.source=megatron traces "
          "(and hf with it)", _latent_moe_te),
+    Rule("capacity-moe", "nest: a dense model routes nothing (Megatron-LM would ignore the factor)", _capacity_moe),
+    Rule("pad-needs-capacity", f"{TC}:1862-1866", _pad_needs_capacity),
+    Rule("capacity-traced", "nest: trace/cpu_megatron.py routes the traced layer's tokens balanced and dropless",
+         _capacity_traced),
 )
 
 

@@ -19,7 +19,8 @@ from nest_megatron.errors import NestError
 
 RUN_CHOICES = ("seq_length", "make_vocab_size_divisible_by", "padded_vocab_size", "attention_backend",
                "attention_softmax_in_fp32", "bias_swiglu_fusion", "transformer_impl", "moe_load_imbalance",
-               "mtp_loss_scaling_factor", "softmax_type", "source", "hf_config", "module", "family")
+               "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "mtp_loss_scaling_factor",
+               "softmax_type", "source", "hf_config", "module", "family")
 
 
 class Keys(dict):
