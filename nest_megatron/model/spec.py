@@ -556,17 +556,14 @@ class ModelSpec:
         if kind.mlp != "moe":
             return []
         f, width = self.moe_ffn, self.moe_token_width
-        # A grouped GEMM over this device's experts, each with its share of the routed rows; the
-        # busiest expert-parallel rank sets the pace (`expert_load`). Padded to capacity, each expert gets exactly
-        # megatron-core's capacity of each source rank's tokens (moe_utils.get_capacity, ceil(tokens x topk /
-        # experts x factor), token_dispatcher.py:485-505 at megatron-core 0.16.1) from each of the etp x ep ranks.
+        # A grouped GEMM over this device's experts, each with its share of the routed rows: padded to capacity,
+        # exactly that share (`routed_rows`); else the busiest expert-parallel rank sets the pace (`expert_load`).
         local = max(1, self.cfg.num_experts // ep)
+        routed = self.routed_rows(tokens=tokens, tp=tp, etp=etp)
         if self.cfg.moe_pad_expert_input_to_capacity:
-            capacity = math.ceil(tokens / tp * self.cfg.moe_router_topk / self.cfg.num_experts
-                                 * self.cfg.moe_expert_capacity_factor)
-            rows = capacity * etp * ep
+            rows = routed // local
         else:
-            rows = math.ceil(self.routed_rows(tokens=tokens, tp=tp, etp=etp) * self.expert_load / local)
+            rows = math.ceil(routed * self.expert_load / local)
         gemms = [Gemm("router", tokens // tp, self.cfg.num_experts, h)]
         latent = self.cfg.moe_latent_size
         if latent:  # the duplicated projections, on this rank's tokens (its sequence shard: MoE with TP runs SP)
@@ -595,10 +592,14 @@ class ModelSpec:
         with TP under sequence parallelism: each rank routes its tokens / tp, and the dispatcher's
         all-gather over the expert-TP x EP group brings etp x ep ranks' shares to experts of which
         this device holds 1/ep, so ep cancels: tokens x topk x etp / tp (checked against a traced
-        megatron-core layer, tests/test_trace.py); times the capacity factor where the experts' input is
-        padded to capacity (the padding rows are permuted, sent and computed as any other)."""
-        padded = self.cfg.moe_expert_capacity_factor if self.cfg.moe_pad_expert_input_to_capacity else 1.0
-        return tokens * self.cfg.moe_router_topk * etp / tp * padded
+        megatron-core layer, tests/test_trace.py). Padded to capacity, every expert takes megatron-core's capacity
+        of each rank's tokens, ceil(tokens / tp x topk / experts x factor) (moe_utils.get_capacity;
+        token_dispatcher.py:485-505 at megatron-core 0.16.1), from each of the etp x ep ranks: the padding rows are
+        permuted, sent and computed as any other."""
+        topk, experts = self.cfg.moe_router_topk, self.cfg.num_experts
+        if self.cfg.moe_pad_expert_input_to_capacity:
+            return experts * math.ceil(tokens / tp * topk / experts * self.cfg.moe_expert_capacity_factor) * etp
+        return tokens * topk * etp / tp
 
     @property
     def expert_load(self) -> float:
