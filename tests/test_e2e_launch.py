@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -32,12 +33,30 @@ BUILT = re.compile(r"^(?:\[rank\d+\]:)?pretrain_gpt parallel: (.*) order=(\S+)$"
 PLANNED = re.compile(r"^nest-megatron: tp=(\d+) pp=(\d+) dp=(\d+) cp=(\d+)", re.M)
 # Megatron-LM's training_log line (scripts/pretrain_gpt.py prints it: training.py:3567-3641)
 ITERATION = re.compile(r"\] iteration +(\d+)/ *(\d+) \|.*? lm loss: (\S+) \|")
+FIRST_FAILURE = re.compile(r"^nest-megatron: first failure: rank (\d+) ", re.M)  # launch/torchrun.py
+ABORTED = re.compile(r"^nest-megatron: first failure: rank \d+ died of SIGABRT;", re.M)
 
 
 def launch(overrides: list[str], script_args: list[str], timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """`nest-megatron launch` of scripts/pretrain_gpt.py on 2 CPU ranks. A launch whose rank aborts (SIGABRT) runs
+    once more, the abort's report a warning in pytest's summary. A rank of the Megatron-FSDP launch aborted once in
+    about 50 runs of the suite (CI, 2026-12-07; the report then showed only the other rank's lost connection) and
+    in none of about 250 runs of that launch alone here, so the cause is unknown. A second abort fails the test, as
+    does any other failure."""
+    result = _launch_once(overrides, script_args, timeout_s)
+    log = result.stdout + result.stderr
+    if result.returncode and ABORTED.search(log):
+        warnings.warn(f"launch {' '.join(overrides)}: a rank aborted; run again\n{failure_report(log)}")
+        result = _launch_once(overrides, script_args, timeout_s)
+    return result
+
+
+def _launch_once(overrides: list[str], script_args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     cmd = [*LAUNCH, *CLUSTER, *overrides, "--nproc-per-node", "2", "--", "scripts/pretrain_gpt.py", *script_args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # PYTHONFAULTHANDLER: a rank killed by a signal (SIGABRT, SIGSEGV) prints every thread's Python stack first
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     finally:
@@ -45,6 +64,28 @@ def launch(overrides: list[str], script_args: list[str], timeout_s: float = 300)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def failure_report(log: str) -> str:
+    """A failed launch's story: the first failing rank's own last lines (the cause; the other ranks' errors
+    follow from it and fill the log's end), then the log's end."""
+    first = FIRST_FAILURE.search(log)
+    if first is None:
+        return log[-4000:]
+    own = [line for line in log.splitlines() if line.startswith(f"[rank{first.group(1)}]:")]
+    return "\n".join(["first failing rank's last lines:", *own[-60:], "", "the log's end:", log[-2000:]])
+
+
+def test_a_failure_report_leads_with_the_first_failing_rank():
+    # torchrun's tee prefixes each rank's lines; the launch's last line names the rank that failed first.
+    log = "\n".join(["[rank0]:terminate called after throwing an instance of 'gloo::EnforceNotMet'",
+                     "[rank1]:RuntimeError: Connection closed by peer", "(torchrun's failure table)",
+                     "nest-megatron: first failure: rank 0 died of SIGABRT; the launch exits with 134"])
+    report = failure_report(log).splitlines()
+    assert report[:2] == ["first failing rank's last lines:",
+                          "[rank0]:terminate called after throwing an instance of 'gloo::EnforceNotMet'"]
+    assert report[2:4] == ["", "the log's end:"] and ABORTED.search(log)
+    assert failure_report("no launch summary") == "no launch summary" and not ABORTED.search("rank 0 exited with 1")
 
 
 @pytest.mark.slow
@@ -57,7 +98,7 @@ def launch(overrides: list[str], script_args: list[str], timeout_s: float = 300)
 def test_launch_trains_a_tiny_gpt_with_the_planned_sizes(pins, sizes):
     result = launch(pins, MEGATRON_ARGS)
     log = result.stdout + result.stderr
-    assert result.returncode == 0, log[-4000:]
+    assert result.returncode == 0, failure_report(log)
 
     planned = PLANNED.search(log)
     assert planned and dict(zip(("tp", "pp", "dp"), map(int, planned.groups()[:3]))) == sizes, log[-2000:]
@@ -119,7 +160,7 @@ def test_moe_launch_trains_with_expert_parallelism():
     one on GPUs only, so the CPU example trainer says so and uses allgather; the experts train across 2 ranks."""
     result = launch(["plan.ep=2", "plan.tp=1", "plan.pp=1"], [*MEGATRON_ARGS, "--num-experts", "4"])
     log = result.stdout + result.stderr
-    assert result.returncode == 0, log[-4000:]
+    assert result.returncode == 0, failure_report(log)
     built = dict(item.split("=") for item in BUILT.search(log).group(1).split())
     assert (built["ep"], built["dp"], built["tp"]) == ("2", "2", "1"), log[-2000:]
     assert "pretrain_gpt: note: --moe-token-dispatcher-type alltoall: runs on GPUs only; allgather on CPU" in log

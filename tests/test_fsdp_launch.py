@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from test_e2e_launch import BUILT, ITERATION, MEGATRON_ARGS, PLANNED, ROOT, launch
+from test_e2e_launch import BUILT, ITERATION, MEGATRON_ARGS, PLANNED, ROOT, failure_report, launch
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("einops")  # Megatron-FSDP's device mesh needs it
@@ -19,7 +19,7 @@ pytest.importorskip("einops")  # Megatron-FSDP's device mesh needs it
 def test_a_zero3_plan_trains_with_megatron_fsdp():
     result = launch(["plan.zero=3", "plan.dp=2", "plan.tp=1", "plan.pp=1"], MEGATRON_ARGS)
     log = result.stdout + result.stderr
-    assert result.returncode == 0, log[-4000:]
+    assert result.returncode == 0, failure_report(log)
     assert PLANNED.search(log).groups()[:3] == ("1", "1", "2"), log[-2000:]  # tp, pp, dp
     built = dict(item.split("=") for item in BUILT.search(log).group(1).split())
     assert (built["dp"], built["pp"]) == ("2", "1")
