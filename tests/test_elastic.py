@@ -169,6 +169,7 @@ SELECTED = re.compile(r"^nest-megatron elastic: (\d) node\(s\), (\d) ranks, rest
 BUILT = re.compile(r"^pretrain_gpt parallel: world=(\d) tp=(\d) pp=(\d) dp=(\d)", re.M)
 SAVED = re.compile(r"^pretrain_gpt saved checkpoint: iteration=(\d+)", re.M)
 LOADED = re.compile(r"^pretrain_gpt loaded checkpoint: iteration=(\d+)", re.M)
+STOPPED = re.compile(r"Sending process \d+ closing signal SIGTERM")  # torchrun's agent stops its workers to restart
 
 
 def _free_port() -> int:
@@ -178,12 +179,21 @@ def _free_port() -> int:
 
 
 def _runs(path: Path) -> list[list[tuple[int, float]]]:
-    """The (iteration, loss) lines of one agent's log, split where the iteration goes back (a restart)."""
+    """The (iteration, loss) lines of one agent's log, a list for each start of its workers: a new one begins where
+    the iteration goes back, or after the agent stopped its workers (a worker paused right after its checkpoint's
+    iteration resumes from the next one)."""
     runs: list[list[tuple[int, float]]] = []
-    for i, loss in ITERATION.findall(path.read_text(errors="replace")):
-        if not runs or int(i) <= runs[-1][-1][0]:
+    stopped = False
+    for line in path.read_text(errors="replace").splitlines():
+        iteration = ITERATION.search(line)
+        if iteration is None:
+            stopped = stopped or STOPPED.search(line) is not None
+            continue
+        i, loss = int(iteration.group(1)), float(iteration.group(2))
+        if not runs or stopped or i <= runs[-1][-1][0]:
             runs.append([])
-        runs[-1].append((int(i), float(loss)))
+        runs[-1].append((i, loss))
+        stopped = False
     return runs
 
 
